@@ -1,0 +1,341 @@
+//! Rooms through the C ABI: create, destination, chunks, poll, abort, failure, drained,
+//! clear. Room ids are the router's `uint64_t`.
+
+use std::ffi::c_char;
+
+use super::boundary::{try_out, try_slice, try_str, write_string, BoxHandle};
+use super::engine::kvxfer_engine;
+use super::status::kvxfer_status;
+use crate::err;
+use crate::error::Result;
+use crate::room::{Cause, State};
+use crate::RoomPeers;
+
+/// A room's state. Values are fixed (kept from the reference design): FAILED is the
+/// smallest, so hosts can MIN-reduce polls across tensor-parallel ranks.
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvxfer_room_state {
+    /// Terminal: the transfer did not happen; `kvxfer_room_failure` says why.
+    KVXFER_ROOM_FAILED = 0,
+    /// Connections, registration or destination info are being set up.
+    KVXFER_ROOM_BOOTSTRAPPING = 1,
+    /// Ready for data: prefill has every destination; decode may send its destination.
+    KVXFER_ROOM_WAITING_FOR_INPUT = 2,
+    /// Data is moving.
+    KVXFER_ROOM_TRANSFERRING = 3,
+    /// Terminal: every page arrived and every engine reported done.
+    KVXFER_ROOM_SUCCESS = 4,
+}
+
+impl From<State> for kvxfer_room_state {
+    fn from(s: State) -> Self {
+        match s {
+            State::Failed => kvxfer_room_state::KVXFER_ROOM_FAILED,
+            State::Bootstrapping => kvxfer_room_state::KVXFER_ROOM_BOOTSTRAPPING,
+            State::WaitingForInput => kvxfer_room_state::KVXFER_ROOM_WAITING_FOR_INPUT,
+            State::Transferring => kvxfer_room_state::KVXFER_ROOM_TRANSFERRING,
+            State::Success => kvxfer_room_state::KVXFER_ROOM_SUCCESS,
+        }
+    }
+}
+
+/// The class of a room's failure.
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvxfer_failure_cause {
+    /// Aborted by a scheduler (this side's, or the peer's: see `from_peer`), or cleared
+    /// while live.
+    KVXFER_CAUSE_ABORTED = 1,
+    /// The peer engine stopped answering or its connection broke.
+    KVXFER_CAUSE_PEER_LOST = 2,
+    /// `bootstrap_timeout_ms` passed.
+    KVXFER_CAUSE_BOOTSTRAP_TIMEOUT = 3,
+    /// `waiting_timeout_ms` passed.
+    KVXFER_CAUSE_WAITING_TIMEOUT = 4,
+    /// No progress within `transfer_timeout_ms`.
+    KVXFER_CAUSE_TRANSFER_TIMEOUT = 5,
+    /// The peer sent an invalid message.
+    KVXFER_CAUSE_PROTOCOL = 6,
+    /// The sides disagree (page counts, buffer layout).
+    KVXFER_CAUSE_MISMATCH = 7,
+    /// Moving the bytes failed.
+    KVXFER_CAUSE_TRANSFER = 8,
+    /// The engine was freed with the room live.
+    KVXFER_CAUSE_SHUTDOWN = 9,
+    /// An internal error (a library bug, caught).
+    KVXFER_CAUSE_INTERNAL = 10,
+}
+
+impl From<Cause> for kvxfer_failure_cause {
+    fn from(c: Cause) -> Self {
+        use kvxfer_failure_cause::*;
+        match c {
+            Cause::Aborted => KVXFER_CAUSE_ABORTED,
+            Cause::PeerLost => KVXFER_CAUSE_PEER_LOST,
+            Cause::BootstrapTimeout => KVXFER_CAUSE_BOOTSTRAP_TIMEOUT,
+            Cause::WaitingTimeout => KVXFER_CAUSE_WAITING_TIMEOUT,
+            Cause::TransferTimeout => KVXFER_CAUSE_TRANSFER_TIMEOUT,
+            Cause::Protocol => KVXFER_CAUSE_PROTOCOL,
+            Cause::Mismatch => KVXFER_CAUSE_MISMATCH,
+            Cause::Transfer => KVXFER_CAUSE_TRANSFER,
+            Cause::Shutdown => KVXFER_CAUSE_SHUTDOWN,
+            Cause::Internal => KVXFER_CAUSE_INTERNAL,
+        }
+    }
+}
+
+fn aux(aux_slot: i64) -> Result<Option<u32>> {
+    if aux_slot < 0 {
+        Ok(None)
+    } else {
+        u32::try_from(aux_slot)
+            .map(Some)
+            .map_err(|_| err!(InvalidArgument, "aux_slot {aux_slot} is out of range"))
+    }
+}
+
+/// Creates room `room` in BOOTSTRAPPING.
+///
+/// Decode engine: `peers` holds `n_peers` (at least 1) NUL-terminated `host:port`
+/// addresses of the prefill engines the room pulls from. Prefill engine: `peers` must be
+/// NULL and `n_peers` is how many decode engines will send a destination (0 means 1).
+///
+/// Errors: `KVXFER_ERR_ALREADY_EXISTS` if the id is present (live, or terminal and not
+/// cleared); `KVXFER_ERR_INVALID_ARGUMENT` for bad peers; `KVXFER_ERR_WRONG_STATE` before
+/// `kvxfer_register_kv`; `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_create(
+    engine: *const kvxfer_engine,
+    room: u64,
+    peers: *const *const c_char,
+    n_peers: usize,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        let peers = match engine.role() {
+            crate::Role::Prefill if peers.is_null() => RoomPeers::Decoders(n_peers.max(1)),
+            crate::Role::Prefill => {
+                return Err(err!(
+                    InvalidArgument,
+                    "a prefill room takes no peer addresses: pass peers = NULL and n_peers = \
+                     the number of decode engines"
+                ))
+            }
+            crate::Role::Decode => {
+                if n_peers == 0 {
+                    return Err(err!(
+                        InvalidArgument,
+                        "a decode room needs at least one prefill engine address (n_peers = 0)"
+                    ));
+                }
+                // SAFETY: peers holds n_peers pointers by contract.
+                let ptrs = unsafe { try_slice(peers, n_peers, "peers") }?;
+                let mut addrs = Vec::with_capacity(ptrs.len().min(crate::engine::MAX_ROOM_PEERS));
+                for (i, &p) in ptrs.iter().enumerate() {
+                    // SAFETY: each element is a NUL-terminated string by contract.
+                    addrs.push(unsafe { try_str(p, &format!("peers[{i}]")) }?.to_string());
+                }
+                RoomPeers::Prefills(addrs)
+            }
+        };
+        engine.room_create(room, peers)
+    })
+}
+
+/// Decode engine only: the destination of room `room`, sent to every prefill engine of
+/// the room: `n_pages` page indices into the KV buffers, filled in order by the prefill's
+/// chunks, and the aux slot for the request's metadata rows (`aux_slot < 0` means none).
+///
+/// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
+/// `KVXFER_ERR_WRONG_STATE` if the room is terminal; `KVXFER_ERR_INVALID_ARGUMENT` for a
+/// page outside the registered buffers, a page listed twice or an aux slot out of range.
+/// This build validates and then returns `KVXFER_ERR_UNSUPPORTED`: the transfer engine
+/// is not in it yet.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_set_destination(
+    engine: *const kvxfer_engine,
+    room: u64,
+    pages: *const u32,
+    n_pages: usize,
+    aux_slot: i64,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: pages holds n_pages elements by contract.
+        let pages = unsafe { try_slice(pages, n_pages, "pages") }?;
+        engine.room_set_destination(room, pages, aux(aux_slot)?)
+    })
+}
+
+/// Prefill engine only: queues the next chunk of room `room`: `n_pages` source page
+/// indices (may be 0), written to the next unused destination pages in order.
+/// `is_last` closes the room; `aux_slot` (>= 0) names the source aux slot and is allowed
+/// only with `is_last`. Never blocks on the network.
+///
+/// Errors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_NOT_FOUND`;
+/// `KVXFER_ERR_WRONG_STATE` if the room is terminal; `KVXFER_ERR_INVALID_ARGUMENT` for a
+/// page or slot out of range or an aux slot without `is_last`. This build validates and
+/// then returns `KVXFER_ERR_UNSUPPORTED`: the transfer engine is not in it yet.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_enqueue_chunk(
+    engine: *const kvxfer_engine,
+    room: u64,
+    pages: *const u32,
+    n_pages: usize,
+    is_last: bool,
+    aux_slot: i64,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: pages holds n_pages elements by contract.
+        let pages = unsafe { try_slice(pages, n_pages, "pages") }?;
+        engine.enqueue_chunk(room, pages, is_last, aux(aux_slot)?)
+    })
+}
+
+/// Stores the state of room `room` in `*state`. Never blocks: one lookup and one atomic
+/// load. Terminal states (SUCCESS, FAILED) never change until the room is cleared.
+///
+/// Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_poll(
+    engine: *const kvxfer_engine,
+    room: u64,
+    state: *mut kvxfer_room_state,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        let out = try_out(state, "state")?;
+        let s = engine.room_poll(room)?;
+        // SAFETY: checked by try_out; writable by contract.
+        unsafe { out.write(s.into()) };
+        Ok(())
+    })
+}
+
+/// Aborts room `room`: a live room becomes FAILED with `reason` (NUL-terminated UTF-8,
+/// copied; NULL for a default text) and the peer engines are told. Idempotent; a
+/// terminal room is left as it is (still `KVXFER_OK`).
+///
+/// Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_INVALID_ARGUMENT` for a reason that is not
+/// UTF-8.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_abort(
+    engine: *const kvxfer_engine,
+    room: u64,
+    reason: *const c_char,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        let reason = if reason.is_null() {
+            ""
+        } else {
+            // SAFETY: NUL-terminated by contract.
+            unsafe { try_str(reason, "reason") }?
+        };
+        engine.room_abort(room, reason)
+    })
+}
+
+/// Copies the failure reason of FAILED room `room` into `buf` (NUL-terminated) and its
+/// length into `*out_n`. The first reason recorded is kept; later failures do not
+/// overwrite it. A reason that came from the peer engine starts with `"peer: "`.
+///
+/// Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_WRONG_STATE` if the room is not FAILED;
+/// `KVXFER_ERR_BUFFER_TOO_SMALL` (with `*out_n` = length needed); `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_failure(
+    engine: *const kvxfer_engine,
+    room: u64,
+    buf: *mut c_char,
+    len: usize,
+    out_n: *mut usize,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        let why = engine.room_failure(room)?;
+        // SAFETY: buf holds len bytes by contract.
+        unsafe { write_string(buf, len, out_n, &why.to_string()) }
+    })
+}
+
+/// Stores the class of FAILED room `room`'s failure in `*cause` and whether the reason
+/// came from the peer engine in `*from_peer`.
+///
+/// Errors: as `kvxfer_room_failure`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_failure_cause(
+    engine: *const kvxfer_engine,
+    room: u64,
+    cause: *mut kvxfer_failure_cause,
+    from_peer: *mut bool,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        let cause = try_out(cause, "cause")?;
+        let from_peer = try_out(from_peer, "from_peer")?;
+        let why = engine.room_failure(room)?;
+        // SAFETY: both checked by try_out; writable by contract.
+        unsafe {
+            cause.write(why.cause.into());
+            from_peer.write(why.from_peer);
+        }
+        Ok(())
+    })
+}
+
+/// Decode engine only: stores in `*drained` whether no write into room `room`'s pages
+/// can still land, so the pages may be reused. True only for a terminal room.
+///
+/// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
+/// `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_drained(
+    engine: *const kvxfer_engine,
+    room: u64,
+    drained: *mut bool,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        let out = try_out(drained, "drained")?;
+        let d = engine.room_drained(room)?;
+        // SAFETY: checked by try_out; writable by contract.
+        unsafe { out.write(d) };
+        Ok(())
+    })
+}
+
+/// Releases room `room`'s bookkeeping; a live room is aborted first (FAILED, "cleared
+/// while live"). Afterwards the id may be created again. Clearing twice is harmless: the
+/// second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`.
+///
+/// Errors: `KVXFER_ERR_NOT_FOUND` if the room is not present.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_clear(
+    engine: *const kvxfer_engine,
+    room: u64,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        engine.room_clear(room)
+    })
+}

@@ -1,0 +1,1170 @@
+//! Control messages: every frame kind except [`Kind::Data`].
+
+use super::frame::{FrameHeader, Kind, Limits, ProtoError};
+use super::wire::{put_i32, put_i64, put_u16, put_u32, put_u64, WireReader};
+use super::FRAME_HEADER_LEN;
+
+/// Wire size of one [`BufferInfo`].
+const BUFFER_INFO_LEN: usize = 32;
+/// Wire size of a [`Layout`].
+const LAYOUT_LEN: usize = 16;
+/// Name of the kv buffer list, as used in errors.
+const KV_LIST: &str = "Registration.kv";
+/// Name of the aux buffer list, as used in errors.
+const AUX_LIST: &str = "Registration.aux";
+/// Field names of a kv buffer, in wire order, as used in errors.
+const KV_NAMES: [&str; 5] = [
+    "Registration.kv[].len",
+    "Registration.kv[].item_len",
+    "Registration.kv[].addr",
+    "Registration.kv[].layer_id",
+    "Registration.kv[].rkey",
+];
+/// Field names of an aux buffer, in wire order, as used in errors.
+const AUX_NAMES: [&str; 5] = [
+    "Registration.aux[].len",
+    "Registration.aux[].item_len",
+    "Registration.aux[].addr",
+    "Registration.aux[].layer_id",
+    "Registration.aux[].rkey",
+];
+
+/// Which side of the transfer an engine is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Role {
+    /// The sender of KV pages.
+    Prefill = 1,
+    /// The receiver of KV pages.
+    Decode = 2,
+}
+
+impl TryFrom<u8> for Role {
+    type Error = ProtoError;
+
+    /// Total conversion from the wire value; unknown values give
+    /// [`ProtoError::BadRole`].
+    fn try_from(v: u8) -> Result<Role, ProtoError> {
+        match v {
+            1 => Ok(Role::Prefill),
+            2 => Ok(Role::Decode),
+            found => Err(ProtoError::BadRole { found }),
+        }
+    }
+}
+
+/// What a connection between two engines is used for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ConnKind {
+    /// Control messages.
+    Control = 1,
+    /// Data frames.
+    Data = 2,
+}
+
+impl TryFrom<u8> for ConnKind {
+    type Error = ProtoError;
+
+    /// Total conversion from the wire value; unknown values give
+    /// [`ProtoError::BadConnKind`].
+    fn try_from(v: u8) -> Result<ConnKind, ProtoError> {
+        match v {
+            1 => Ok(ConnKind::Control),
+            2 => Ok(ConnKind::Data),
+            found => Err(ProtoError::BadConnKind { found }),
+        }
+    }
+}
+
+/// One registered buffer, as announced to the peer.
+///
+/// Decoding guarantees `item_len > 0`, `len >= item_len` and `layer_id >= -1`.
+/// `len` need not be a multiple of `item_len`: the buffer holds [`BufferInfo::pages`]
+/// whole pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BufferInfo {
+    /// Length of the buffer in bytes.
+    pub len: u64,
+    /// Bytes of one page in this buffer.
+    pub item_len: u64,
+    /// Model layer this buffer holds, or [`BufferInfo::NO_LAYER`] (-1) to pair buffers
+    /// by position.
+    pub layer_id: i32,
+    /// Remote address for RDMA writes; 0 over TCP.
+    pub addr: u64,
+    /// RDMA remote key; 0 over TCP.
+    pub rkey: u32,
+}
+
+impl BufferInfo {
+    /// The `layer_id` meaning "no layer id; pair by position".
+    pub const NO_LAYER: i32 = -1;
+
+    /// Whole pages in the buffer: `len / item_len` (0 if `item_len` is 0, which a
+    /// decoded buffer never has).
+    pub fn pages(&self) -> u64 {
+        self.len.checked_div(self.item_len).unwrap_or(0)
+    }
+
+    /// The layer id, or `None` for [`BufferInfo::NO_LAYER`] (or any negative value).
+    pub fn layer(&self) -> Option<u32> {
+        u32::try_from(self.layer_id).ok()
+    }
+
+    fn check(&self, field: &'static str, index: usize) -> Result<(), ProtoError> {
+        if self.item_len == 0 {
+            return Err(ProtoError::ZeroItemLen { field, index });
+        }
+        if self.len < self.item_len {
+            return Err(ProtoError::BufferShorterThanItem {
+                field,
+                index,
+                len: self.len,
+                item_len: self.item_len,
+            });
+        }
+        if self.layer_id < Self::NO_LAYER {
+            return Err(ProtoError::BadLayerId {
+                field,
+                index,
+                found: self.layer_id,
+            });
+        }
+        Ok(())
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        put_u64(out, self.len);
+        put_u64(out, self.item_len);
+        put_u64(out, self.addr);
+        put_i32(out, self.layer_id);
+        put_u32(out, self.rkey);
+    }
+
+    fn decode(
+        r: &mut WireReader<'_>,
+        field: &'static str,
+        index: usize,
+    ) -> Result<Self, ProtoError> {
+        let names = if field == KV_LIST {
+            &KV_NAMES
+        } else {
+            &AUX_NAMES
+        };
+        let b = BufferInfo {
+            len: r.u64(names[0])?,
+            item_len: r.u64(names[1])?,
+            addr: r.u64(names[2])?,
+            layer_id: r.i32(names[3])?,
+            rkey: r.u32(names[4])?,
+        };
+        b.check(field, index)?;
+        Ok(b)
+    }
+}
+
+/// How KV pages are laid out, for head-sliced transfers between different
+/// tensor-parallel sizes. Every field is 0 when unknown.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Layout {
+    /// KV heads held by one rank.
+    pub kv_heads_per_rank: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub dtype_bytes: u32,
+    /// Tokens per page.
+    pub page_tokens: u32,
+}
+
+/// An engine's registered memory, exchanged once per peer.
+///
+/// The codec checks each buffer on its own (see [`BufferInfo`]) and the list sizes
+/// against [`Limits::max_buffers`]; pairing with the local buffers (count, `item_len`,
+/// layer ids) is the engine's job.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Registration {
+    /// KV buffers, in registration order.
+    pub kv: Vec<BufferInfo>,
+    /// Aux buffers, indexed by aux slot.
+    pub aux: Vec<BufferInfo>,
+    /// Page layout.
+    pub layout: Layout,
+}
+
+/// A control message: the payload of every frame kind except [`Kind::Data`].
+///
+/// Rooms are identified by `room` plus `generation`; the codec does not check that a
+/// room exists, is live, or belongs to the peer — the engine does.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Message {
+    /// First message on every connection, in both directions.
+    Hello {
+        /// The protocol version the sender speaks.
+        proto_version: u16,
+        /// The sender's role.
+        role: Role,
+        /// The sender's engine id.
+        engine_id: u64,
+        /// What this connection is for.
+        conn: ConnKind,
+        /// Index of this connection among the sender's connections of that kind.
+        conn_index: u16,
+    },
+    /// The sender's registered buffers.
+    Registration(Registration),
+    /// Decode → prefill: where a room's pages go.
+    Destination {
+        /// Room id.
+        room: u64,
+        /// Generation of the room id.
+        generation: u64,
+        /// Destination page indices, in the order chunks fill them. The codec bounds the
+        /// count by [`Limits::max_pages`]; the engine checks the indices.
+        pages: Vec<u32>,
+        /// Aux slot for the room's metadata, if any (wire: i64, -1 = none).
+        aux_slot: Option<u32>,
+    },
+    /// Prefill → decode: every page of the room was sent.
+    ///
+    /// On the wire the room id is sent twice (`room_echo`); decoding fails with
+    /// [`ProtoError::RoomEchoMismatch`] when the copies differ.
+    Done {
+        /// Room id.
+        room: u64,
+        /// Generation of the room id.
+        generation: u64,
+        /// How many pages were sent for the room.
+        pages_sent: u32,
+        /// Whether the aux slot was sent.
+        aux_sent: bool,
+    },
+    /// Either direction: the room failed; the peer must fail it too.
+    Abort {
+        /// Room id.
+        room: u64,
+        /// Generation of the room id.
+        generation: u64,
+        /// Why, in UTF-8, at most [`Limits::max_reason_len`] bytes (use
+        /// [`Message::abort`] or [`truncate_reason`] to build it).
+        reason: String,
+    },
+    /// Acknowledges an `Abort`: no write for the room can still land.
+    AbortAck {
+        /// Room id.
+        room: u64,
+        /// Generation of the room id.
+        generation: u64,
+    },
+    /// Liveness probe; `seq` increases per connection.
+    Heartbeat {
+        /// Sequence number.
+        seq: u64,
+    },
+}
+
+/// The longest prefix of `reason` that is at most `max_len` bytes and ends on a char
+/// boundary.
+pub fn truncate_reason(reason: &str, max_len: u32) -> &str {
+    let max = usize::try_from(max_len).unwrap_or(usize::MAX);
+    if reason.len() <= max {
+        return reason;
+    }
+    let mut end = max;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
+}
+
+impl Message {
+    /// An `Abort` whose reason is `reason` truncated (at a char boundary) to
+    /// `limits.max_reason_len` bytes.
+    pub fn abort(room: u64, generation: u64, reason: &str, limits: &Limits) -> Message {
+        Message::Abort {
+            room,
+            generation,
+            reason: truncate_reason(reason, limits.max_reason_len).to_owned(),
+        }
+    }
+
+    /// The frame kind carrying this message.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Message::Hello { .. } => Kind::Hello,
+            Message::Registration(_) => Kind::Registration,
+            Message::Destination { .. } => Kind::Destination,
+            Message::Done { .. } => Kind::Done,
+            Message::Abort { .. } => Kind::Abort,
+            Message::AbortAck { .. } => Kind::AbortAck,
+            Message::Heartbeat { .. } => Kind::Heartbeat,
+        }
+    }
+
+    /// Length of the encoded payload (without the frame header), in bytes.
+    pub fn payload_len(&self) -> u64 {
+        let n = |len: usize, size: u64| (len as u64).saturating_mul(size);
+        match self {
+            Message::Hello { .. } => 14,
+            Message::Registration(reg) => (LAYOUT_LEN as u64 + 8)
+                .saturating_add(n(reg.kv.len(), BUFFER_INFO_LEN as u64))
+                .saturating_add(n(reg.aux.len(), BUFFER_INFO_LEN as u64)),
+            Message::Destination { pages, .. } => 28u64.saturating_add(n(pages.len(), 4)),
+            Message::Done { .. } => 29,
+            Message::Abort { reason, .. } => 20u64.saturating_add(reason.len() as u64),
+            Message::AbortAck { .. } => 16,
+            Message::Heartbeat { .. } => 8,
+        }
+    }
+
+    /// Checks that a peer using `limits` would accept this message: the same checks as
+    /// [`Message::decode`] (payload size, counts, reason length, buffer fields). Use it
+    /// before sending values that come from the local host.
+    pub fn validate(&self, limits: &Limits) -> Result<(), ProtoError> {
+        let kind = self.kind();
+        let len = self.payload_len();
+        let max = limits.max_payload(kind);
+        if len > max {
+            return Err(ProtoError::PayloadTooLarge { kind, len, max });
+        }
+        let count_ok = |field, count: usize, limit, max: u32| {
+            if count as u64 > u64::from(max) {
+                Err(ProtoError::CountOverLimit {
+                    field,
+                    count: count as u64,
+                    limit,
+                    max: u64::from(max),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        match self {
+            Message::Registration(reg) => {
+                for (field, list) in [(KV_LIST, &reg.kv), (AUX_LIST, &reg.aux)] {
+                    count_ok(field, list.len(), "max_buffers", limits.max_buffers)?;
+                    for (i, b) in list.iter().enumerate() {
+                        b.check(field, i)?;
+                    }
+                }
+            }
+            Message::Destination { pages, .. } => {
+                count_ok(
+                    "Destination.pages",
+                    pages.len(),
+                    "max_pages",
+                    limits.max_pages,
+                )?;
+            }
+            Message::Abort { reason, .. } => {
+                if reason.len() as u64 > u64::from(limits.max_reason_len) {
+                    return Err(ProtoError::StringTooLong {
+                        field: "Abort.reason",
+                        len: reason.len() as u64,
+                        max: u64::from(limits.max_reason_len),
+                    });
+                }
+            }
+            Message::Hello { .. }
+            | Message::Done { .. }
+            | Message::AbortAck { .. }
+            | Message::Heartbeat { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Appends the whole frame (header and payload) to `out`.
+    ///
+    /// Fails only with [`ProtoError::EncodeTooLarge`] when the payload would exceed
+    /// `u32::MAX` bytes; `out` is then left unchanged. Encoding does not apply
+    /// [`Limits`]: call [`Message::validate`] first if the values are not known to be
+    /// within them.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        let kind = self.kind();
+        let len = self.payload_len();
+        let len32 = u32::try_from(len).map_err(|_| ProtoError::EncodeTooLarge { kind, len })?;
+        let total = FRAME_HEADER_LEN + len32 as usize;
+        out.reserve(total);
+        let start = out.len();
+        out.extend_from_slice(&FrameHeader::new(kind, len32).encode());
+        self.encode_payload(out);
+        debug_assert_eq!(out.len() - start, total, "{kind} payload_len is wrong");
+        Ok(())
+    }
+
+    /// Writes the payload. Every length fits in u32: `encode` checked the total.
+    fn encode_payload(&self, out: &mut Vec<u8>) {
+        let len32 = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        match self {
+            Message::Hello {
+                proto_version,
+                role,
+                engine_id,
+                conn,
+                conn_index,
+            } => {
+                put_u16(out, *proto_version);
+                out.push(*role as u8);
+                out.push(*conn as u8);
+                put_u16(out, *conn_index);
+                put_u64(out, *engine_id);
+            }
+            Message::Registration(reg) => {
+                put_u32(out, reg.layout.kv_heads_per_rank);
+                put_u32(out, reg.layout.head_dim);
+                put_u32(out, reg.layout.dtype_bytes);
+                put_u32(out, reg.layout.page_tokens);
+                for list in [&reg.kv, &reg.aux] {
+                    put_u32(out, len32(list.len()));
+                    for b in list {
+                        b.encode(out);
+                    }
+                }
+            }
+            Message::Destination {
+                room,
+                generation,
+                pages,
+                aux_slot,
+            } => {
+                put_u64(out, *room);
+                put_u64(out, *generation);
+                put_i64(out, aux_slot.map_or(-1, i64::from));
+                put_u32(out, len32(pages.len()));
+                for p in pages {
+                    put_u32(out, *p);
+                }
+            }
+            Message::Done {
+                room,
+                generation,
+                pages_sent,
+                aux_sent,
+            } => {
+                put_u64(out, *room);
+                put_u64(out, *generation);
+                put_u64(out, *room);
+                put_u32(out, *pages_sent);
+                out.push(u8::from(*aux_sent));
+            }
+            Message::Abort {
+                room,
+                generation,
+                reason,
+            } => {
+                put_u64(out, *room);
+                put_u64(out, *generation);
+                put_u32(out, len32(reason.len()));
+                out.extend_from_slice(reason.as_bytes());
+            }
+            Message::AbortAck { room, generation } => {
+                put_u64(out, *room);
+                put_u64(out, *generation);
+            }
+            Message::Heartbeat { seq } => put_u64(out, *seq),
+        }
+    }
+
+    /// Decodes the payload of a control frame of `kind`.
+    ///
+    /// Fails if `kind` is [`Kind::Data`], if the payload exceeds
+    /// `limits.max_control_payload`, if any field is invalid or any count exceeds its
+    /// limit or the bytes remaining, or if the payload is not consumed exactly. Nothing
+    /// is allocated before the count that sizes it has passed both checks.
+    pub fn decode(kind: Kind, payload: &[u8], limits: &Limits) -> Result<Message, ProtoError> {
+        if !kind.is_control() {
+            return Err(ProtoError::NotControlKind { kind });
+        }
+        let max = limits.max_payload(kind);
+        if payload.len() as u64 > max {
+            return Err(ProtoError::PayloadTooLarge {
+                kind,
+                len: payload.len() as u64,
+                max,
+            });
+        }
+        let mut r = WireReader::new(payload, kind);
+        let msg = match kind {
+            Kind::Hello => {
+                let proto_version = r.u16("Hello.proto_version")?;
+                let role = Role::try_from(r.u8("Hello.role")?)?;
+                let conn = ConnKind::try_from(r.u8("Hello.conn")?)?;
+                let conn_index = r.u16("Hello.conn_index")?;
+                let engine_id = r.u64("Hello.engine_id")?;
+                Message::Hello {
+                    proto_version,
+                    role,
+                    engine_id,
+                    conn,
+                    conn_index,
+                }
+            }
+            Kind::Registration => {
+                let layout = Layout {
+                    kv_heads_per_rank: r.u32("Registration.layout.kv_heads_per_rank")?,
+                    head_dim: r.u32("Registration.layout.head_dim")?,
+                    dtype_bytes: r.u32("Registration.layout.dtype_bytes")?,
+                    page_tokens: r.u32("Registration.layout.page_tokens")?,
+                };
+                let kv = decode_buffers(&mut r, KV_LIST, limits)?;
+                let aux = decode_buffers(&mut r, AUX_LIST, limits)?;
+                Message::Registration(Registration { kv, aux, layout })
+            }
+            Kind::Destination => {
+                let room = r.u64("Destination.room")?;
+                let generation = r.u64("Destination.generation")?;
+                let raw_slot = r.i64("Destination.aux_slot")?;
+                let aux_slot = match raw_slot {
+                    -1 => None,
+                    v => Some(u32::try_from(v).map_err(|_| ProtoError::BadAuxSlot { found: v })?),
+                };
+                let n = r.count("Destination.pages", "max_pages", limits.max_pages, 4)?;
+                let mut pages = Vec::with_capacity(n);
+                for _ in 0..n {
+                    pages.push(r.u32("Destination.pages")?);
+                }
+                Message::Destination {
+                    room,
+                    generation,
+                    pages,
+                    aux_slot,
+                }
+            }
+            Kind::Done => {
+                let room = r.u64("Done.room")?;
+                let generation = r.u64("Done.generation")?;
+                let room_echo = r.u64("Done.room_echo")?;
+                let pages_sent = r.u32("Done.pages_sent")?;
+                let aux_sent = match r.u8("Done.aux_sent")? {
+                    0 => false,
+                    1 => true,
+                    found => {
+                        return Err(ProtoError::BadBool {
+                            field: "Done.aux_sent",
+                            found,
+                        })
+                    }
+                };
+                if room_echo != room {
+                    return Err(ProtoError::RoomEchoMismatch { room, room_echo });
+                }
+                Message::Done {
+                    room,
+                    generation,
+                    pages_sent,
+                    aux_sent,
+                }
+            }
+            Kind::Abort => {
+                let room = r.u64("Abort.room")?;
+                let generation = r.u64("Abort.generation")?;
+                let len = r.u32("Abort.reason_len")?;
+                if len > limits.max_reason_len {
+                    return Err(ProtoError::StringTooLong {
+                        field: "Abort.reason",
+                        len: u64::from(len),
+                        max: u64::from(limits.max_reason_len),
+                    });
+                }
+                let len = usize::try_from(len).unwrap_or(usize::MAX);
+                let bytes = r.take(len, "Abort.reason")?;
+                let reason = std::str::from_utf8(bytes)
+                    .map_err(|e| ProtoError::InvalidUtf8 {
+                        field: "Abort.reason",
+                        valid_up_to: e.valid_up_to(),
+                    })?
+                    .to_owned();
+                Message::Abort {
+                    room,
+                    generation,
+                    reason,
+                }
+            }
+            Kind::AbortAck => Message::AbortAck {
+                room: r.u64("AbortAck.room")?,
+                generation: r.u64("AbortAck.generation")?,
+            },
+            Kind::Heartbeat => Message::Heartbeat {
+                seq: r.u64("Heartbeat.seq")?,
+            },
+            Kind::Data => return Err(ProtoError::NotControlKind { kind }),
+        };
+        r.finish()?;
+        Ok(msg)
+    }
+}
+
+fn decode_buffers(
+    r: &mut WireReader<'_>,
+    field: &'static str,
+    limits: &Limits,
+) -> Result<Vec<BufferInfo>, ProtoError> {
+    let n = r.count(field, "max_buffers", limits.max_buffers, BUFFER_INFO_LEN)?;
+    let mut list = Vec::with_capacity(n);
+    for index in 0..n {
+        list.push(BufferInfo::decode(r, field, index)?);
+    }
+    Ok(list)
+}
+
+/// Valid messages covering typical and edge values, shared by the codec's tests.
+#[cfg(test)]
+pub(super) fn sample_messages() -> Vec<Message> {
+    let buf = |len, item_len, layer_id| BufferInfo {
+        len,
+        item_len,
+        layer_id,
+        addr: 0,
+        rkey: 0,
+    };
+    vec![
+        Message::Hello {
+            proto_version: super::PROTO_VERSION,
+            role: Role::Prefill,
+            engine_id: 42,
+            conn: ConnKind::Control,
+            conn_index: 0,
+        },
+        Message::Hello {
+            proto_version: u16::MAX,
+            role: Role::Decode,
+            engine_id: u64::MAX,
+            conn: ConnKind::Data,
+            conn_index: u16::MAX,
+        },
+        Message::Registration(Registration::default()),
+        Message::Registration(Registration {
+            kv: vec![
+                buf(64 * 4096, 4096, 0),
+                buf(64 * 4096 + 7, 4096, 1),
+                buf(u64::MAX, 1, BufferInfo::NO_LAYER),
+                BufferInfo {
+                    len: 8192,
+                    item_len: 8192,
+                    layer_id: i32::MAX,
+                    addr: 0x7f00_dead_0000,
+                    rkey: u32::MAX,
+                },
+            ],
+            aux: vec![buf(1024, 128, BufferInfo::NO_LAYER)],
+            layout: Layout {
+                kv_heads_per_rank: 8,
+                head_dim: 128,
+                dtype_bytes: 2,
+                page_tokens: 16,
+            },
+        }),
+        Message::Destination {
+            room: 7,
+            generation: 1,
+            pages: vec![3, 4, 5, 100, 0, u32::MAX],
+            aux_slot: Some(9),
+        },
+        Message::Destination {
+            room: u64::MAX,
+            generation: u64::MAX,
+            pages: vec![],
+            aux_slot: None,
+        },
+        Message::Destination {
+            room: 0,
+            generation: 0,
+            pages: vec![1],
+            aux_slot: Some(u32::MAX),
+        },
+        Message::Done {
+            room: 7,
+            generation: 1,
+            pages_sent: 6,
+            aux_sent: true,
+        },
+        Message::Done {
+            room: u64::MAX,
+            generation: 0,
+            pages_sent: 0,
+            aux_sent: false,
+        },
+        Message::Abort {
+            room: 7,
+            generation: 2,
+            reason: "decode engine shut down".into(),
+        },
+        Message::Abort {
+            room: 0,
+            generation: 0,
+            reason: String::new(),
+        },
+        Message::Abort {
+            room: 1,
+            generation: 1,
+            reason: "délai dépassé — 超时 🚫".into(),
+        },
+        Message::AbortAck {
+            room: 7,
+            generation: 2,
+        },
+        Message::Heartbeat { seq: 0 },
+        Message::Heartbeat { seq: u64::MAX },
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{FrameHeader, FRAME_HEADER_LEN};
+    use super::*;
+
+    fn encode(m: &Message) -> Vec<u8> {
+        let mut out = Vec::new();
+        m.encode(&mut out).unwrap();
+        out
+    }
+
+    fn payload(m: &Message) -> Vec<u8> {
+        encode(m)[FRAME_HEADER_LEN..].to_vec()
+    }
+
+    fn decode_frame(bytes: &[u8], limits: &Limits) -> Result<Message, ProtoError> {
+        let hdr: [u8; FRAME_HEADER_LEN] = bytes[..FRAME_HEADER_LEN].try_into().unwrap();
+        let h = FrameHeader::decode(&hdr, limits)?;
+        assert_eq!(h.payload_len as usize, bytes.len() - FRAME_HEADER_LEN);
+        Message::decode(h.kind, &bytes[FRAME_HEADER_LEN..], limits)
+    }
+
+    #[test]
+    fn every_sample_round_trips_and_validates() {
+        let limits = Limits::default();
+        for m in sample_messages() {
+            let bytes = encode(&m);
+            assert_eq!(
+                bytes.len() as u64,
+                FRAME_HEADER_LEN as u64 + m.payload_len()
+            );
+            assert_eq!(decode_frame(&bytes, &limits), Ok(m.clone()), "{m:?}");
+            assert_eq!(m.validate(&limits), Ok(()), "{m:?}");
+        }
+    }
+
+    #[test]
+    fn encode_appends_after_existing_bytes() {
+        let mut out = vec![0xAA; 3];
+        let m = Message::Heartbeat { seq: 5 };
+        m.encode(&mut out).unwrap();
+        assert_eq!(&out[..3], &[0xAA; 3]);
+        assert_eq!(decode_frame(&out[3..], &Limits::default()), Ok(m));
+    }
+
+    #[test]
+    fn wire_layout_of_done_is_documented_one() {
+        let m = Message::Done {
+            room: 0x11,
+            generation: 0x22,
+            pages_sent: 0x33,
+            aux_sent: true,
+        };
+        let mut want = Vec::new();
+        want.extend_from_slice(&0x11u64.to_le_bytes());
+        want.extend_from_slice(&0x22u64.to_le_bytes());
+        want.extend_from_slice(&0x11u64.to_le_bytes());
+        want.extend_from_slice(&0x33u32.to_le_bytes());
+        want.push(1);
+        assert_eq!(payload(&m), want);
+    }
+
+    #[test]
+    fn data_kind_is_not_a_message() {
+        assert_eq!(
+            Message::decode(Kind::Data, &[0; 40], &Limits::default()),
+            Err(ProtoError::NotControlKind { kind: Kind::Data })
+        );
+    }
+
+    #[test]
+    fn payload_over_control_limit_is_rejected_by_decode() {
+        let limits = Limits {
+            max_control_payload: 8,
+            ..Limits::default()
+        };
+        let p = payload(&Message::AbortAck {
+            room: 1,
+            generation: 2,
+        });
+        assert_eq!(
+            Message::decode(Kind::AbortAck, &p, &limits),
+            Err(ProtoError::PayloadTooLarge {
+                kind: Kind::AbortAck,
+                len: 16,
+                max: 8
+            })
+        );
+    }
+
+    #[test]
+    fn trailing_bytes_are_rejected_for_every_kind() {
+        for m in sample_messages() {
+            let mut p = payload(&m);
+            p.push(0);
+            assert_eq!(
+                Message::decode(m.kind(), &p, &Limits::default()),
+                Err(ProtoError::TrailingBytes {
+                    kind: m.kind(),
+                    extra: 1
+                }),
+                "{m:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_role_and_conn_kind_are_rejected() {
+        let m = &sample_messages()[0];
+        let mut p = payload(m);
+        p[2] = 3;
+        let e = Message::decode(Kind::Hello, &p, &Limits::default()).unwrap_err();
+        assert_eq!(e, ProtoError::BadRole { found: 3 });
+        assert!(e.to_string().contains("Hello.role 3"), "{e}");
+        let mut p = payload(m);
+        p[2] = 0;
+        assert_eq!(
+            Message::decode(Kind::Hello, &p, &Limits::default()),
+            Err(ProtoError::BadRole { found: 0 })
+        );
+        let mut p = payload(m);
+        p[3] = 9;
+        assert_eq!(
+            Message::decode(Kind::Hello, &p, &Limits::default()),
+            Err(ProtoError::BadConnKind { found: 9 })
+        );
+    }
+
+    fn registration(kv: Vec<BufferInfo>, aux: Vec<BufferInfo>) -> Message {
+        Message::Registration(Registration {
+            kv,
+            aux,
+            layout: Layout::default(),
+        })
+    }
+
+    const GOOD: BufferInfo = BufferInfo {
+        len: 4096,
+        item_len: 1024,
+        layer_id: -1,
+        addr: 0,
+        rkey: 0,
+    };
+
+    #[test]
+    fn buffer_counts_over_limit_are_rejected() {
+        let limits = Limits {
+            max_buffers: 2,
+            ..Limits::default()
+        };
+        let m = registration(vec![GOOD; 3], vec![]);
+        let want = ProtoError::CountOverLimit {
+            field: "Registration.kv",
+            count: 3,
+            limit: "max_buffers",
+            max: 2,
+        };
+        assert_eq!(m.validate(&limits), Err(want.clone()));
+        assert_eq!(
+            Message::decode(Kind::Registration, &payload(&m), &limits),
+            Err(want)
+        );
+        let m = registration(vec![GOOD; 2], vec![GOOD; 3]);
+        assert!(matches!(
+            Message::decode(Kind::Registration, &payload(&m), &limits),
+            Err(ProtoError::CountOverLimit {
+                field: "Registration.aux",
+                count: 3,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn buffer_count_beyond_payload_is_rejected_before_allocating() {
+        let limits = Limits {
+            max_buffers: u32::MAX,
+            ..Limits::default()
+        };
+        let mut p = payload(&registration(vec![GOOD], vec![]));
+        p[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            Message::decode(Kind::Registration, &p, &limits),
+            Err(ProtoError::CountExceedsPayload {
+                field: "Registration.kv",
+                count: u32::MAX,
+                elem_size: 32,
+                remaining: 36
+            })
+        );
+    }
+
+    #[test]
+    fn invalid_buffers_are_rejected_with_their_index() {
+        let limits = Limits::default();
+        let cases = [
+            (
+                BufferInfo {
+                    item_len: 0,
+                    ..GOOD
+                },
+                ProtoError::ZeroItemLen {
+                    field: "Registration.aux",
+                    index: 1,
+                },
+            ),
+            (
+                BufferInfo { len: 1023, ..GOOD },
+                ProtoError::BufferShorterThanItem {
+                    field: "Registration.aux",
+                    index: 1,
+                    len: 1023,
+                    item_len: 1024,
+                },
+            ),
+            (
+                BufferInfo {
+                    layer_id: -2,
+                    ..GOOD
+                },
+                ProtoError::BadLayerId {
+                    field: "Registration.aux",
+                    index: 1,
+                    found: -2,
+                },
+            ),
+        ];
+        for (bad, want) in cases {
+            let m = registration(vec![GOOD], vec![GOOD, bad]);
+            assert_eq!(m.validate(&limits), Err(want.clone()));
+            let e = Message::decode(Kind::Registration, &payload(&m), &limits).unwrap_err();
+            assert_eq!(e, want);
+            assert!(e.to_string().contains("Registration.aux[1]"), "{e}");
+        }
+    }
+
+    #[test]
+    fn buffer_len_need_not_be_a_multiple_of_item_len() {
+        let b = BufferInfo { len: 4097, ..GOOD };
+        assert_eq!(b.pages(), 4);
+        assert_eq!(b.layer(), None);
+        assert_eq!(BufferInfo { layer_id: 3, ..b }.layer(), Some(3));
+        let m = registration(vec![b], vec![]);
+        assert_eq!(
+            Message::decode(Kind::Registration, &payload(&m), &Limits::default()),
+            Ok(m)
+        );
+    }
+
+    fn destination(pages: Vec<u32>, aux_slot: Option<u32>) -> Message {
+        Message::Destination {
+            room: 1,
+            generation: 2,
+            pages,
+            aux_slot,
+        }
+    }
+
+    #[test]
+    fn page_count_over_limit_is_rejected() {
+        let limits = Limits {
+            max_pages: 4,
+            ..Limits::default()
+        };
+        let m = destination(vec![0; 5], None);
+        let want = ProtoError::CountOverLimit {
+            field: "Destination.pages",
+            count: 5,
+            limit: "max_pages",
+            max: 4,
+        };
+        assert_eq!(m.validate(&limits), Err(want.clone()));
+        let e = Message::decode(Kind::Destination, &payload(&m), &limits).unwrap_err();
+        assert_eq!(e, want);
+        assert_eq!(
+            e.to_string(),
+            "Destination.pages count 5 exceeds max_pages = 4"
+        );
+        assert!(Message::decode(
+            Kind::Destination,
+            &payload(&destination(vec![0; 4], None)),
+            &limits
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn page_count_beyond_payload_is_rejected() {
+        let mut p = payload(&destination(vec![1, 2], None));
+        p[24..28].copy_from_slice(&1000u32.to_le_bytes());
+        assert_eq!(
+            Message::decode(Kind::Destination, &p, &Limits::default()),
+            Err(ProtoError::CountExceedsPayload {
+                field: "Destination.pages",
+                count: 1000,
+                elem_size: 4,
+                remaining: 8
+            })
+        );
+    }
+
+    #[test]
+    fn bad_aux_slots_are_rejected() {
+        let base = payload(&destination(vec![], None));
+        for bad in [-2i64, i64::MIN, u32::MAX as i64 + 1, i64::MAX] {
+            let mut p = base.clone();
+            p[16..24].copy_from_slice(&bad.to_le_bytes());
+            let e = Message::decode(Kind::Destination, &p, &Limits::default()).unwrap_err();
+            assert_eq!(e, ProtoError::BadAuxSlot { found: bad });
+            assert!(e.to_string().contains(&bad.to_string()), "{e}");
+        }
+        assert_eq!(&base[16..24], &(-1i64).to_le_bytes());
+    }
+
+    #[test]
+    fn done_with_mismatched_room_echo_is_rejected() {
+        let m = &sample_messages()[7];
+        let mut p = payload(m);
+        p[16] ^= 0x40;
+        let e = Message::decode(Kind::Done, &p, &Limits::default()).unwrap_err();
+        assert_eq!(
+            e,
+            ProtoError::RoomEchoMismatch {
+                room: 7,
+                room_echo: 0x47
+            }
+        );
+        assert!(e.to_string().contains("corrupt"), "{e}");
+    }
+
+    #[test]
+    fn done_with_non_boolean_aux_sent_is_rejected() {
+        let mut p = payload(&sample_messages()[7]);
+        p[28] = 2;
+        assert_eq!(
+            Message::decode(Kind::Done, &p, &Limits::default()),
+            Err(ProtoError::BadBool {
+                field: "Done.aux_sent",
+                found: 2
+            })
+        );
+    }
+
+    fn abort(reason: &str) -> Message {
+        Message::Abort {
+            room: 3,
+            generation: 4,
+            reason: reason.into(),
+        }
+    }
+
+    #[test]
+    fn invalid_utf8_reason_is_rejected() {
+        let mut p = payload(&abort("abcd"));
+        p[22] = 0xff;
+        let e = Message::decode(Kind::Abort, &p, &Limits::default()).unwrap_err();
+        assert_eq!(
+            e,
+            ProtoError::InvalidUtf8 {
+                field: "Abort.reason",
+                valid_up_to: 2
+            }
+        );
+    }
+
+    #[test]
+    fn reason_over_limit_is_rejected() {
+        let limits = Limits {
+            max_reason_len: 3,
+            ..Limits::default()
+        };
+        let m = abort("abcd");
+        let want = ProtoError::StringTooLong {
+            field: "Abort.reason",
+            len: 4,
+            max: 3,
+        };
+        assert_eq!(m.validate(&limits), Err(want.clone()));
+        assert_eq!(
+            Message::decode(Kind::Abort, &payload(&m), &limits),
+            Err(want)
+        );
+    }
+
+    #[test]
+    fn reason_length_beyond_payload_is_rejected() {
+        let limits = Limits {
+            max_reason_len: u32::MAX,
+            ..Limits::default()
+        };
+        let mut p = payload(&abort("ab"));
+        p[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            Message::decode(Kind::Abort, &p, &limits),
+            Err(ProtoError::Truncated {
+                field: "Abort.reason",
+                remaining: 2,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn truncate_reason_cuts_at_char_boundary() {
+        assert_eq!(truncate_reason("hello", 10), "hello");
+        assert_eq!(truncate_reason("hello", 5), "hello");
+        assert_eq!(truncate_reason("hello", 3), "hel");
+        assert_eq!(truncate_reason("hello", 0), "");
+        // 'é' is 2 bytes, '超' is 3 bytes.
+        assert_eq!(truncate_reason("aé", 2), "a");
+        assert_eq!(truncate_reason("a超b", 3), "a");
+        assert_eq!(truncate_reason("a超b", 4), "a超");
+        let limits = Limits {
+            max_reason_len: 3,
+            ..Limits::default()
+        };
+        let m = Message::abort(1, 2, "ab🚫", &limits);
+        assert_eq!(m, abort_with(1, 2, "ab"));
+        assert_eq!(m.validate(&limits), Ok(()));
+    }
+
+    fn abort_with(room: u64, generation: u64, reason: &str) -> Message {
+        Message::Abort {
+            room,
+            generation,
+            reason: reason.into(),
+        }
+    }
+
+    #[test]
+    fn validate_rejects_payload_over_control_limit() {
+        let limits = Limits {
+            max_control_payload: 27,
+            ..Limits::default()
+        };
+        assert_eq!(
+            destination(vec![], None).validate(&limits),
+            Err(ProtoError::PayloadTooLarge {
+                kind: Kind::Destination,
+                len: 28,
+                max: 27
+            })
+        );
+    }
+
+    #[test]
+    fn every_proper_prefix_of_every_payload_is_an_error() {
+        let limits = Limits::default();
+        for m in sample_messages() {
+            let p = payload(&m);
+            for cut in 0..p.len() {
+                assert!(
+                    Message::decode(m.kind(), &p[..cut], &limits).is_err(),
+                    "{m:?} cut at {cut}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! The wire protocol between two libkvxfer engines: a versioned, length-prefixed frame
+//! codec in which every field is validated before anything is allocated.
+//!
+//! # Frames
+//!
+//! Every frame starts with a fixed [`FRAME_HEADER_LEN`]-byte header, little-endian
+//! throughout:
+//!
+//! | offset | size | field         | rule                                                   |
+//! |-------:|-----:|---------------|--------------------------------------------------------|
+//! | 0      | 4    | `magic`       | u32 [`FRAME_MAGIC`] (`0x4B56_5846`; on the wire the bytes `46 58 56 4B`, i.e. `"FXVK"`) |
+//! | 4      | 2    | `version`     | u16, must equal [`PROTO_VERSION`]                      |
+//! | 6      | 1    | `kind`        | u8, a [`Kind`] (values are explicit and never reused)  |
+//! | 7      | 1    | `flags`       | u8, must be 0 (reserved for future use)                |
+//! | 8      | 4    | `payload_len` | u32, bytes following the header; bounded per kind by [`Limits`] |
+//! | 12     | 4    | `reserved`    | u32, must be 0                                         |
+//!
+//! Control frames (every kind except [`Kind::Data`]) carry a payload decoded by
+//! [`Message::decode`], which must consume the payload exactly. Data frames carry a
+//! fixed [`DATA_HEADER_LEN`]-byte [`DataHeader`] followed by `byte_len` raw bytes that the
+//! transport reads straight into destination memory; the codec never touches them.
+//!
+//! # Control payloads (all integers little-endian)
+//!
+//! | kind           | payload                                                                  |
+//! |----------------|--------------------------------------------------------------------------|
+//! | `Hello`        | `proto_version u16, role u8, conn u8, conn_index u16, engine_id u64` (14 bytes) |
+//! | `Registration` | layout `kv_heads_per_rank u32, head_dim u32, dtype_bytes u32, page_tokens u32`, then `kv_count u32` + kv buffers, then `aux_count u32` + aux buffers; each buffer is `len u64, item_len u64, addr u64, layer_id i32, rkey u32` (32 bytes) |
+//! | `Destination`  | `room u64, generation u64, aux_slot i64 (-1 = none), n_pages u32, pages u32 × n_pages` |
+//! | `Done`         | `room u64, generation u64, room_echo u64 (= room), pages_sent u32, aux_sent u8 (0/1)` (29 bytes) |
+//! | `Abort`        | `room u64, generation u64, reason_len u32, reason UTF-8 bytes`           |
+//! | `AbortAck`     | `room u64, generation u64` (16 bytes)                                    |
+//! | `Heartbeat`    | `seq u64` (8 bytes)                                                      |
+//!
+//! The encoding is canonical: a payload that decodes successfully re-encodes to the
+//! same bytes.
+//!
+//! # Validation
+//!
+//! Decoding checks magic, version, kind, flags, reserved bits, every length against
+//! [`Limits`], every count against both its limit and the bytes actually remaining, every
+//! enum value, UTF-8 and the exact consumption of the payload. A bad frame yields a
+//! [`ProtoError`] naming the field and the bad value; the codec never panics and never
+//! allocates from an unvalidated length. What the codec cannot know — whether a room,
+//! generation, buffer index or page range was granted to this peer — is checked by the
+//! engine (DESIGN.md invariant 8).
+//!
+//! # Reading from a stream
+//!
+//! [`read_frame_header`], then [`read_control`] or [`read_data_header`], serve a
+//! blocking socket loop; see [`ReadError`] for how end of stream and timeouts are told
+//! apart from protocol errors.
+
+mod data;
+mod frame;
+mod message;
+mod stream;
+mod wire;
+
+pub use data::{DataHeader, Target};
+pub use frame::{FrameHeader, Kind, Limits, ProtoError};
+pub use message::{truncate_reason, BufferInfo, ConnKind, Layout, Message, Registration, Role};
+pub use stream::{read_control, read_data_header, read_frame_header, ReadError};
+
+/// The frame magic, `0x4B56_5846`. Encoded little-endian, so the first four bytes of
+/// every frame are `46 58 56 4B` (`"FXVK"` in ASCII).
+pub const FRAME_MAGIC: u32 = 0x4B56_5846;
+
+/// The protocol version this build speaks and accepts (frame header and `Hello`).
+pub const PROTO_VERSION: u16 = 1;
+
+/// Length in bytes of the fixed frame header that starts every frame.
+pub const FRAME_HEADER_LEN: usize = 16;
+
+/// Length in bytes of the fixed [`DataHeader`] that starts every data frame's payload.
+pub const DATA_HEADER_LEN: usize = 40;
+
+/// Length in bytes of a data frame's prefix: frame header plus data header. The frame's
+/// `byte_len` data bytes follow it.
+pub const DATA_FRAME_PREFIX_LEN: usize = FRAME_HEADER_LEN + DATA_HEADER_LEN;
+
+/// [`DATA_HEADER_LEN`] as a `u32`, for arithmetic on wire lengths.
+const DATA_HEADER_LEN_U32: u32 = DATA_HEADER_LEN as u32;

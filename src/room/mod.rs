@@ -1,0 +1,283 @@
+//! Rooms: one per request, identified by the router's 64-bit id plus a generation this
+//! engine assigns at creation.
+//!
+//! Who may change a room's state: only [`Room::advance`] and [`Room::fail`], both of
+//! which go through [`StateWord::apply`] and therefore through the one rule in
+//! [`state::transition`].
+
+pub mod state;
+mod table;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+pub use state::{Event, Refusal, State, StateWord};
+pub use table::RoomTable;
+
+use crate::config::Role;
+
+/// The class of a failure, for metrics and for callers that branch on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Cause {
+    /// Aborted by a scheduler (this side's, or the peer's when `from_peer`).
+    Aborted,
+    /// The peer engine stopped answering or its connection broke.
+    PeerLost,
+    /// The bootstrap deadline passed.
+    BootstrapTimeout,
+    /// The waiting-for-input deadline passed.
+    WaitingTimeout,
+    /// No transfer progress within the transfer deadline.
+    TransferTimeout,
+    /// The peer sent something invalid.
+    Protocol,
+    /// The two sides disagree (page counts, buffer layout).
+    Mismatch,
+    /// Moving the bytes failed.
+    Transfer,
+    /// The engine was shut down with the room live.
+    Shutdown,
+    /// An internal error (a caught panic).
+    Internal,
+}
+
+impl Cause {
+    /// All causes, in their numeric order.
+    pub const ALL: [Cause; 10] = [
+        Cause::Aborted,
+        Cause::PeerLost,
+        Cause::BootstrapTimeout,
+        Cause::WaitingTimeout,
+        Cause::TransferTimeout,
+        Cause::Protocol,
+        Cause::Mismatch,
+        Cause::Transfer,
+        Cause::Shutdown,
+        Cause::Internal,
+    ];
+
+    /// A short snake_case name (used in metrics labels).
+    pub fn name(self) -> &'static str {
+        match self {
+            Cause::Aborted => "aborted",
+            Cause::PeerLost => "peer_lost",
+            Cause::BootstrapTimeout => "bootstrap_timeout",
+            Cause::WaitingTimeout => "waiting_timeout",
+            Cause::TransferTimeout => "transfer_timeout",
+            Cause::Protocol => "protocol",
+            Cause::Mismatch => "mismatch",
+            Cause::Transfer => "transfer",
+            Cause::Shutdown => "shutdown",
+            Cause::Internal => "internal",
+        }
+    }
+}
+
+/// Why a room failed: the first reason recorded wins and is never overwritten.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailureReason {
+    /// The class of failure.
+    pub cause: Cause,
+    /// Whether the reason came from the peer engine.
+    pub from_peer: bool,
+    /// Human-readable text naming the room, the peer or the deadline as applicable.
+    pub message: String,
+}
+
+impl FailureReason {
+    /// A reason raised on this side.
+    pub fn local(cause: Cause, message: impl Into<String>) -> Self {
+        FailureReason {
+            cause,
+            from_peer: false,
+            message: message.into(),
+        }
+    }
+
+    /// A reason reported by the peer.
+    pub fn peer(cause: Cause, message: impl Into<String>) -> Self {
+        FailureReason {
+            cause,
+            from_peer: true,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for FailureReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.from_peer {
+            write!(f, "peer: {}", self.message)
+        } else {
+            f.write_str(&self.message)
+        }
+    }
+}
+
+/// No deadline armed.
+pub const NO_DEADLINE: u64 = u64::MAX;
+
+/// One request's state on this engine.
+#[derive(Debug)]
+pub struct Room {
+    id: u64,
+    generation: u64,
+    role: Role,
+    state: StateWord,
+    /// Set at most once, by the first `fail` attempt on a live room, before its
+    /// compare-and-swap; read only once the state is `Failed`.
+    reason: OnceLock<FailureReason>,
+    /// Engine-clock milliseconds after which the watchdog fails the room; `NO_DEADLINE`
+    /// when none. Relaxed: the watchdog re-checks the state before acting, and a stale
+    /// value only delays or advances a check by one scan.
+    deadline_ms: AtomicU64,
+}
+
+impl Room {
+    /// A new room in `Bootstrapping`.
+    pub fn new(id: u64, generation: u64, role: Role, deadline_ms: u64) -> Self {
+        Room {
+            id,
+            generation,
+            role,
+            state: StateWord::new(State::Bootstrapping),
+            reason: OnceLock::new(),
+            deadline_ms: AtomicU64::new(deadline_ms),
+        }
+    }
+
+    /// The router's id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The generation this engine gave the room at creation (unique per engine).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The engine role the room belongs to.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// The current state: one atomic load.
+    pub fn state(&self) -> State {
+        self.state.load()
+    }
+
+    /// Applies a non-failure event. Use [`Room::fail`] to fail.
+    pub fn advance(&self, event: Event) -> Result<(State, State), Refusal> {
+        debug_assert!(event != Event::Fail, "use Room::fail");
+        self.state.apply(event)
+    }
+
+    /// Makes the room `Failed` with `reason` unless it is already terminal. Returns the
+    /// state it left when this call did the transition, `None` when it was terminal.
+    /// The first reason recorded on a live room is kept.
+    pub fn fail(&self, reason: FailureReason) -> Option<State> {
+        if self.state.load().is_terminal() {
+            return None;
+        }
+        // Record before the CAS so that `Failed` is never visible without a reason.
+        let _ = self.reason.set(reason);
+        match self.state.apply(Event::Fail) {
+            Ok((from, _)) => Some(from),
+            Err(_) => None,
+        }
+    }
+
+    /// The recorded reason, only if the room is `Failed`.
+    pub fn failure(&self) -> Option<&FailureReason> {
+        if self.state() == State::Failed {
+            self.reason.get()
+        } else {
+            None
+        }
+    }
+
+    /// The armed deadline in engine-clock ms, or [`NO_DEADLINE`].
+    pub fn deadline_ms(&self) -> u64 {
+        self.deadline_ms.load(Ordering::Relaxed)
+    }
+
+    /// Arms (or re-arms, on progress) the deadline.
+    pub fn set_deadline_ms(&self, at: u64) {
+        self.deadline_ms.store(at, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn room() -> Room {
+        Room::new(7, 1, Role::Decode, NO_DEADLINE)
+    }
+
+    #[test]
+    fn the_first_failure_reason_is_kept() {
+        let r = room();
+        assert_eq!(
+            r.fail(FailureReason::local(Cause::Aborted, "first")),
+            Some(State::Bootstrapping)
+        );
+        assert_eq!(r.fail(FailureReason::peer(Cause::PeerLost, "second")), None);
+        let why = r.failure().unwrap();
+        assert_eq!(why.message, "first");
+        assert_eq!(why.cause, Cause::Aborted);
+        assert!(!why.from_peer);
+    }
+
+    #[test]
+    fn a_succeeded_room_has_no_failure_and_cannot_fail() {
+        let r = room();
+        r.advance(Event::Ready).unwrap();
+        r.advance(Event::Complete).unwrap();
+        assert_eq!(r.fail(FailureReason::local(Cause::Aborted, "late")), None);
+        assert_eq!(r.state(), State::Success);
+        assert!(r.failure().is_none());
+    }
+
+    #[test]
+    fn the_peer_flag_is_reported() {
+        let r = room();
+        r.fail(FailureReason::peer(Cause::Aborted, "client went away"));
+        let why = r.failure().unwrap();
+        assert!(why.from_peer);
+        assert_eq!(why.to_string(), "peer: client went away");
+    }
+
+    #[test]
+    fn a_failed_room_always_has_its_reason_under_races() {
+        use std::sync::Arc;
+        for _ in 0..500 {
+            let r = Arc::new(room());
+            r.advance(Event::Ready).unwrap();
+            let hs: Vec<_> = (0..4)
+                .map(|i| {
+                    let r = r.clone();
+                    std::thread::spawn(move || {
+                        if i == 0 {
+                            let _ = r.advance(Event::Complete);
+                        } else {
+                            r.fail(FailureReason::local(Cause::Aborted, format!("t{i}")));
+                        }
+                        if r.state() == State::Failed {
+                            assert!(r.failure().is_some());
+                        }
+                    })
+                })
+                .collect();
+            for h in hs {
+                h.join().unwrap();
+            }
+            match r.state() {
+                State::Failed => assert!(r.failure().unwrap().message.starts_with('t')),
+                State::Success => assert!(r.failure().is_none()),
+                s => panic!("not terminal: {s}"),
+            }
+        }
+    }
+}

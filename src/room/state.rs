@@ -1,0 +1,292 @@
+//! The room state machine: states, events, the one pure transition rule, and the atomic
+//! state word that applies it.
+//!
+//! This file is the answer to "who may change a room's state": nothing writes a room's
+//! state except [`StateWord::apply`], and `apply` only ever installs what [`transition`]
+//! returns, in one compare-and-swap that re-checks the state it read. A terminal state is
+//! never left because `transition` refuses every event on one.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// A room's state. The numeric values are kept from the reference design so that hosts
+/// can MIN-reduce a poll across tensor-parallel ranks (`FAILED` is the smallest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum State {
+    /// Terminal: the transfer did not happen; a [`FailureReason`](super::FailureReason) says why.
+    Failed = 0,
+    /// Connections, registration exchange or destination info are being set up.
+    Bootstrapping = 1,
+    /// Ready: prefill has every destination, decode has its peers.
+    WaitingForInput = 2,
+    /// Data is moving.
+    Transferring = 3,
+    /// Terminal: every byte arrived and every side reported done.
+    Success = 4,
+}
+
+impl State {
+    /// Whether the state is `Success` or `Failed`.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, State::Success | State::Failed)
+    }
+
+    /// The state for a raw value, if it names one.
+    pub fn from_u8(v: u8) -> Option<State> {
+        Some(match v {
+            0 => State::Failed,
+            1 => State::Bootstrapping,
+            2 => State::WaitingForInput,
+            3 => State::Transferring,
+            4 => State::Success,
+            _ => return None,
+        })
+    }
+
+    /// A short lower-case name, for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Failed => "failed",
+            State::Bootstrapping => "bootstrapping",
+            State::WaitingForInput => "waiting_for_input",
+            State::Transferring => "transferring",
+            State::Success => "success",
+        }
+    }
+}
+
+impl fmt::Display for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Something that happens to a room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Event {
+    /// Bootstrap finished (prefill: every destination arrived; decode: peers ready).
+    Ready,
+    /// A chunk starts moving. Repeating it while transferring is a no-op.
+    Start,
+    /// Every byte delivered and every side done (an empty transfer may complete straight
+    /// from `WaitingForInput`).
+    Complete,
+    /// Abort, error, lost peer or deadline.
+    Fail,
+}
+
+/// Why [`transition`] refused an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The room is already terminal; terminal states are sticky.
+    Terminal(State),
+    /// The event makes no sense in this live state (for example `Complete` while
+    /// bootstrapping).
+    NotAllowed {
+        /// The state the room was in.
+        from: State,
+        /// The event that was refused.
+        event: Event,
+    },
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::Terminal(s) => write!(f, "room is already {s}"),
+            Refusal::NotAllowed { from, event } => {
+                write!(f, "event {event:?} is not allowed while {from}")
+            }
+        }
+    }
+}
+
+/// The transition rule: the new state for `event` in state `from`, or why not.
+///
+/// Pure and total. Every terminal state refuses every event, so a terminal state, once
+/// installed, is never replaced; nothing here depends on the numeric order of states.
+pub fn transition(from: State, event: Event) -> Result<State, Refusal> {
+    use Event::*;
+    use State::*;
+    if from.is_terminal() {
+        return Err(Refusal::Terminal(from));
+    }
+    match (from, event) {
+        (_, Fail) => Ok(Failed),
+        (Bootstrapping, Ready) => Ok(WaitingForInput),
+        (WaitingForInput, Start) | (Transferring, Start) => Ok(Transferring),
+        (WaitingForInput, Complete) | (Transferring, Complete) => Ok(Success),
+        (from, event) => Err(Refusal::NotAllowed { from, event }),
+    }
+}
+
+/// A room's state in one atomic byte, changed only through [`transition`].
+///
+/// Ordering: a successful `apply` is `AcqRel`, so whatever the winner wrote before it
+/// (the failure reason) is visible to any thread that `load`s (`Acquire`) the new state.
+#[derive(Debug)]
+pub struct StateWord(AtomicU8);
+
+impl StateWord {
+    /// A word holding `initial`.
+    pub fn new(initial: State) -> Self {
+        StateWord(AtomicU8::new(initial as u8))
+    }
+
+    /// The current state (a single atomic load; never blocks).
+    pub fn load(&self) -> State {
+        decode(self.0.load(Ordering::Acquire))
+    }
+
+    /// Applies `event` in one atomic step: reads the state, asks [`transition`], and
+    /// installs the result with a compare-and-swap that fails (and retries with the
+    /// fresh state) if anything changed in between. Returns `(old, new)`.
+    pub fn apply(&self, event: Event) -> Result<(State, State), Refusal> {
+        let mut cur = self.0.load(Ordering::Acquire);
+        loop {
+            let from = decode(cur);
+            let to = transition(from, event)?;
+            if to == from {
+                return Ok((from, to));
+            }
+            match self
+                .0
+                .compare_exchange_weak(cur, to as u8, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Ok((from, to)),
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+}
+
+fn decode(v: u8) -> State {
+    // Only `new` and `apply` store into the word, and both store a `State`.
+    State::from_u8(v).unwrap_or(State::Failed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::{Arc, Barrier};
+
+    const ALL_STATES: [State; 5] = [
+        State::Failed,
+        State::Bootstrapping,
+        State::WaitingForInput,
+        State::Transferring,
+        State::Success,
+    ];
+    const ALL_EVENTS: [Event; 4] = [Event::Ready, Event::Start, Event::Complete, Event::Fail];
+
+    #[test]
+    fn every_state_event_pair_has_the_documented_outcome() {
+        use Event::*;
+        use State::*;
+        for from in ALL_STATES {
+            for event in ALL_EVENTS {
+                let expected = match (from, event) {
+                    (Failed, _) | (Success, _) => Err(Refusal::Terminal(from)),
+                    (_, Fail) => Ok(Failed),
+                    (Bootstrapping, Ready) => Ok(WaitingForInput),
+                    (WaitingForInput, Start) | (Transferring, Start) => Ok(Transferring),
+                    (WaitingForInput, Complete) | (Transferring, Complete) => Ok(Success),
+                    _ => Err(Refusal::NotAllowed { from, event }),
+                };
+                assert_eq!(transition(from, event), expected, "{from:?} + {event:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn terminal_states_refuse_everything_through_the_word() {
+        for terminal in [State::Failed, State::Success] {
+            let w = StateWord::new(terminal);
+            for event in ALL_EVENTS {
+                assert_eq!(w.apply(event), Err(Refusal::Terminal(terminal)));
+                assert_eq!(w.load(), terminal);
+            }
+        }
+    }
+
+    #[test]
+    fn a_late_start_never_resurrects_a_failed_room() {
+        // The reference design's pin: abort wins, then a worker's "transferring" arrives.
+        let w = StateWord::new(State::Transferring);
+        assert_eq!(
+            w.apply(Event::Fail),
+            Ok((State::Transferring, State::Failed))
+        );
+        assert_eq!(w.apply(Event::Start), Err(Refusal::Terminal(State::Failed)));
+        assert_eq!(w.load(), State::Failed);
+    }
+
+    #[test]
+    fn numeric_values_match_the_reference_design() {
+        assert_eq!(State::Failed as u8, 0);
+        assert_eq!(State::Bootstrapping as u8, 1);
+        assert_eq!(State::WaitingForInput as u8, 2);
+        assert_eq!(State::Transferring as u8, 3);
+        assert_eq!(State::Success as u8, 4);
+        for s in ALL_STATES {
+            assert_eq!(State::from_u8(s as u8), Some(s));
+        }
+        assert_eq!(State::from_u8(5), None);
+    }
+
+    /// Many threads race `Fail` against a worker driving Start…Start, Complete. Whoever
+    /// wins first decides the terminal state, exactly one thread observes the terminal
+    /// transition, and nothing changes the word afterwards.
+    #[test]
+    fn abort_racing_advance_from_many_threads_keeps_the_first_terminal() {
+        const ITERS: usize = 2000;
+        const ABORTERS: usize = 3;
+        let mut outcomes = [0usize; 2];
+        for i in 0..ITERS {
+            let w = Arc::new(StateWord::new(State::WaitingForInput));
+            let barrier = Arc::new(Barrier::new(ABORTERS + 1));
+            let terminal_wins = Arc::new(AtomicUsize::new(0));
+            let mut handles = Vec::new();
+            for _ in 0..ABORTERS {
+                let (w, b, wins) = (w.clone(), barrier.clone(), terminal_wins.clone());
+                handles.push(std::thread::spawn(move || {
+                    b.wait();
+                    if let Ok((from, State::Failed)) = w.apply(Event::Fail) {
+                        assert!(!from.is_terminal());
+                        wins.fetch_add(1, Ordering::SeqCst);
+                    }
+                    // After our own attempt the word is terminal, whoever won.
+                    assert!(w.load().is_terminal());
+                }));
+            }
+            let (wc, b, wins) = (w.clone(), barrier.clone(), terminal_wins.clone());
+            let worker = std::thread::spawn(move || {
+                b.wait();
+                let chunks = 1 + i % 4;
+                for _ in 0..chunks {
+                    if wc.apply(Event::Start).is_err() {
+                        return;
+                    }
+                }
+                if let Ok((_, State::Success)) = wc.apply(Event::Complete) {
+                    wins.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+            for h in handles {
+                h.join().unwrap();
+            }
+            worker.join().unwrap();
+            let end = w.load();
+            assert!(end.is_terminal());
+            assert_eq!(terminal_wins.load(Ordering::SeqCst), 1, "iteration {i}");
+            // Sticky: nothing moves it afterwards.
+            for event in ALL_EVENTS {
+                assert_eq!(w.apply(event), Err(Refusal::Terminal(end)));
+            }
+            outcomes[(end == State::Success) as usize] += 1;
+        }
+        assert_eq!(outcomes[0] + outcomes[1], ITERS);
+    }
+}
