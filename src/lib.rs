@@ -12,6 +12,7 @@ pub mod engine;
 pub mod log;
 pub mod proto;
 pub mod room;
+pub mod transport;
 
 #[doc(hidden)]
 pub mod ffi;

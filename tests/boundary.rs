@@ -76,9 +76,7 @@ fn the_header_declares_only_kvxfer_names() {
             .unwrap();
     for line in header.lines() {
         let t = line.trim();
-        let name = if t.ends_with('{') {
-            None
-        } else if t.contains("//") {
+        let name = if t.ends_with('{') || t.contains("//") {
             None
         } else if let Some(r) = t.strip_prefix("} ") {
             r.trim_end_matches(';').split_whitespace().last()

@@ -3,21 +3,34 @@
 //!
 //! The scheduler-facing calls (`room_*`, `enqueue_chunk`) never block on the network.
 
+mod decode;
+mod metrics;
+mod peer;
+mod prefill;
 mod watchdog;
 
+use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{mpsc, Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, RwLock};
+
+pub use metrics::MetricsSnapshot;
 
 use crate::config::{parse_host_port, Config, Role, TransportKind};
 use crate::err;
 use crate::error::Result;
 use crate::log::Logger;
+use crate::proto::{Limits, Message};
 use crate::room::{Cause, FailureReason, Room, RoomTable, State};
+use crate::transport::Memory;
+use decode::DecodeRoom;
+use metrics::Metrics;
+use peer::Peer;
+use prefill::{Chunk, Holding, PrefillRoom};
 
 /// The most buffers of one kind an engine may register.
 pub const MAX_BUFFERS: usize = 4096;
@@ -25,7 +38,7 @@ pub const MAX_BUFFERS: usize = 4096;
 pub const MAX_ROOM_PEERS: usize = 1024;
 
 /// One registered memory buffer, as addresses (the engine core never dereferences them
-/// itself; the transport does, under the registration contract).
+/// itself; [`Memory`] does, under the registration contract).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufferDesc {
     /// First byte.
@@ -43,7 +56,7 @@ impl BufferDesc {
     }
 }
 
-/// What a room was created with on the decode side: where it pulls from.
+/// Who a room exchanges data with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RoomPeers {
     /// Prefill room: how many decode engines will send a destination.
@@ -52,64 +65,217 @@ pub enum RoomPeers {
     Prefills(Vec<String>),
 }
 
-struct Inner {
+/// The engine's per-room data, by role.
+pub(crate) enum RoomExt {
+    Prefill(Mutex<PrefillRoom>),
+    Decode(DecodeRoom),
+}
+
+pub(crate) type ERoom = Room<RoomExt>;
+
+/// A unit of work for a prefill worker: one chunk of one room.
+pub(crate) struct Job {
+    room: Arc<ERoom>,
+    chunk: Chunk,
+}
+
+pub(crate) struct Shared {
     role: Role,
     config: Config,
     log: Logger,
     address: String,
-    _listener: TcpListener,
-    rooms: RoomTable,
-    kv: OnceLock<Vec<BufferDesc>>,
-    aux: OnceLock<Vec<BufferDesc>>,
+    engine_id: u64,
+    limits: Limits,
+    rooms: RoomTable<RoomExt>,
+    kv: OnceLock<Memory>,
+    aux: OnceLock<Memory>,
     clock: Instant,
     stopping: AtomicBool,
     wake: (Mutex<()>, Condvar),
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    holding: Mutex<Holding>,
+    workers: RwLock<Vec<mpsc::Sender<Job>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    metrics: Metrics,
 }
 
-impl Inner {
+impl Shared {
     /// Milliseconds on the engine's monotonic clock.
     fn now_ms(&self) -> u64 {
         self.clock.elapsed().as_millis() as u64
     }
 
-    fn room(&self, id: u64) -> Result<Arc<Room>> {
+    fn room(&self, id: u64) -> Result<Arc<ERoom>> {
         self.rooms
             .get(id)
             .ok_or_else(|| err!(NotFound, "room {id} not found"))
     }
 
-    /// Fails `room` with `reason` and logs it if this call made it terminal.
-    fn fail_room(&self, room: &Room, reason: FailureReason) -> bool {
-        let msg = reason.to_string();
-        match room.fail(reason) {
-            Some(from) => {
-                crate::log!(
-                    self.log,
-                    Warn,
-                    "room {} ({}, gen {}) failed while {}: {}",
-                    room.id(),
-                    self.role,
-                    room.generation(),
-                    from,
-                    msg
-                );
-                true
+    /// Starts a library thread that is joined when the engine stops.
+    fn spawn(&self, name: &str, f: impl FnOnce() + Send + 'static) {
+        match std::thread::Builder::new().name(name.into()).spawn(f) {
+            Ok(h) => {
+                let mut threads = self.threads.lock();
+                threads.retain(|t| !t.is_finished());
+                threads.push(h);
             }
-            None => false,
+            Err(e) => crate::log!(self.log, Error, "cannot start thread {name}: {e}"),
+        }
+    }
+
+    /// Arms the deadline of the state a room is about to enter.
+    fn arm(&self, room: &ERoom, state: State) {
+        let c = &self.config;
+        let ms = match state {
+            State::Bootstrapping => c.bootstrap_timeout_ms,
+            State::WaitingForInput => c.waiting_timeout_ms,
+            State::Transferring => c.transfer_timeout_ms,
+            State::Success | State::Failed => return,
+        };
+        room.set_deadline_ms(self.now_ms() + ms);
+    }
+
+    /// Fails `room` with `reason` unless it is terminal; when this call made it FAILED,
+    /// counts and logs it and tells the room's peers (except `origin`). Returns whether
+    /// this call failed it.
+    fn fail_room(&self, room: &ERoom, reason: FailureReason, origin: Option<&Arc<Peer>>) -> bool {
+        let msg = reason.to_string();
+        let cause = reason.cause;
+        let Some(from) = room.fail(reason) else {
+            return false;
+        };
+        self.metrics.failed(cause);
+        crate::log!(
+            self.log,
+            Warn,
+            "room {} ({}, gen {}) failed while {}: {}",
+            room.id(),
+            self.role,
+            room.generation(),
+            from,
+            msg
+        );
+        for (peer, generation) in self.room_peers(room) {
+            if origin.is_some_and(|o| Arc::ptr_eq(o, &peer)) {
+                continue;
+            }
+            peer.send(
+                self,
+                &Message::abort(room.id(), generation, &msg, &self.limits),
+            );
+        }
+        true
+    }
+
+    /// The peers a room talks to, with the generation messages about it carry (always
+    /// the decode side's generation).
+    fn room_peers(&self, room: &ERoom) -> Vec<(Arc<Peer>, u64)> {
+        match &room.ext {
+            RoomExt::Prefill(p) => p
+                .lock()
+                .dests
+                .iter()
+                .map(|d| (d.peer.clone(), d.generation))
+                .collect(),
+            RoomExt::Decode(d) => d
+                .peers
+                .iter()
+                .map(|p| (p.clone(), room.generation()))
+                .collect(),
+        }
+    }
+
+    /// A peer's Abort: fail the room it names (if the generation matches) and, on the
+    /// prefill side, acknowledge.
+    fn on_peer_abort(&self, peer: &Arc<Peer>, id: u64, generation: u64, reason: String) {
+        let room = match self.role {
+            Role::Decode => self.rooms.get_generation(id, generation),
+            Role::Prefill => self.rooms.get(id).filter(|r| match &r.ext {
+                RoomExt::Prefill(p) => p
+                    .lock()
+                    .dests
+                    .iter()
+                    .any(|d| Arc::ptr_eq(&d.peer, peer) && d.generation == generation),
+                RoomExt::Decode(_) => false,
+            }),
+        };
+        match room {
+            Some(room) => {
+                self.fail_room(
+                    &room,
+                    FailureReason::peer(Cause::Aborted, reason),
+                    Some(peer),
+                );
+            }
+            None => {
+                self.prefill_drop_held(peer, id, generation);
+                self.metrics
+                    .unknown_room_frames
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if self.role == Role::Prefill {
+            // Over TCP nothing is outstanding once the worker sees the room terminal: the
+            // decode side refuses every later byte itself, so acknowledge at once.
+            peer.send(
+                self,
+                &Message::AbortAck {
+                    room: id,
+                    generation,
+                },
+            );
+        }
+    }
+
+    /// Sends `job` to the worker that owns its room (rooms spread over all workers; one
+    /// room's chunks always go to the same worker, in order).
+    fn dispatch(&self, job: Job) {
+        let workers = self.workers.read();
+        if workers.is_empty() {
+            self.fail_room(
+                &job.room,
+                FailureReason::local(Cause::Shutdown, "engine shut down"),
+                None,
+            );
+            return;
+        }
+        let h = job.room.generation().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        let w = (h as usize) % workers.len();
+        if let Err(mpsc::SendError(job)) = workers[w].send(job) {
+            self.fail_room(
+                &job.room,
+                FailureReason::local(Cause::Shutdown, "engine shut down"),
+                None,
+            );
         }
     }
 }
 
-/// A running engine. Dropping it fails every live room with "engine shut down" and
-/// joins every thread.
+/// A running engine. Dropping it fails every live room with "engine shut down", closes
+/// every connection and joins every thread.
 pub struct Engine {
-    inner: Arc<Inner>,
-    watchdog: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+    /// A decode engine accepts no connections; holding the socket keeps its address.
+    _listener: Option<TcpListener>,
+}
+
+fn engine_id(address: &str) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write(address.as_bytes());
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
 }
 
 impl Engine {
     /// Starts an engine: validates the config, binds the listening socket and starts the
-    /// watchdog.
+    /// acceptor, the workers and the watchdog.
     pub fn new(config: Config, log: Logger) -> Result<Engine> {
         let role = config.require_role()?;
         match config.transport {
@@ -127,59 +293,84 @@ impl Engine {
             .local_addr()
             .map_err(|e| err!(Io, "cannot read the listening address: {e}"))?;
         let address = local.to_string();
+        let auto = config.transport == TransportKind::Auto;
         crate::log!(
             log,
             Info,
-            "{role} engine listening on {address}, transport tcp"
+            "{role} engine listening on {address}, transport tcp{}",
+            if auto {
+                " (auto: no RDMA transport in this build)"
+            } else {
+                ""
+            }
         );
-        let inner = Arc::new(Inner {
+        let workers = config.workers;
+        let (senders, receivers): (Vec<_>, Vec<_>) =
+            (0..workers).map(|_| mpsc::channel::<Job>()).unzip();
+        let shared = Arc::new(Shared {
             role,
+            engine_id: engine_id(&address),
             config,
             log,
             address,
-            _listener: listener,
+            limits: Limits::default(),
             rooms: RoomTable::new(),
             kv: OnceLock::new(),
             aux: OnceLock::new(),
             clock: Instant::now(),
             stopping: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
+            peers: Mutex::new(HashMap::new()),
+            holding: Mutex::new(Holding::default()),
+            workers: RwLock::new(senders),
+            threads: Mutex::new(Vec::new()),
+            metrics: Metrics::default(),
         });
-        let w = inner.clone();
-        let watchdog = std::thread::Builder::new()
-            .name("kvxfer-watchdog".into())
-            .spawn(move || watchdog::run(&w))
-            .map_err(|e| err!(Io, "cannot start the watchdog thread: {e}"))?;
+        let mut keep = None;
+        if role == Role::Prefill {
+            for (i, rx) in receivers.into_iter().enumerate() {
+                let s = shared.clone();
+                shared.spawn(&format!("kvxfer-worker-{i}"), move || s.worker(i, rx));
+            }
+            let s = shared.clone();
+            shared.spawn("kvxfer-accept", move || s.accept_loop(listener));
+        } else {
+            // A decode engine opens connections; its listener only reserves the address.
+            drop(receivers);
+            keep = Some(listener);
+        }
+        let s = shared.clone();
+        shared.spawn("kvxfer-watchdog", move || watchdog::run(&s));
         Ok(Engine {
-            inner,
-            watchdog: Some(watchdog),
+            shared,
+            _listener: keep,
         })
     }
 
     /// This engine's role.
     pub fn role(&self) -> Role {
-        self.inner.role
+        self.shared.role
     }
 
     /// The `host:port` peers connect to.
     pub fn address(&self) -> &str {
-        &self.inner.address
+        &self.shared.address
     }
 
     /// Registers the KV buffers (once per engine).
     pub fn register_kv(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        register(&self.inner.kv, bufs, "kv")
+        register(&self.shared.kv, bufs, "kv")
     }
 
     /// Registers the aux buffers (once per engine).
     pub fn register_aux(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        register(&self.inner.aux, bufs, "aux")
+        register(&self.shared.aux, bufs, "aux")
     }
 
     /// Creates room `id` in `Bootstrapping`.
     pub fn room_create(&self, id: u64, peers: RoomPeers) -> Result<()> {
-        let inner = &self.inner;
-        match (&peers, inner.role) {
+        let shared = &self.shared;
+        match (&peers, shared.role) {
             (RoomPeers::Decoders(n), Role::Prefill) => {
                 if *n == 0 || *n > MAX_ROOM_PEERS {
                     return Err(err!(
@@ -203,6 +394,9 @@ impl Engine {
                             "peer {i} address '{a}' is not host:port: {why}"
                         )
                     })?;
+                    if addrs[..i].contains(a) {
+                        return Err(err!(InvalidArgument, "peer address '{a}' is listed twice"));
+                    }
                 }
             }
             (RoomPeers::Decoders(_), Role::Decode) => {
@@ -218,28 +412,59 @@ impl Engine {
                 ))
             }
         }
-        if inner.kv.get().is_none() {
+        if shared.kv.get().is_none() {
             return Err(err!(
                 WrongState,
                 "register the KV buffers (kvxfer_register_kv) before creating rooms"
             ));
         }
-        if inner.stopping.load(Ordering::Acquire) {
+        if shared.stopping.load(Ordering::Acquire) {
             return Err(err!(WrongState, "the engine is shutting down"));
         }
-        let deadline = inner.now_ms() + inner.config.bootstrap_timeout_ms;
-        let room = inner.rooms.create(id, inner.role, deadline)?;
-        crate::log!(
-            inner.log,
-            Debug,
-            "room {id} created (gen {}, {:?})",
-            room.generation(),
-            peers
-        );
+        let deadline = shared.now_ms() + shared.config.bootstrap_timeout_ms;
+        match peers {
+            RoomPeers::Decoders(n) => {
+                let ext = RoomExt::Prefill(Mutex::new(PrefillRoom::new(n)));
+                let room = shared.rooms.create(id, shared.role, deadline, ext)?;
+                shared.metrics.created();
+                crate::log!(
+                    shared.log,
+                    Debug,
+                    "room {id} created (gen {}, {n} decode engine(s))",
+                    room.generation()
+                );
+                shared.prefill_adopt_held(&room);
+            }
+            RoomPeers::Prefills(addrs) => {
+                let peers: Vec<Arc<Peer>> = addrs.iter().map(|a| shared.peer_for(a)).collect();
+                let ext = RoomExt::Decode(DecodeRoom::new(peers.clone()));
+                let room = shared.rooms.create(id, shared.role, deadline, ext)?;
+                shared.metrics.created();
+                crate::log!(
+                    shared.log,
+                    Debug,
+                    "room {id} created (gen {}, from {addrs:?})",
+                    room.generation()
+                );
+                for p in &peers {
+                    p.rooms.lock().insert((id, room.generation()));
+                    if p.is_lost() {
+                        // Lost between peer_for and now: its loss pass may have missed us.
+                        shared.fail_room(
+                            &room,
+                            FailureReason::local(Cause::PeerLost, format!("lost {}", p.name)),
+                            None,
+                        );
+                    }
+                }
+                shared.decode_try_ready(&room);
+            }
+        }
         Ok(())
     }
 
-    /// Decode only: the destination pages and aux slot of room `id`.
+    /// Decode only: the destination pages and aux slot of room `id`, sent to every
+    /// prefill engine of the room once they are connected.
     pub fn room_set_destination(
         &self,
         id: u64,
@@ -247,7 +472,7 @@ impl Engine {
         aux_slot: Option<u32>,
     ) -> Result<()> {
         self.require_role(Role::Decode, "kvxfer_room_set_destination")?;
-        let room = self.inner.room(id)?;
+        let room = self.shared.room(id)?;
         require_live(&room)?;
         self.check_pages(pages, "destination")?;
         let mut sorted = pages.to_vec();
@@ -260,13 +485,10 @@ impl Engine {
             ));
         }
         self.check_aux(aux_slot)?;
-        Err(err!(
-            Unsupported,
-            "room {id}: destination is valid, but this build has no transfer engine yet"
-        ))
+        self.shared.decode_set_destination(&room, pages, aux_slot)
     }
 
-    /// Prefill only: queue the next chunk of room `id`.
+    /// Prefill only: queue the next chunk of room `id`. Never blocks on the network.
     pub fn enqueue_chunk(
         &self,
         id: u64,
@@ -275,7 +497,7 @@ impl Engine {
         aux_slot: Option<u32>,
     ) -> Result<()> {
         self.require_role(Role::Prefill, "kvxfer_enqueue_chunk")?;
-        let room = self.inner.room(id)?;
+        let room = self.shared.room(id)?;
         require_live(&room)?;
         self.check_pages(pages, "source")?;
         if aux_slot.is_some() && !is_last {
@@ -285,36 +507,41 @@ impl Engine {
             ));
         }
         self.check_aux(aux_slot)?;
-        Err(err!(
-            Unsupported,
-            "room {id}: chunk is valid, but this build has no transfer engine yet"
-        ))
+        self.shared.prefill_enqueue(
+            &room,
+            Chunk {
+                pages: pages.to_vec(),
+                is_last,
+                aux: aux_slot,
+            },
+        )
     }
 
     /// The state of room `id`: one shard read and one atomic load.
     pub fn room_poll(&self, id: u64) -> Result<State> {
-        self.inner
+        self.shared
             .rooms
             .state(id)
             .ok_or_else(|| err!(NotFound, "room {id} not found"))
     }
 
-    /// Fails room `id` with `reason` unless it is terminal. Idempotent.
+    /// Fails room `id` with `reason` unless it is terminal, and tells its peers.
+    /// Idempotent.
     pub fn room_abort(&self, id: u64, reason: &str) -> Result<()> {
-        let room = self.inner.room(id)?;
+        let room = self.shared.room(id)?;
         let message = if reason.is_empty() {
             format!("room {id} aborted by the local scheduler")
         } else {
             format!("room {id} aborted: {reason}")
         };
-        self.inner
-            .fail_room(&room, FailureReason::local(Cause::Aborted, message));
+        self.shared
+            .fail_room(&room, FailureReason::local(Cause::Aborted, message), None);
         Ok(())
     }
 
     /// The failure reason of room `id`, which must be `Failed`.
     pub fn room_failure(&self, id: u64) -> Result<FailureReason> {
-        let room = self.inner.room(id)?;
+        let room = self.shared.room(id)?;
         room.failure().cloned().ok_or_else(|| {
             err!(
                 WrongState,
@@ -324,50 +551,54 @@ impl Engine {
         })
     }
 
-    /// Decode only: whether no write into room `id`'s pages can still land.
+    /// Decode only: whether no write into room `id`'s pages can still land: the room is
+    /// terminal and no receiver is inside a write to its pages.
     pub fn room_drained(&self, id: u64) -> Result<bool> {
         self.require_role(Role::Decode, "kvxfer_room_drained")?;
-        let room = self.inner.room(id)?;
-        // Without a transfer engine no write is ever started, so a terminal room is
-        // drained; a live one may still receive data.
-        Ok(room.state().is_terminal())
+        let room = self.shared.room(id)?;
+        Ok(match &room.ext {
+            RoomExt::Decode(d) => room.state().is_terminal() && d.writes_in_flight() == 0,
+            RoomExt::Prefill(_) => false,
+        })
     }
 
     /// Releases room `id` (aborting it first if live). A second clear finds no room.
     pub fn room_clear(&self, id: u64) -> Result<()> {
-        let room = self.inner.room(id)?;
-        self.inner.fail_room(
+        let room = self.shared.room(id)?;
+        self.shared.fail_room(
             &room,
             FailureReason::local(Cause::Aborted, format!("room {id} cleared while live")),
+            None,
         );
-        self.inner.rooms.remove_generation(id, room.generation());
+        self.shared.forget_room(&room);
+        self.shared.rooms.remove_generation(id, room.generation());
         Ok(())
     }
 
     /// How many rooms the engine holds (live or terminal, not yet cleared).
     pub fn room_count(&self) -> usize {
-        self.inner.rooms.len()
+        self.shared.rooms.len()
+    }
+
+    /// Counters and gauges.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.shared.metrics_snapshot()
     }
 
     fn require_role(&self, role: Role, call: &str) -> Result<()> {
-        if self.inner.role == role {
+        if self.shared.role == role {
             Ok(())
         } else {
             Err(err!(
                 WrongRole,
                 "{call} is for {role} engines; this engine is {}",
-                self.inner.role
+                self.shared.role
             ))
         }
     }
 
     fn check_pages(&self, pages: &[u32], what: &str) -> Result<()> {
-        let capacity = self
-            .inner
-            .kv
-            .get()
-            .map(|b| b.iter().map(BufferDesc::items).min().unwrap_or(0))
-            .unwrap_or(0);
+        let capacity = self.shared.kv.get().map(Memory::capacity).unwrap_or(0);
         if let Some((i, p)) = pages
             .iter()
             .enumerate()
@@ -383,12 +614,7 @@ impl Engine {
 
     fn check_aux(&self, slot: Option<u32>) -> Result<()> {
         let Some(slot) = slot else { return Ok(()) };
-        let slots = self
-            .inner
-            .aux
-            .get()
-            .map(|b| b.iter().map(BufferDesc::items).min().unwrap_or(0))
-            .unwrap_or(0);
+        let slots = self.shared.aux.get().map(Memory::capacity).unwrap_or(0);
         if slot as usize >= slots {
             return Err(err!(
                 InvalidArgument,
@@ -399,34 +625,60 @@ impl Engine {
     }
 }
 
+impl Shared {
+    /// Drops a cleared room from its peers' room sets.
+    fn forget_room(&self, room: &ERoom) {
+        for (peer, _) in self.room_peers(room) {
+            peer.rooms.lock().remove(&(room.id(), room.generation()));
+        }
+    }
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
-        let inner = &self.inner;
-        inner.stopping.store(true, Ordering::Release);
+        let shared = &self.shared;
+        shared.stopping.store(true, Ordering::Release);
         {
-            let _g = inner.wake.0.lock();
-            inner.wake.1.notify_all();
+            let _g = shared.wake.0.lock();
+            shared.wake.1.notify_all();
         }
-        if let Some(h) = self.watchdog.take() {
-            let _ = h.join();
-        }
-        for room in inner.rooms.snapshot() {
-            inner.fail_room(
+        for room in shared.rooms.snapshot() {
+            shared.fail_room(
                 &room,
                 FailureReason::local(Cause::Shutdown, "engine shut down"),
+                None,
             );
         }
+        shared.workers.write().clear();
+        let peers: Vec<Arc<Peer>> = shared.peers.lock().values().cloned().collect();
+        for p in peers {
+            shared.lose_peer(&p, "engine shut down".into());
+        }
+        // Threads may start threads (the acceptor, connectors): join until none is left.
+        loop {
+            let threads: Vec<JoinHandle<()>> = shared.threads.lock().drain(..).collect();
+            if threads.is_empty() {
+                break;
+            }
+            for t in threads {
+                let _ = t.join();
+            }
+            let peers: Vec<Arc<Peer>> = shared.peers.lock().values().cloned().collect();
+            for p in peers {
+                shared.lose_peer(&p, "engine shut down".into());
+            }
+        }
         crate::log!(
-            inner.log,
+            shared.log,
             Info,
             "{} engine on {} stopped",
-            inner.role,
-            inner.address
+            shared.role,
+            shared.address
         );
     }
 }
 
-fn require_live(room: &Room) -> Result<()> {
+fn require_live<T>(room: &Room<T>) -> Result<()> {
     let s = room.state();
     if s.is_terminal() {
         Err(err!(WrongState, "room {} is already {s}", room.id()))
@@ -460,7 +712,7 @@ fn bind(listen: &str) -> Result<TcpListener> {
     ))
 }
 
-fn register(slot: &OnceLock<Vec<BufferDesc>>, bufs: Vec<BufferDesc>, what: &str) -> Result<()> {
+fn register(slot: &OnceLock<Memory>, bufs: Vec<BufferDesc>, what: &str) -> Result<()> {
     if bufs.is_empty() || bufs.len() > MAX_BUFFERS {
         return Err(err!(
             InvalidArgument,
@@ -489,7 +741,14 @@ fn register(slot: &OnceLock<Vec<BufferDesc>>, bufs: Vec<BufferDesc>, what: &str)
                 "{what} buffer {i}: base + len overflows the address space"
             ));
         }
+        if b.item_len > u32::MAX as usize / 2 {
+            return Err(err!(
+                InvalidArgument,
+                "{what} buffer {i}: item_len {} is larger than a data frame",
+                b.item_len
+            ));
+        }
     }
-    slot.set(bufs)
+    slot.set(Memory::new(bufs))
         .map_err(|_| err!(WrongState, "{what} buffers are already registered"))
 }

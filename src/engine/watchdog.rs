@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::Inner;
+use super::Shared as Inner;
 use crate::room::{Cause, FailureReason, State, NO_DEADLINE};
 
 /// How often to scan: a quarter of the shortest deadline, within 2..=100 ms.
@@ -13,7 +13,8 @@ fn scan_interval(inner: &Inner) -> Duration {
     let shortest = c
         .bootstrap_timeout_ms
         .min(c.waiting_timeout_ms)
-        .min(c.transfer_timeout_ms);
+        .min(c.transfer_timeout_ms)
+        .min(c.heartbeat_interval_ms);
     Duration::from_millis((shortest / 4).clamp(2, 100))
 }
 
@@ -31,7 +32,11 @@ pub(super) fn run(inner: &Inner) {
             return;
         }
         // A panic here must not end the watchdog: catch it, log it, go on.
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scan(inner)));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            scan(inner);
+            inner.heartbeat();
+            inner.expire_held();
+        }));
         if r.is_err() {
             crate::log!(inner.log, Error, "watchdog scan panicked; continuing");
         }
@@ -69,6 +74,6 @@ fn scan(inner: &Inner) {
             room.id(),
             room.state()
         );
-        inner.fail_room(&room, FailureReason::local(cause, message));
+        inner.fail_room(&room, FailureReason::local(cause, message), None);
     }
 }

@@ -82,7 +82,7 @@ pub unsafe fn try_slice<'a, T>(p: *const T, n: usize, name: &str) -> Result<&'a 
         return Err(err!(InvalidArgument, "argument '{name}' is misaligned"));
     }
     if n.checked_mul(std::mem::size_of::<T>().max(1))
-        .map_or(true, |b| b > isize::MAX as usize)
+        .is_none_or(|b| b > isize::MAX as usize)
     {
         return Err(err!(
             InvalidArgument,

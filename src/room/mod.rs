@@ -118,9 +118,9 @@ impl fmt::Display for FailureReason {
 /// No deadline armed.
 pub const NO_DEADLINE: u64 = u64::MAX;
 
-/// One request's state on this engine.
+/// One request's state on this engine, with the engine's own per-room data `T`.
 #[derive(Debug)]
-pub struct Room {
+pub struct Room<T = ()> {
     id: u64,
     generation: u64,
     role: Role,
@@ -132,11 +132,13 @@ pub struct Room {
     /// when none. Relaxed: the watchdog re-checks the state before acting, and a stale
     /// value only delays or advances a check by one scan.
     deadline_ms: AtomicU64,
+    /// The engine's per-room data (destinations, progress); never the state.
+    pub ext: T,
 }
 
-impl Room {
+impl<T> Room<T> {
     /// A new room in `Bootstrapping`.
-    pub fn new(id: u64, generation: u64, role: Role, deadline_ms: u64) -> Self {
+    pub fn new(id: u64, generation: u64, role: Role, deadline_ms: u64, ext: T) -> Self {
         Room {
             id,
             generation,
@@ -144,6 +146,7 @@ impl Room {
             state: StateWord::new(State::Bootstrapping),
             reason: OnceLock::new(),
             deadline_ms: AtomicU64::new(deadline_ms),
+            ext,
         }
     }
 
@@ -213,7 +216,7 @@ mod tests {
     use super::*;
 
     fn room() -> Room {
-        Room::new(7, 1, Role::Decode, NO_DEADLINE)
+        Room::new(7, 1, Role::Decode, NO_DEADLINE, ())
     }
 
     #[test]

@@ -34,22 +34,22 @@ impl Hasher for IdHasher {
     }
 }
 
-type Shard = RwLock<HashMap<u64, Arc<Room>, BuildHasherDefault<IdHasher>>>;
+type Shard<T> = RwLock<HashMap<u64, Arc<Room<T>>, BuildHasherDefault<IdHasher>>>;
 
 /// Every room of one engine, by id.
-pub struct RoomTable {
-    shards: Box<[Shard]>,
+pub struct RoomTable<T = ()> {
+    shards: Box<[Shard<T>]>,
     /// The next generation to hand out. Relaxed: uniqueness needs only atomicity.
     next_generation: AtomicU64,
 }
 
-impl Default for RoomTable {
+impl<T> Default for RoomTable<T> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl RoomTable {
+impl<T> RoomTable<T> {
     /// An empty table.
     pub fn new() -> Self {
         RoomTable {
@@ -58,14 +58,14 @@ impl RoomTable {
         }
     }
 
-    fn shard(&self, id: u64) -> &Shard {
+    fn shard(&self, id: u64) -> &Shard<T> {
         let h = id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         &self.shards[(h >> 58) as usize % SHARDS]
     }
 
     /// Creates room `id` in `Bootstrapping` with a fresh generation. An id that is
     /// present (live, or terminal and not yet cleared) is refused.
-    pub fn create(&self, id: u64, role: Role, deadline_ms: u64) -> Result<Arc<Room>> {
+    pub fn create(&self, id: u64, role: Role, deadline_ms: u64, ext: T) -> Result<Arc<Room<T>>> {
         let mut shard = self.shard(id).write();
         if let Some(existing) = shard.get(&id) {
             let state = existing.state();
@@ -79,19 +79,19 @@ impl RoomTable {
             });
         }
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
-        let room = Arc::new(Room::new(id, generation, role, deadline_ms));
+        let room = Arc::new(Room::new(id, generation, role, deadline_ms, ext));
         shard.insert(id, room.clone());
         Ok(room)
     }
 
     /// The room with `id`, if present.
-    pub fn get(&self, id: u64) -> Option<Arc<Room>> {
+    pub fn get(&self, id: u64) -> Option<Arc<Room<T>>> {
         self.shard(id).read().get(&id).cloned()
     }
 
     /// The room with `id` only if it still has `generation` (a message for an earlier
     /// use of the id gets `None`).
-    pub fn get_generation(&self, id: u64, generation: u64) -> Option<Arc<Room>> {
+    pub fn get_generation(&self, id: u64, generation: u64) -> Option<Arc<Room<T>>> {
         self.get(id).filter(|r| r.generation() == generation)
     }
 
@@ -102,12 +102,12 @@ impl RoomTable {
     }
 
     /// Removes room `id`, returning it.
-    pub fn remove(&self, id: u64) -> Option<Arc<Room>> {
+    pub fn remove(&self, id: u64) -> Option<Arc<Room<T>>> {
         self.shard(id).write().remove(&id)
     }
 
     /// Removes room `id` only if it still has `generation`.
-    pub fn remove_generation(&self, id: u64, generation: u64) -> Option<Arc<Room>> {
+    pub fn remove_generation(&self, id: u64, generation: u64) -> Option<Arc<Room<T>>> {
         let mut shard = self.shard(id).write();
         if shard.get(&id).map(|r| r.generation()) == Some(generation) {
             shard.remove(&id)
@@ -117,7 +117,7 @@ impl RoomTable {
     }
 
     /// A snapshot of every room (for the watchdog, metrics and shutdown).
-    pub fn snapshot(&self) -> Vec<Arc<Room>> {
+    pub fn snapshot(&self) -> Vec<Arc<Room<T>>> {
         let mut out = Vec::new();
         for shard in self.shards.iter() {
             out.extend(shard.read().values().cloned());
@@ -144,9 +144,9 @@ mod tests {
 
     #[test]
     fn a_present_id_cannot_be_created_again() {
-        let t = RoomTable::new();
-        t.create(5, Role::Prefill, NO_DEADLINE).unwrap();
-        let e = t.create(5, Role::Prefill, NO_DEADLINE).unwrap_err();
+        let t = RoomTable::<()>::new();
+        t.create(5, Role::Prefill, NO_DEADLINE, ()).unwrap();
+        let e = t.create(5, Role::Prefill, NO_DEADLINE, ()).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::AlreadyExists);
         assert!(e.message().contains("room 5"), "{}", e.message());
         // Still refused once terminal, until cleared.
@@ -154,19 +154,27 @@ mod tests {
             .unwrap()
             .fail(FailureReason::local(Cause::Aborted, "x"));
         assert_eq!(
-            t.create(5, Role::Prefill, NO_DEADLINE).unwrap_err().kind(),
+            t.create(5, Role::Prefill, NO_DEADLINE, ())
+                .unwrap_err()
+                .kind(),
             ErrorKind::AlreadyExists
         );
         t.remove(5).unwrap();
-        t.create(5, Role::Prefill, NO_DEADLINE).unwrap();
+        t.create(5, Role::Prefill, NO_DEADLINE, ()).unwrap();
     }
 
     #[test]
     fn generations_distinguish_uses_of_one_id() {
-        let t = RoomTable::new();
-        let g1 = t.create(9, Role::Decode, NO_DEADLINE).unwrap().generation();
+        let t = RoomTable::<()>::new();
+        let g1 = t
+            .create(9, Role::Decode, NO_DEADLINE, ())
+            .unwrap()
+            .generation();
         t.remove(9);
-        let g2 = t.create(9, Role::Decode, NO_DEADLINE).unwrap().generation();
+        let g2 = t
+            .create(9, Role::Decode, NO_DEADLINE, ())
+            .unwrap()
+            .generation();
         assert_ne!(g1, g2);
         assert!(t.get_generation(9, g1).is_none());
         assert!(t.get_generation(9, g2).is_some());
@@ -177,9 +185,9 @@ mod tests {
 
     #[test]
     fn state_lookup_and_snapshot_see_every_room() {
-        let t = RoomTable::new();
+        let t = RoomTable::<()>::new();
         for id in 0..1000u64 {
-            t.create(id * 7919, Role::Decode, NO_DEADLINE).unwrap();
+            t.create(id * 7919, Role::Decode, NO_DEADLINE, ()).unwrap();
         }
         assert_eq!(t.len(), 1000);
         assert_eq!(t.snapshot().len(), 1000);

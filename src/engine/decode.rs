@@ -1,0 +1,417 @@
+//! The decode (receiving) side: destinations sent to the prefill engines, data frames read
+//! straight into granted pages, and completion when every prefill engine is done.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::peer::Peer;
+use super::{ERoom, RoomExt, Shared};
+use crate::error::Result;
+use crate::proto::{self, DataHeader, Kind, Message, ReadError, Target};
+use crate::room::{Cause, Event, FailureReason, State};
+use crate::transport::tcp;
+
+/// Bytes written into pages between two checks of the room's state.
+const WRITE_SLICE: usize = 256 * 1024;
+
+pub(crate) struct DecodeRoom {
+    /// The prefill engines the room pulls from.
+    pub peers: Vec<Arc<Peer>>,
+    inner: Mutex<DecodeState>,
+    /// Receivers currently inside a write into this room's pages. A room is drained when
+    /// it is terminal and this is zero: every receiver increments it before re-checking
+    /// the state and writing, so once the state is terminal and this reads zero, no later
+    /// write can start.
+    writes: AtomicU32,
+}
+
+#[derive(Default)]
+struct DecodeState {
+    dest: Option<Destination>,
+    /// The destination went out to the peers.
+    sent: bool,
+    /// Per peer (same order as `peers`): KV page-writes received, aux rows received, done.
+    progress: Vec<Progress>,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Progress {
+    kv_pages: u64,
+    aux_rows: u64,
+    done: bool,
+}
+
+struct Destination {
+    pages: Arc<[u32]>,
+    /// page → position in `pages`.
+    pos: HashMap<u32, u32>,
+    aux: Option<u32>,
+}
+
+impl DecodeRoom {
+    pub fn new(peers: Vec<Arc<Peer>>) -> Self {
+        let n = peers.len();
+        DecodeRoom {
+            peers,
+            inner: Mutex::new(DecodeState {
+                progress: vec![Progress::default(); n],
+                ..Default::default()
+            }),
+            writes: AtomicU32::new(0),
+        }
+    }
+
+    pub fn writes_in_flight(&self) -> u32 {
+        self.writes.load(Ordering::SeqCst)
+    }
+}
+
+fn ext(room: &ERoom) -> Option<&DecodeRoom> {
+    match &room.ext {
+        RoomExt::Decode(d) => Some(d),
+        RoomExt::Prefill(_) => None,
+    }
+}
+
+/// Why a data frame was refused: the peer broke the protocol (close the connection) or
+/// the room simply cannot take it any more (discard the bytes).
+enum Refuse {
+    Protocol(String),
+    Discard,
+}
+
+impl Shared {
+    /// Moves a room whose peers are all connected to WAITING_FOR_INPUT, and sends its
+    /// destination if the scheduler already gave it.
+    pub(crate) fn decode_try_ready(&self, room: &Arc<ERoom>) {
+        let Some(d) = ext(room) else { return };
+        if !d.peers.iter().all(|p| p.is_ready()) {
+            return;
+        }
+        if room.state() == State::Bootstrapping {
+            self.arm(room, State::WaitingForInput);
+            let _ = room.advance(Event::Ready);
+        }
+        self.decode_send_destination(room);
+    }
+
+    pub(crate) fn decode_set_destination(
+        &self,
+        room: &Arc<ERoom>,
+        pages: &[u32],
+        aux: Option<u32>,
+    ) -> Result<()> {
+        let d = ext(room).expect("decode engine rooms are decode rooms");
+        {
+            let mut st = d.inner.lock();
+            if st.dest.is_some() {
+                return Err(crate::err!(
+                    WrongState,
+                    "room {} already has its destination",
+                    room.id()
+                ));
+            }
+            st.dest = Some(Destination {
+                pages: pages.into(),
+                pos: pages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &p)| (p, i as u32))
+                    .collect(),
+                aux,
+            });
+        }
+        if room.state() == State::WaitingForInput {
+            // Fresh deadline: waiting now means waiting for the prefill's data.
+            self.arm(room, State::WaitingForInput);
+        }
+        self.decode_send_destination(room);
+        if pages.is_empty() && aux.is_none() {
+            // Nothing to receive: completion still needs every prefill's Done.
+        }
+        Ok(())
+    }
+
+    /// Sends the destination to every peer, once, when both it and the peers are ready.
+    fn decode_send_destination(&self, room: &Arc<ERoom>) {
+        let Some(d) = ext(room) else { return };
+        if room.state() != State::WaitingForInput {
+            return;
+        }
+        let msg = {
+            let mut st = d.inner.lock();
+            let Some(dest) = st.dest.as_ref() else { return };
+            if st.sent {
+                return;
+            }
+            let msg = Message::Destination {
+                room: room.id(),
+                generation: room.generation(),
+                pages: dest.pages.to_vec(),
+                aux_slot: dest.aux,
+            };
+            st.sent = true;
+            msg
+        };
+        for p in &d.peers {
+            p.send(self, &msg);
+        }
+    }
+
+    /// One data connection from a prefill engine: frames are read and written into the
+    /// granted pages until the connection ends.
+    pub(crate) fn data_reader(&self, peer: &Arc<Peer>, mut s: TcpStream) {
+        let why = loop {
+            let hdr = match proto::read_frame_header(&mut s, &self.limits) {
+                Ok(h) => h,
+                Err(ReadError::Closed) => break "data connection closed".to_string(),
+                Err(ReadError::Proto(e)) => {
+                    self.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                    break format!("malformed frame: {e}");
+                }
+                Err(e) => break format!("data read failed: {e}"),
+            };
+            peer.last_recv_ms.store(self.now_ms(), Ordering::Relaxed);
+            let r = match hdr.kind {
+                Kind::Data => proto::read_data_header(&mut s, &hdr, &self.limits)
+                    .map_err(|e| e.to_string())
+                    .and_then(|dh| self.on_data(peer, &mut s, &dh)),
+                Kind::Done => match proto::read_control(&mut s, &hdr, &self.limits) {
+                    Ok(Message::Done {
+                        room,
+                        generation,
+                        pages_sent,
+                        aux_sent,
+                    }) => {
+                        self.on_done(peer, room, generation, pages_sent, aux_sent);
+                        Ok(())
+                    }
+                    Ok(_) => Err("Done frame decoded as another kind".into()),
+                    Err(e) => Err(e.to_string()),
+                },
+                k => Err(format!(
+                    "unexpected {} frame on a data connection",
+                    k.name()
+                )),
+            };
+            if let Err(why) = r {
+                self.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                break why;
+            }
+        };
+        self.lose_peer(peer, why);
+    }
+
+    /// Validates one data frame against the room's grant and reads its bytes into the
+    /// pages (or discards them). `Err` means the connection must close.
+    fn on_data(
+        &self,
+        peer: &Arc<Peer>,
+        s: &mut TcpStream,
+        h: &DataHeader,
+    ) -> std::result::Result<(), String> {
+        let room = self.rooms.get_generation(h.room, h.generation);
+        let target = match room.as_ref() {
+            None => Err(Refuse::Discard),
+            Some(room) => self.check_data(peer, room, h),
+        };
+        let (room, dst_len) = match target {
+            Ok(t) => t,
+            Err(Refuse::Discard) => {
+                self.metrics.dropped_frames.fetch_add(1, Ordering::Relaxed);
+                return tcp::discard(s, h.byte_len as u64).map_err(|e| e.to_string());
+            }
+            Err(Refuse::Protocol(why)) => {
+                if let Some(room) = room.as_ref() {
+                    self.fail_room(
+                        room,
+                        FailureReason::local(Cause::Protocol, format!("{} sent {why}", peer.name)),
+                        None,
+                    );
+                }
+                return Err(why);
+            }
+        };
+        debug_assert_eq!(dst_len, h.byte_len as usize);
+        let d = ext(&room).expect("checked");
+        let mem = match h.target {
+            Target::Kv => self.kv.get(),
+            Target::Aux => self.aux.get(),
+        }
+        .expect("checked");
+        d.writes.fetch_add(1, Ordering::SeqCst);
+        let r = (|| -> std::io::Result<bool> {
+            let dst = mem
+                .pages_mut(h.buffer as usize, h.first_page, h.n_pages)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            let mut off = 0;
+            while off < dst.len() {
+                let end = (off + WRITE_SLICE).min(dst.len());
+                // Re-check after announcing the write: once terminal, nothing more lands.
+                if room.state().is_terminal() {
+                    tcp::discard(s, (dst.len() - off) as u64)?;
+                    return Ok(false);
+                }
+                s.read_exact(&mut dst[off..end])?;
+                off = end;
+            }
+            Ok(true)
+        })();
+        d.writes.fetch_sub(1, Ordering::SeqCst);
+        let written = r.map_err(|e| format!("data read failed: {e}"))?;
+        self.metrics
+            .bytes_received
+            .fetch_add(h.byte_len as u64, Ordering::Relaxed);
+        if written {
+            let idx = d
+                .peers
+                .iter()
+                .position(|p| Arc::ptr_eq(p, peer))
+                .unwrap_or(0);
+            let mut st = d.inner.lock();
+            match h.target {
+                Target::Kv => st.progress[idx].kv_pages += h.n_pages as u64,
+                Target::Aux => st.progress[idx].aux_rows += 1,
+            }
+            room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
+        }
+        Ok(())
+    }
+
+    /// Checks a data frame: the room pulls from this peer, is live, has a destination,
+    /// and the frame's pages are granted to it, in registered buffers, with the right
+    /// length. Returns the room and the byte length to write.
+    fn check_data(
+        &self,
+        peer: &Arc<Peer>,
+        room: &Arc<ERoom>,
+        h: &DataHeader,
+    ) -> std::result::Result<(Arc<ERoom>, usize), Refuse> {
+        let proto_err =
+            |why: String| Refuse::Protocol(format!("a bad data frame for room {}: {why}", h.room));
+        let d = ext(room).ok_or(Refuse::Discard)?;
+        if !d.peers.iter().any(|p| Arc::ptr_eq(p, peer)) {
+            return Err(proto_err("the room does not pull from this engine".into()));
+        }
+        if room.state().is_terminal() {
+            return Err(Refuse::Discard);
+        }
+        let (mem, what) = match h.target {
+            Target::Kv => (self.kv.get(), "kv"),
+            Target::Aux => (self.aux.get(), "aux"),
+        };
+        let item_len = mem
+            .and_then(|m| m.item_len(h.buffer as usize))
+            .ok_or_else(|| proto_err(format!("{what} buffer {} is not registered", h.buffer)))?;
+        if h.byte_len as u64 != h.n_pages as u64 * item_len as u64 {
+            return Err(proto_err(format!(
+                "{} bytes for {} pages of {item_len}",
+                h.byte_len, h.n_pages
+            )));
+        }
+        {
+            let st = d.inner.lock();
+            let dest = st
+                .dest
+                .as_ref()
+                .ok_or_else(|| proto_err("no destination was sent".into()))?;
+            match h.target {
+                Target::Kv => {
+                    let pos = *dest.pos.get(&h.first_page).ok_or_else(|| {
+                        proto_err(format!("page {} was not granted", h.first_page))
+                    })? as usize;
+                    let end = pos + h.n_pages as usize;
+                    let granted = end <= dest.pages.len()
+                        && dest.pages[pos..end]
+                            .iter()
+                            .enumerate()
+                            .all(|(i, &p)| p as u64 == h.first_page as u64 + i as u64);
+                    if !granted {
+                        return Err(proto_err(format!(
+                            "pages {}..{} were not granted",
+                            h.first_page,
+                            h.first_page as u64 + h.n_pages as u64
+                        )));
+                    }
+                }
+                Target::Aux => {
+                    if dest.aux != Some(h.first_page) || h.n_pages != 1 {
+                        return Err(proto_err(format!(
+                            "aux slot {} was not granted",
+                            h.first_page
+                        )));
+                    }
+                }
+            }
+        }
+        let _ = room.advance(Event::Start);
+        Ok((room.clone(), h.byte_len as usize))
+    }
+
+    /// A prefill engine's Done: check it delivered everything, then complete the room
+    /// when every prefill engine is done.
+    fn on_done(&self, peer: &Arc<Peer>, id: u64, generation: u64, pages_sent: u32, aux_sent: bool) {
+        let Some(room) = self.rooms.get_generation(id, generation) else {
+            self.metrics
+                .unknown_room_frames
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let Some(d) = ext(&room) else { return };
+        let Some(idx) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) else {
+            return;
+        };
+        let n_kv = self.kv.get().map_or(0, |m| m.buffers().len()) as u64;
+        let n_aux = self.aux.get().map_or(0, |m| m.buffers().len()) as u64;
+        let verdict = {
+            let mut st = d.inner.lock();
+            let (want_pages, want_aux) = match &st.dest {
+                Some(dest) => (dest.pages.len() as u64, dest.aux.is_some()),
+                None => (0, false),
+            };
+            let pr = st.progress[idx];
+            let problem = if pages_sent as u64 != want_pages {
+                Some(format!(
+                    "{} sent {pages_sent} pages for a destination of {want_pages}",
+                    peer.name
+                ))
+            } else if pr.kv_pages != want_pages * n_kv {
+                Some(format!(
+                    "{} reported done after {} of {} page writes",
+                    peer.name,
+                    pr.kv_pages,
+                    want_pages * n_kv
+                ))
+            } else if want_aux && (!aux_sent || pr.aux_rows != n_aux) {
+                Some(format!("{} did not send the aux rows", peer.name))
+            } else {
+                None
+            };
+            if problem.is_none() {
+                st.progress[idx].done = true;
+            }
+            (problem, st.progress.iter().all(|p| p.done))
+        };
+        match verdict {
+            (Some(why), _) => {
+                self.fail_room(
+                    &room,
+                    FailureReason::local(Cause::Mismatch, format!("room {id}: {why}")),
+                    None,
+                );
+            }
+            (None, true) => {
+                if room.advance(Event::Complete).is_ok() {
+                    self.metrics.succeeded();
+                    crate::log!(self.log, Debug, "room {id} received");
+                }
+            }
+            (None, false) => {}
+        }
+    }
+}

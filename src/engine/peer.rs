@@ -1,0 +1,541 @@
+//! Peer engines: one control connection and several data connections per peer, shared
+//! by every room to that peer; handshake and registration exchange once per peer;
+//! heartbeats; loss of a peer fails every live room it served.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, OnceLock};
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+
+use super::Shared;
+use crate::proto::{
+    self, ConnKind, FrameHeader, Kind, Message, ReadError, Registration, Role as WireRole,
+    PROTO_VERSION,
+};
+use crate::room::{Cause, FailureReason};
+use crate::transport::tcp::{self, SendConn};
+
+/// A remote engine.
+pub(crate) struct Peer {
+    /// Key in the engine's peer map: the address (decode side) or the engine id
+    /// (prefill side).
+    pub key: String,
+    /// How messages name the peer.
+    pub name: String,
+    ready: AtomicBool,
+    lost: OnceLock<String>,
+    ctrl: Mutex<Option<mpsc::Sender<Vec<u8>>>>,
+    /// Connections data frames are written to (prefill side).
+    pub data: RwLock<Vec<Arc<SendConn>>>,
+    streams: Mutex<Vec<TcpStream>>,
+    /// Rooms (id, local generation) that depend on this peer.
+    pub rooms: Mutex<HashSet<(u64, u64)>>,
+    /// Engine-clock ms of the last frame received; Relaxed: read only by the watchdog
+    /// to compare with a generous bound.
+    pub last_recv_ms: AtomicU64,
+    last_sent_ms: AtomicU64,
+    hb_seq: AtomicU64,
+}
+
+impl Peer {
+    pub fn new(key: String, name: String, now_ms: u64) -> Arc<Peer> {
+        Arc::new(Peer {
+            key,
+            name,
+            ready: AtomicBool::new(false),
+            lost: OnceLock::new(),
+            ctrl: Mutex::new(None),
+            data: RwLock::new(Vec::new()),
+            streams: Mutex::new(Vec::new()),
+            rooms: Mutex::new(HashSet::new()),
+            last_recv_ms: AtomicU64::new(now_ms),
+            last_sent_ms: AtomicU64::new(now_ms),
+            hb_seq: AtomicU64::new(0),
+        })
+    }
+
+    /// Handshake and registration done, and not lost.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire) && !self.is_lost()
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.get().is_some()
+    }
+
+    /// Queues a control message for the writer thread. Never blocks; a lost peer drops it.
+    pub fn send(&self, shared: &Shared, msg: &Message) {
+        let mut frame = Vec::with_capacity(64);
+        if let Err(e) = msg.encode(&mut frame) {
+            crate::log!(
+                shared.log,
+                Error,
+                "cannot encode {:?} for {}: {e}",
+                msg.kind(),
+                self.name
+            );
+            return;
+        }
+        if let Some(tx) = self.ctrl.lock().as_ref() {
+            let _ = tx.send(frame);
+        }
+    }
+
+    fn track(&self, s: &TcpStream) {
+        if let Ok(c) = s.try_clone() {
+            self.streams.lock().push(c);
+        }
+    }
+}
+
+impl Shared {
+    /// Marks `peer` lost (once): closes its connections, forgets it, and fails every
+    /// live room that depends on it with a reason naming the peer.
+    pub(crate) fn lose_peer(&self, peer: &Arc<Peer>, why: String) {
+        if peer.lost.set(why.clone()).is_err() {
+            return;
+        }
+        {
+            let mut peers = self.peers.lock();
+            if peers.get(&peer.key).is_some_and(|p| Arc::ptr_eq(p, peer)) {
+                peers.remove(&peer.key);
+            }
+        }
+        peer.ctrl.lock().take();
+        for s in peer.streams.lock().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        peer.data.write().clear();
+        self.metrics.peers_lost.fetch_add(1, Ordering::Relaxed);
+        let rooms: Vec<(u64, u64)> = peer.rooms.lock().drain().collect();
+        if !self.stopping.load(Ordering::Acquire) {
+            crate::log!(
+                self.log,
+                Warn,
+                "lost {}: {why}; failing {} room(s)",
+                peer.name,
+                rooms.len()
+            );
+        }
+        for (id, generation) in rooms {
+            if let Some(room) = self.rooms.get_generation(id, generation) {
+                self.fail_room(
+                    &room,
+                    FailureReason::local(Cause::PeerLost, format!("lost {}: {why}", peer.name)),
+                    Some(peer),
+                );
+            }
+        }
+    }
+
+    fn hello(&self, conn: ConnKind, conn_index: u16) -> Message {
+        Message::Hello {
+            proto_version: PROTO_VERSION,
+            role: match self.role {
+                crate::Role::Prefill => WireRole::Prefill,
+                crate::Role::Decode => WireRole::Decode,
+            },
+            engine_id: self.engine_id,
+            conn,
+            conn_index,
+        }
+    }
+
+    fn registration(&self) -> Registration {
+        let info = |m: Option<&crate::transport::Memory>| {
+            m.map(|m| {
+                m.buffers()
+                    .iter()
+                    .map(|b| proto::BufferInfo {
+                        len: b.len as u64,
+                        item_len: b.item_len as u64,
+                        layer_id: proto::BufferInfo::NO_LAYER,
+                        addr: 0,
+                        rkey: 0,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+        };
+        Registration {
+            kv: info(self.kv.get()),
+            aux: info(self.aux.get()),
+            layout: proto::Layout::default(),
+        }
+    }
+
+    /// Checks the peer's registration against ours: same buffer counts and item lengths.
+    fn check_registration(&self, peer: &str, theirs: &Registration) -> Result<(), String> {
+        let ours = self.registration();
+        for (what, a, b) in [
+            ("kv", &ours.kv, &theirs.kv),
+            ("aux", &ours.aux, &theirs.aux),
+        ] {
+            if a.len() != b.len() {
+                return Err(format!(
+                    "registration mismatch with {peer}: {} {what} buffers here, {} there",
+                    a.len(),
+                    b.len()
+                ));
+            }
+            for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
+                if x.item_len != y.item_len {
+                    return Err(format!(
+                        "registration mismatch with {peer}: {what} buffer {i} has item_len {} \
+                         here and {} there",
+                        x.item_len, y.item_len
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn write_msg(&self, s: &mut TcpStream, msg: &Message) -> Result<(), String> {
+        let mut frame = Vec::new();
+        msg.encode(&mut frame).map_err(|e| e.to_string())?;
+        s.write_all(&frame).map_err(|e| e.to_string())
+    }
+
+    fn read_msg(&self, s: &mut TcpStream) -> Result<Message, String> {
+        let hdr = proto::read_frame_header(s, &self.limits).map_err(|e| e.to_string())?;
+        if !hdr.kind.is_control() {
+            return Err(format!("expected a control frame, got {}", hdr.kind.name()));
+        }
+        proto::read_control(s, &hdr, &self.limits).map_err(|e| e.to_string())
+    }
+
+    fn expect_hello(
+        &self,
+        s: &mut TcpStream,
+        role: WireRole,
+    ) -> Result<(u64, ConnKind, u16), String> {
+        match self.read_msg(s)? {
+            Message::Hello {
+                proto_version,
+                role: r,
+                engine_id,
+                conn,
+                conn_index,
+            } => {
+                if proto_version != PROTO_VERSION {
+                    return Err(format!(
+                        "peer speaks protocol {proto_version}, this build {PROTO_VERSION}"
+                    ));
+                }
+                if r != role {
+                    return Err(format!("peer is a {r:?} engine, expected {role:?}"));
+                }
+                Ok((engine_id, conn, conn_index))
+            }
+            other => Err(format!("expected Hello, got {}", other.kind().name())),
+        }
+    }
+
+    fn expect_registration(&self, s: &mut TcpStream) -> Result<Registration, String> {
+        match self.read_msg(s)? {
+            Message::Registration(r) => Ok(r),
+            other => Err(format!(
+                "expected Registration, got {}",
+                other.kind().name()
+            )),
+        }
+    }
+
+    fn bootstrap_timeout(&self) -> Duration {
+        Duration::from_millis(self.config.bootstrap_timeout_ms)
+    }
+
+    /// Decode side: the peer for prefill `addr`, connecting in the background if there is
+    /// none (or the last one was lost).
+    pub(crate) fn peer_for(self: &Arc<Self>, addr: &str) -> Arc<Peer> {
+        let mut peers = self.peers.lock();
+        if let Some(p) = peers.get(addr) {
+            if !p.is_lost() {
+                return p.clone();
+            }
+        }
+        let peer = Peer::new(addr.to_string(), format!("prefill {addr}"), self.now_ms());
+        peers.insert(addr.to_string(), peer.clone());
+        drop(peers);
+        let (shared, p) = (self.clone(), peer.clone());
+        self.spawn("kvxfer-connect", move || {
+            if let Err(why) = shared.connect(&p) {
+                shared.lose_peer(&p, why);
+            }
+        });
+        peer
+    }
+
+    /// Decode side: handshake, registration and data connections to a prefill engine.
+    fn connect(self: &Arc<Self>, peer: &Arc<Peer>) -> Result<(), String> {
+        let timeout = self.bootstrap_timeout();
+        let addr = peer.key.clone();
+        let mut ctrl = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
+        peer.track(&ctrl);
+        ctrl.set_read_timeout(Some(timeout))
+            .map_err(|e| e.to_string())?;
+        self.write_msg(&mut ctrl, &self.hello(ConnKind::Control, 0))?;
+        self.expect_hello(&mut ctrl, WireRole::Prefill)?;
+        self.write_msg(&mut ctrl, &Message::Registration(self.registration()))?;
+        let theirs = self.expect_registration(&mut ctrl)?;
+        self.check_registration(&peer.name, &theirs)?;
+        for i in 0..self.config.connections_per_peer {
+            let mut d = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
+            peer.track(&d);
+            d.set_read_timeout(Some(timeout))
+                .map_err(|e| e.to_string())?;
+            self.write_msg(&mut d, &self.hello(ConnKind::Data, i as u16))?;
+            self.expect_hello(&mut d, WireRole::Prefill)?;
+            d.set_read_timeout(None).map_err(|e| e.to_string())?;
+            let (shared, p) = (self.clone(), peer.clone());
+            self.spawn("kvxfer-recv", move || shared.data_reader(&p, d));
+        }
+        ctrl.set_read_timeout(None).map_err(|e| e.to_string())?;
+        self.start_control(peer, ctrl)?;
+        peer.ready.store(true, Ordering::Release);
+        crate::log!(self.log, Info, "connected to {}", peer.name);
+        let rooms: Vec<(u64, u64)> = peer.rooms.lock().iter().copied().collect();
+        for (id, generation) in rooms {
+            if let Some(room) = self.rooms.get_generation(id, generation) {
+                self.decode_try_ready(&room);
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the control writer thread and the control reader thread of `peer`.
+    fn start_control(self: &Arc<Self>, peer: &Arc<Peer>, ctrl: TcpStream) -> Result<(), String> {
+        let (tx, rx) = mpsc::channel::<Vec<u8>>();
+        let writer = ctrl.try_clone().map_err(|e| e.to_string())?;
+        *peer.ctrl.lock() = Some(tx);
+        if peer.is_lost() {
+            peer.ctrl.lock().take();
+            return Err("lost during setup".into());
+        }
+        let (shared, p) = (self.clone(), peer.clone());
+        self.spawn("kvxfer-ctrl-tx", move || {
+            let conn = SendConn::new(writer);
+            for frame in rx {
+                if let Err(e) = conn.send_frame(&frame) {
+                    shared.lose_peer(&p, format!("control write failed: {e}"));
+                    break;
+                }
+                p.last_sent_ms.store(shared.now_ms(), Ordering::Relaxed);
+            }
+        });
+        let (shared, p) = (self.clone(), peer.clone());
+        self.spawn("kvxfer-ctrl-rx", move || shared.control_reader(&p, ctrl));
+        Ok(())
+    }
+
+    fn control_reader(self: &Arc<Self>, peer: &Arc<Peer>, mut s: TcpStream) {
+        loop {
+            let r = proto::read_frame_header(&mut s, &self.limits).and_then(|hdr: FrameHeader| {
+                if hdr.kind == Kind::Data {
+                    return Err(ReadError::Io(std::io::Error::other(
+                        "data frame on the control connection",
+                    )));
+                }
+                proto::read_control(&mut s, &hdr, &self.limits)
+            });
+            match r {
+                Ok(msg) => {
+                    peer.last_recv_ms.store(self.now_ms(), Ordering::Relaxed);
+                    let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        self.on_control(peer, msg)
+                    }));
+                    match handled {
+                        Ok(Ok(())) => {}
+                        Ok(Err(why)) => {
+                            self.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                            return self.lose_peer(peer, format!("protocol error: {why}"));
+                        }
+                        Err(_) => {
+                            return self
+                                .lose_peer(peer, "internal error handling a control frame".into())
+                        }
+                    }
+                }
+                Err(ReadError::Closed) => return self.lose_peer(peer, "connection closed".into()),
+                Err(ReadError::Proto(e)) => {
+                    self.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                    return self.lose_peer(peer, format!("malformed frame: {e}"));
+                }
+                Err(e) => return self.lose_peer(peer, format!("control read failed: {e}")),
+            }
+        }
+    }
+
+    fn on_control(self: &Arc<Self>, peer: &Arc<Peer>, msg: Message) -> Result<(), String> {
+        match (msg, self.role) {
+            (Message::Heartbeat { .. }, _) => Ok(()),
+            (
+                Message::Destination {
+                    room,
+                    generation,
+                    pages,
+                    aux_slot,
+                },
+                crate::Role::Prefill,
+            ) => {
+                self.prefill_on_destination(peer, room, generation, pages, aux_slot);
+                Ok(())
+            }
+            (
+                Message::Abort {
+                    room,
+                    generation,
+                    reason,
+                },
+                _,
+            ) => {
+                self.on_peer_abort(peer, room, generation, reason);
+                Ok(())
+            }
+            (Message::AbortAck { room, generation }, crate::Role::Decode) => {
+                crate::log!(
+                    self.log,
+                    Debug,
+                    "{} acknowledged the abort of room {room} (gen {generation})",
+                    peer.name
+                );
+                Ok(())
+            }
+            (m, role) => Err(format!(
+                "unexpected {} message on a {role} engine's control connection",
+                m.kind().name()
+            )),
+        }
+    }
+
+    /// Prefill side: accepts connections until the engine stops.
+    pub(crate) fn accept_loop(self: &Arc<Self>, listener: std::net::TcpListener) {
+        if let Err(e) = listener.set_nonblocking(true) {
+            crate::log!(self.log, Error, "listener: {e}");
+            return;
+        }
+        while !self.stopping.load(Ordering::Acquire) {
+            match listener.accept() {
+                Ok((s, from)) => {
+                    let shared = self.clone();
+                    self.spawn("kvxfer-accept", move || {
+                        let _ = s.set_nonblocking(false);
+                        let _ = s.set_nodelay(true);
+                        if let Err(why) = shared.incoming(s) {
+                            shared
+                                .metrics
+                                .protocol_errors
+                                .fetch_add(1, Ordering::Relaxed);
+                            crate::log!(shared.log, Warn, "rejected connection from {from}: {why}");
+                        }
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(e) => {
+                    crate::log!(self.log, Warn, "accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+            }
+        }
+    }
+
+    /// An accepted connection: handshake, then control (registration, reader) or data.
+    fn incoming(self: &Arc<Self>, mut s: TcpStream) -> Result<(), String> {
+        if self.role != crate::Role::Prefill {
+            return Err("decode engines accept no connections".into());
+        }
+        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        s.set_read_timeout(Some(self.bootstrap_timeout()))
+            .map_err(|e| e.to_string())?;
+        let (engine_id, conn, index) = self.expect_hello(&mut s, WireRole::Decode)?;
+        let key = format!("{engine_id:016x}");
+        match conn {
+            ConnKind::Control => {
+                if self.kv.get().is_none() {
+                    return Err("this prefill engine has not registered its KV buffers yet".into());
+                }
+                let peer = Peer::new(
+                    key.clone(),
+                    format!("decode engine {key} at {from}"),
+                    self.now_ms(),
+                );
+                peer.track(&s);
+                self.write_msg(&mut s, &self.hello(ConnKind::Control, 0))?;
+                self.write_msg(&mut s, &Message::Registration(self.registration()))?;
+                let theirs = self.expect_registration(&mut s)?;
+                self.check_registration(&peer.name, &theirs)?;
+                s.set_read_timeout(None).map_err(|e| e.to_string())?;
+                let old = self.peers.lock().insert(key, peer.clone());
+                if let Some(old) = old {
+                    self.lose_peer(
+                        &old,
+                        "replaced by a new connection from the same engine".into(),
+                    );
+                }
+                self.start_control(&peer, s)?;
+                peer.ready.store(true, Ordering::Release);
+                crate::log!(self.log, Info, "accepted {}", peer.name);
+                Ok(())
+            }
+            ConnKind::Data => {
+                let peer =
+                    self.peers.lock().get(&key).cloned().ok_or_else(|| {
+                        format!("data connection {index} from unknown engine {key}")
+                    })?;
+                peer.track(&s);
+                self.write_msg(&mut s, &self.hello(ConnKind::Data, index))?;
+                let w = s.try_clone().map_err(|e| e.to_string())?;
+                w.set_write_timeout(Some(self.peer_deadline()))
+                    .map_err(|e| e.to_string())?;
+                peer.data.write().push(Arc::new(SendConn::new(w)));
+                if peer.is_lost() {
+                    peer.data.write().clear();
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// How long a peer may stay silent before it counts as lost.
+    pub(crate) fn peer_deadline(&self) -> Duration {
+        Duration::from_millis(
+            self.config.heartbeat_interval_ms * self.config.heartbeat_misses as u64,
+        )
+    }
+
+    /// Watchdog duty: send heartbeats that are due and lose silent peers.
+    pub(crate) fn heartbeat(&self) {
+        let now = self.now_ms();
+        let peers: Vec<Arc<Peer>> = self.peers.lock().values().cloned().collect();
+        let limit = self.config.heartbeat_interval_ms * self.config.heartbeat_misses as u64;
+        for p in peers {
+            if !p.is_ready() {
+                continue;
+            }
+            let silent = now.saturating_sub(p.last_recv_ms.load(Ordering::Relaxed));
+            if silent > limit {
+                self.lose_peer(
+                    &p,
+                    format!(
+                        "no frame for {silent} ms (heartbeat_interval_ms={} x heartbeat_misses={})",
+                        self.config.heartbeat_interval_ms, self.config.heartbeat_misses
+                    ),
+                );
+                continue;
+            }
+            if now.saturating_sub(p.last_sent_ms.load(Ordering::Relaxed))
+                >= self.config.heartbeat_interval_ms
+            {
+                let seq = p.hb_seq.fetch_add(1, Ordering::Relaxed);
+                p.send(self, &Message::Heartbeat { seq });
+            }
+        }
+    }
+}

@@ -1,0 +1,462 @@
+//! The prefill (sending) side: destinations from decode engines, the holding area for
+//! destinations that arrive before their room, chunk queues and the workers that write
+//! pages to the decode engines.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+
+use super::peer::Peer;
+use super::{ERoom, Job, RoomExt, Shared};
+use crate::err;
+use crate::error::Result;
+use crate::proto::{DataHeader, Message, Target};
+use crate::room::{Cause, Event, FailureReason, State};
+use crate::transport::tcp::{SendConn, MAX_FRAME_BYTES};
+use crate::transport::{coalesce, Memory};
+
+/// The most early destinations held at once.
+pub const MAX_HELD: usize = 65_536;
+
+/// One chunk of source pages.
+#[derive(Debug, Clone)]
+pub(crate) struct Chunk {
+    pub pages: Vec<u32>,
+    pub is_last: bool,
+    pub aux: Option<u32>,
+}
+
+/// Writes one data frame of a room, or says why the room must fail.
+type SendFn<'a> = dyn Fn(DataHeader, &[u8]) -> std::result::Result<(), FailureReason> + 'a;
+
+/// Where one decode engine wants the room's pages.
+#[derive(Clone)]
+pub(crate) struct Dest {
+    pub peer: Arc<Peer>,
+    /// The decode room's generation: every message about the room carries it.
+    pub generation: u64,
+    pub pages: Arc<[u32]>,
+    pub aux: Option<u32>,
+}
+
+pub(crate) struct PrefillRoom {
+    expected: usize,
+    pub dests: Vec<Dest>,
+    /// Chunks enqueued before every destination arrived.
+    held: VecDeque<Chunk>,
+    /// The last chunk was enqueued.
+    closed: bool,
+    /// Destination pages filled so far (the same for every destination).
+    cursor: usize,
+}
+
+impl PrefillRoom {
+    pub fn new(expected: usize) -> Self {
+        PrefillRoom {
+            expected,
+            dests: Vec::new(),
+            held: VecDeque::new(),
+            closed: false,
+            cursor: 0,
+        }
+    }
+
+    fn ready(&self) -> bool {
+        self.dests.len() >= self.expected
+    }
+}
+
+/// A destination that arrived before the local scheduler created its room.
+pub(crate) struct Held {
+    peer: Arc<Peer>,
+    generation: u64,
+    pages: Vec<u32>,
+    aux: Option<u32>,
+    expires_ms: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Holding {
+    by_room: HashMap<u64, Vec<Held>>,
+    count: usize,
+}
+
+fn ext(room: &ERoom) -> &parking_lot::Mutex<PrefillRoom> {
+    match &room.ext {
+        RoomExt::Prefill(p) => p,
+        RoomExt::Decode(_) => unreachable!("prefill code on a decode room"),
+    }
+}
+
+impl Shared {
+    pub(crate) fn prefill_enqueue(&self, room: &Arc<ERoom>, chunk: Chunk) -> Result<()> {
+        let mut p = ext(room).lock();
+        if p.closed {
+            return Err(err!(
+                WrongState,
+                "room {} already has its last chunk",
+                room.id()
+            ));
+        }
+        p.closed = chunk.is_last;
+        if p.ready() {
+            self.dispatch(Job {
+                room: room.clone(),
+                chunk,
+            });
+        } else {
+            p.held.push_back(chunk);
+        }
+        Ok(())
+    }
+
+    /// A decode engine's destination for room `id`.
+    pub(crate) fn prefill_on_destination(
+        &self,
+        peer: &Arc<Peer>,
+        id: u64,
+        generation: u64,
+        pages: Vec<u32>,
+        aux: Option<u32>,
+    ) {
+        let Some(room) = self.rooms.get(id) else {
+            return self.hold(peer, id, generation, pages, aux);
+        };
+        self.attach(&room, peer, generation, pages, aux);
+    }
+
+    fn attach(
+        &self,
+        room: &Arc<ERoom>,
+        peer: &Arc<Peer>,
+        generation: u64,
+        pages: Vec<u32>,
+        aux: Option<u32>,
+    ) {
+        let id = room.id();
+        if room.state().is_terminal() {
+            let why = match room.failure() {
+                Some(f) => format!("prefill room {id} already failed: {f}"),
+                None => format!("prefill room {id} already finished"),
+            };
+            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            return;
+        }
+        let mut p = ext(room).lock();
+        if p.dests.iter().any(|d| Arc::ptr_eq(&d.peer, peer)) || p.ready() {
+            drop(p);
+            let why = format!(
+                "prefill room {id} got a second destination from {}",
+                peer.name
+            );
+            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            self.fail_room(room, FailureReason::local(Cause::Protocol, why), Some(peer));
+            return;
+        }
+        peer.rooms.lock().insert((id, room.generation()));
+        p.dests.push(Dest {
+            peer: peer.clone(),
+            generation,
+            pages: pages.into(),
+            aux,
+        });
+        if peer.is_lost() {
+            drop(p);
+            self.fail_room(
+                room,
+                FailureReason::local(Cause::PeerLost, format!("lost {}", peer.name)),
+                None,
+            );
+            return;
+        }
+        if p.ready() {
+            self.arm(room, State::WaitingForInput);
+            if room.advance(Event::Ready).is_ok() {
+                while let Some(chunk) = p.held.pop_front() {
+                    self.dispatch(Job {
+                        room: room.clone(),
+                        chunk,
+                    });
+                }
+            }
+        }
+    }
+
+    fn hold(&self, peer: &Arc<Peer>, id: u64, generation: u64, pages: Vec<u32>, aux: Option<u32>) {
+        let mut h = self.holding.lock();
+        if h.count >= MAX_HELD {
+            drop(h);
+            self.metrics.held_overflow.fetch_add(1, Ordering::Relaxed);
+            let why = format!("prefill has no room {id} and its holding area is full ({MAX_HELD})");
+            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            return;
+        }
+        h.count += 1;
+        h.by_room.entry(id).or_default().push(Held {
+            peer: peer.clone(),
+            generation,
+            pages,
+            aux,
+            expires_ms: self.now_ms() + self.config.bootstrap_timeout_ms,
+        });
+        self.metrics.held.fetch_add(1, Ordering::Relaxed);
+        drop(h);
+        // The room may have been created between our lookup and the insert.
+        if let Some(room) = self.rooms.get(id) {
+            self.prefill_adopt_held(&room);
+        }
+    }
+
+    /// A new room takes the destinations that were waiting for it.
+    pub(crate) fn prefill_adopt_held(&self, room: &Arc<ERoom>) {
+        let held = {
+            let mut h = self.holding.lock();
+            let held = h.by_room.remove(&room.id()).unwrap_or_default();
+            h.count -= held.len();
+            held
+        };
+        for d in held {
+            if !d.peer.is_lost() {
+                self.attach(room, &d.peer, d.generation, d.pages, d.aux);
+            }
+        }
+    }
+
+    /// Forgets a held destination the decode side aborted.
+    pub(crate) fn prefill_drop_held(&self, peer: &Arc<Peer>, id: u64, generation: u64) {
+        let mut h = self.holding.lock();
+        if let Some(list) = h.by_room.get_mut(&id) {
+            let before = list.len();
+            list.retain(|d| !(Arc::ptr_eq(&d.peer, peer) && d.generation == generation));
+            let removed = before - list.len();
+            if list.is_empty() {
+                h.by_room.remove(&id);
+            }
+            h.count -= removed;
+        }
+    }
+
+    /// Watchdog duty: held destinations whose room never came are answered with a
+    /// failure.
+    pub(crate) fn expire_held(&self) {
+        let now = self.now_ms();
+        let mut expired = Vec::new();
+        {
+            let mut h = self.holding.lock();
+            if h.count == 0 {
+                return;
+            }
+            for (&id, list) in h.by_room.iter_mut() {
+                let (gone, keep): (Vec<Held>, Vec<Held>) =
+                    list.drain(..).partition(|d| d.expires_ms <= now);
+                *list = keep;
+                expired.extend(gone.into_iter().map(|d| (id, d)));
+            }
+            h.by_room.retain(|_, l| !l.is_empty());
+            h.count -= expired.len();
+        }
+        for (id, d) in expired {
+            self.metrics.held_expired.fetch_add(1, Ordering::Relaxed);
+            let why = format!(
+                "prefill created no room {id} within bootstrap_timeout_ms={}",
+                self.config.bootstrap_timeout_ms
+            );
+            d.peer
+                .send(self, &Message::abort(id, d.generation, &why, &self.limits));
+        }
+    }
+
+    /// A worker thread: processes chunks in order until the engine stops.
+    pub(crate) fn worker(&self, index: usize, jobs: mpsc::Receiver<Job>) {
+        for job in jobs {
+            let room = job.room.clone();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.send_chunk(index, &job.room, &job.chunk)
+            }));
+            let failure = match r {
+                Ok(Ok(())) => None,
+                Ok(Err(reason)) => Some(reason),
+                Err(_) => Some(FailureReason::local(
+                    Cause::Internal,
+                    format!(
+                        "internal error (panic) while sending a chunk of room {}",
+                        room.id()
+                    ),
+                )),
+            };
+            if let Some(reason) = failure {
+                self.fail_room(&room, reason, None);
+            }
+        }
+    }
+
+    /// Writes one chunk to every destination; on the last chunk, the aux rows and Done,
+    /// then SUCCESS. Returns the reason to fail the room with, if any.
+    fn send_chunk(
+        &self,
+        worker: usize,
+        room: &Arc<ERoom>,
+        chunk: &Chunk,
+    ) -> std::result::Result<(), FailureReason> {
+        if room.state().is_terminal() {
+            // Skipped: the room is already terminal (aborted, failed or done).
+            return Ok(());
+        }
+        let (dests, start) = {
+            let p = ext(room).lock();
+            (p.dests.clone(), p.cursor)
+        };
+        let n = chunk.pages.len();
+        self.arm(room, State::Transferring);
+        if room.advance(Event::Start).is_err() {
+            return Ok(());
+        }
+        let kv = self
+            .kv
+            .get()
+            .expect("rooms exist only after KV registration");
+        for Dest {
+            peer,
+            generation,
+            pages,
+            aux,
+        } in &dests
+        {
+            if start + n > pages.len() {
+                return Err(FailureReason::local(
+                    Cause::Mismatch,
+                    format!(
+                        "room {}: chunk of {n} pages overflows the destination of {} pages \
+                         from {} ({start} already filled)",
+                        room.id(),
+                        pages.len(),
+                        peer.name
+                    ),
+                ));
+            }
+            if chunk.is_last && start + n != pages.len() {
+                return Err(FailureReason::local(
+                    Cause::Mismatch,
+                    format!(
+                        "room {}: the last chunk leaves {} of {} destination pages from {} unfilled",
+                        room.id(),
+                        pages.len() - start - n,
+                        pages.len(),
+                        peer.name
+                    ),
+                ));
+            }
+            let conn = {
+                let data = peer.data.read();
+                if data.is_empty() {
+                    return Err(FailureReason::local(
+                        Cause::PeerLost,
+                        format!("no data connection to {}", peer.name),
+                    ));
+                }
+                data[worker % data.len()].clone()
+            };
+            let send = |hdr: DataHeader, bytes: &[u8]| -> std::result::Result<(), FailureReason> {
+                if room.state().is_terminal() {
+                    return Err(FailureReason::local(
+                        Cause::Aborted,
+                        "room ended while sending",
+                    ));
+                }
+                conn.send_data(&hdr, bytes).map_err(|e| {
+                    FailureReason::local(
+                        Cause::Transfer,
+                        format!("room {}: writing to {} failed: {e}", room.id(), peer.name),
+                    )
+                })?;
+                self.metrics
+                    .bytes_sent
+                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
+                Ok(())
+            };
+            for run in coalesce(&chunk.pages, &pages[start..start + n]) {
+                for (b, desc) in kv.buffers().iter().enumerate() {
+                    let per = (MAX_FRAME_BYTES / desc.item_len).max(1) as u32;
+                    let mut off = 0;
+                    while off < run.len {
+                        let k = per.min(run.len - off);
+                        let bytes = kv
+                            .pages(b, run.src + off, k)
+                            .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
+                        let hdr = DataHeader {
+                            room: room.id(),
+                            generation: *generation,
+                            target: Target::Kv,
+                            buffer: b as u32,
+                            first_page: run.dst + off,
+                            n_pages: k,
+                            byte_len: bytes.len() as u32,
+                        };
+                        send(hdr, bytes)?;
+                        off += k;
+                    }
+                }
+            }
+            if chunk.is_last {
+                let aux_sent = self.send_aux(room.id(), *generation, chunk.aux, *aux, &send)?;
+                let mut frame = Vec::with_capacity(64);
+                Message::Done {
+                    room: room.id(),
+                    generation: *generation,
+                    pages_sent: pages.len() as u32,
+                    aux_sent,
+                }
+                .encode(&mut frame)
+                .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
+                send_done(&conn, &frame).map_err(|e| {
+                    FailureReason::local(
+                        Cause::Transfer,
+                        format!("room {}: writing to {} failed: {e}", room.id(), peer.name),
+                    )
+                })?;
+            }
+        }
+        ext(room).lock().cursor = start + n;
+        self.metrics.chunks.fetch_add(1, Ordering::Relaxed);
+        if chunk.is_last && room.advance(Event::Complete).is_ok() {
+            self.metrics.succeeded();
+            crate::log!(self.log, Debug, "room {} sent", room.id());
+        }
+        Ok(())
+    }
+
+    /// Sends the aux rows of source slot `src` to destination slot `dst`, one frame per
+    /// aux buffer. Returns whether anything was sent.
+    fn send_aux(
+        &self,
+        id: u64,
+        generation: u64,
+        src: Option<u32>,
+        dst: Option<u32>,
+        send: &SendFn<'_>,
+    ) -> std::result::Result<bool, FailureReason> {
+        let (Some(src), Some(dst), Some(aux)) = (src, dst, self.aux.get()) else {
+            return Ok(false);
+        };
+        for b in 0..aux.buffers().len() {
+            let bytes = Memory::pages(aux, b, src, 1)
+                .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
+            let hdr = DataHeader {
+                room: id,
+                generation,
+                target: Target::Aux,
+                buffer: b as u32,
+                first_page: dst,
+                n_pages: 1,
+                byte_len: bytes.len() as u32,
+            };
+            send(hdr, bytes)?;
+        }
+        Ok(true)
+    }
+}
+
+fn send_done(conn: &SendConn, frame: &[u8]) -> std::io::Result<()> {
+    conn.send_frame(frame)
+}

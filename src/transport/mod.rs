@@ -1,0 +1,158 @@
+//! Transports move page bytes between registered memory of two engines.
+//!
+//! [`Memory`] is the one place that turns registered addresses into byte slices. The
+//! registration contract (`kvxfer_register_kv`: the memory stays valid until the engine
+//! is freed) plus the range checks here make those slices sound.
+
+pub mod tcp;
+
+use crate::engine::BufferDesc;
+use crate::err;
+use crate::error::Result;
+
+/// A list of registered buffers (the KV buffers or the aux buffers of one engine).
+#[derive(Debug, Clone)]
+pub struct Memory {
+    bufs: Vec<BufferDesc>,
+}
+
+impl Memory {
+    /// Wraps validated buffer descriptors.
+    pub fn new(bufs: Vec<BufferDesc>) -> Self {
+        Memory { bufs }
+    }
+
+    /// The buffers.
+    pub fn buffers(&self) -> &[BufferDesc] {
+        &self.bufs
+    }
+
+    /// Pages (or slots) every buffer holds: the smallest `len / item_len`.
+    pub fn capacity(&self) -> usize {
+        self.bufs.iter().map(BufferDesc::items).min().unwrap_or(0)
+    }
+
+    fn range(&self, buffer: usize, first: u32, n: u32) -> Result<(usize, usize)> {
+        let b = self
+            .bufs
+            .get(buffer)
+            .ok_or_else(|| err!(InvalidArgument, "buffer {buffer} is not registered"))?;
+        let end = first as usize + n as usize;
+        if n == 0 || end > b.items() {
+            return Err(err!(
+                InvalidArgument,
+                "pages {first}..{end} are outside buffer {buffer} ({} pages)",
+                b.items()
+            ));
+        }
+        Ok((
+            b.base + first as usize * b.item_len,
+            n as usize * b.item_len,
+        ))
+    }
+
+    /// The bytes of pages `first..first+n` of `buffer`, for sending.
+    pub fn pages(&self, buffer: usize, first: u32, n: u32) -> Result<&[u8]> {
+        let (addr, len) = self.range(buffer, first, n)?;
+        // SAFETY: `addr..addr+len` lies inside a buffer the host registered and promised
+        // to keep valid until the engine is freed (which outlives `self`'s users). The
+        // host owns the contents; reading bytes it may be writing concurrently yields
+        // arbitrary bytes, never undefined behaviour for u8.
+        Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+    }
+
+    /// The bytes of pages `first..first+n` of `buffer`, for receiving into.
+    ///
+    /// Callers must only ask for pages granted to a live room, so that no two receivers
+    /// write the same pages at once.
+    #[allow(clippy::mut_from_ref)]
+    pub fn pages_mut(&self, buffer: usize, first: u32, n: u32) -> Result<&mut [u8]> {
+        let (addr, len) = self.range(buffer, first, n)?;
+        // SAFETY: inside registered memory as above. Exclusive use: destination pages
+        // belong to exactly one live room, whose frames arrive on one connection and are
+        // written by one reader thread at a time.
+        Ok(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
+    }
+
+    /// The item length of `buffer`.
+    pub fn item_len(&self, buffer: usize) -> Option<usize> {
+        self.bufs.get(buffer).map(|b| b.item_len)
+    }
+}
+
+/// A maximal run of page pairs consecutive on both sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    /// First source page.
+    pub src: u32,
+    /// First destination page.
+    pub dst: u32,
+    /// Pages in the run.
+    pub len: u32,
+}
+
+/// Coalesces `(src[i], dst[i])` pairs into runs where both sides are consecutive.
+pub fn coalesce(src: &[u32], dst: &[u32]) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    for (&s, &d) in src.iter().zip(dst) {
+        match runs.last_mut() {
+            Some(r)
+                if r.src.checked_add(r.len) == Some(s) && r.dst.checked_add(r.len) == Some(d) =>
+            {
+                r.len += 1
+            }
+            _ => runs.push(Run {
+                src: s,
+                dst: d,
+                len: 1,
+            }),
+        }
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consecutive_pairs_become_one_run_and_breaks_start_new_ones() {
+        let runs = coalesce(&[0, 1, 2, 7, 8, 3], &[10, 11, 12, 13, 14, 20]);
+        assert_eq!(
+            runs,
+            vec![
+                Run {
+                    src: 0,
+                    dst: 10,
+                    len: 3
+                },
+                Run {
+                    src: 7,
+                    dst: 13,
+                    len: 2
+                },
+                Run {
+                    src: 3,
+                    dst: 20,
+                    len: 1
+                },
+            ]
+        );
+        assert!(coalesce(&[], &[]).is_empty());
+    }
+
+    #[test]
+    fn page_ranges_outside_a_buffer_are_refused() {
+        let mut backing = vec![0u8; 4 * 16];
+        let m = Memory::new(vec![BufferDesc {
+            base: backing.as_mut_ptr() as usize,
+            len: backing.len(),
+            item_len: 16,
+        }]);
+        assert_eq!(m.pages(0, 1, 3).unwrap().len(), 48);
+        assert!(m.pages(0, 2, 3).is_err());
+        assert!(m.pages(0, 0, 0).is_err());
+        assert!(m.pages(1, 0, 1).is_err());
+        assert!(m.pages(0, u32::MAX, 1).is_err());
+    }
+}

@@ -1,0 +1,404 @@
+//! Two engines in one process over loopback TCP: real transfers through the public Rust
+//! API, pages compared byte for byte, and the failure paths.
+
+use std::time::{Duration, Instant};
+
+use kvxfer::log::{Level, Logger};
+use kvxfer::{BufferDesc, Cause, Config, Engine, RoomPeers, State};
+
+const LAYERS: usize = 4;
+const PAGES: usize = 64;
+const ITEM: usize = 1024;
+const AUX_SLOTS: usize = 8;
+const AUX_ITEM: usize = 64;
+
+/// One side's registered memory: K and V per layer plus one aux buffer.
+struct Mem {
+    kv: Vec<Vec<u8>>,
+    aux: Vec<u8>,
+}
+
+impl Mem {
+    fn new(fill: impl Fn(usize, usize) -> u8) -> Mem {
+        Mem {
+            kv: (0..2 * LAYERS)
+                .map(|b| (0..PAGES * ITEM).map(|i| fill(b, i)).collect())
+                .collect(),
+            aux: (0..AUX_SLOTS * AUX_ITEM).map(|i| fill(99, i)).collect(),
+        }
+    }
+    fn page(&self, b: usize, p: u32) -> &[u8] {
+        &self.kv[b][p as usize * ITEM..(p as usize + 1) * ITEM]
+    }
+    fn slot(&self, s: u32) -> &[u8] {
+        &self.aux[s as usize * AUX_ITEM..(s as usize + 1) * AUX_ITEM]
+    }
+}
+
+fn engine(role: &str, mem: &mut Mem, extra: &[(&str, &str)]) -> Engine {
+    let mut c = Config::default();
+    c.set("role", role).unwrap();
+    c.set("transport", "tcp").unwrap();
+    c.set("workers", "2").unwrap();
+    for (k, v) in extra {
+        c.set(k, v).unwrap();
+    }
+    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
+    e.register_kv(
+        mem.kv
+            .iter_mut()
+            .map(|b| BufferDesc {
+                base: b.as_mut_ptr() as usize,
+                len: b.len(),
+                item_len: ITEM,
+            })
+            .collect(),
+    )
+    .unwrap();
+    e.register_aux(vec![BufferDesc {
+        base: mem.aux.as_mut_ptr() as usize,
+        len: mem.aux.len(),
+        item_len: AUX_ITEM,
+    }])
+    .unwrap();
+    e
+}
+
+fn src_pattern(b: usize, i: usize) -> u8 {
+    (b * 31 + i * 7 + i / ITEM) as u8
+}
+const POISON: u8 = 0xEE;
+
+fn wait_terminal(e: &Engine, room: u64) -> State {
+    let t = Instant::now();
+    loop {
+        let s = e.room_poll(room).unwrap();
+        if s.is_terminal() {
+            return s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "room {room} stuck in {s}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn wait_state(e: &Engine, room: u64, want: State) {
+    let t = Instant::now();
+    while e.room_poll(room).unwrap() != want {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "room {room} never reached {want}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+struct Pair {
+    pmem: Box<Mem>,
+    dmem: Box<Mem>,
+    p: Engine,
+    d: Engine,
+}
+
+fn pair(extra: &[(&str, &str)]) -> Pair {
+    let mut pmem = Box::new(Mem::new(src_pattern));
+    let mut dmem = Box::new(Mem::new(|_, _| POISON));
+    let p = engine("prefill", &mut pmem, extra);
+    let d = engine("decode", &mut dmem, extra);
+    Pair { pmem, dmem, p, d }
+}
+
+impl Pair {
+    fn create(&self, room: u64) {
+        self.p.room_create(room, RoomPeers::Decoders(1)).unwrap();
+        self.d
+            .room_create(
+                room,
+                RoomPeers::Prefills(vec![self.p.address().to_string()]),
+            )
+            .unwrap();
+    }
+    fn assert_pages(&self, src: &[u32], dst: &[u32]) {
+        for (&s, &d) in src.iter().zip(dst) {
+            for b in 0..2 * LAYERS {
+                assert_eq!(
+                    self.dmem.page(b, d),
+                    self.pmem.page(b, s),
+                    "buffer {b} src {s} dst {d}"
+                );
+            }
+        }
+    }
+    fn assert_poisoned(&self, dst: &[u32]) {
+        for &d in dst {
+            for b in 0..2 * LAYERS {
+                assert!(
+                    self.dmem.page(b, d).iter().all(|&x| x == POISON),
+                    "page {d} of buffer {b} was written"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn single_chunk_transfer_delivers_every_byte() {
+    let t = pair(&[]);
+    t.create(1);
+    let src: Vec<u32> = (0..8).collect();
+    let dst: Vec<u32> = (20..28).collect();
+    t.d.room_set_destination(1, &dst, None).unwrap();
+    t.p.enqueue_chunk(1, &src, true, None).unwrap();
+    assert_eq!(wait_terminal(&t.p, 1), State::Success);
+    assert_eq!(wait_terminal(&t.d, 1), State::Success);
+    t.assert_pages(&src, &dst);
+    assert!(t.d.room_drained(1).unwrap());
+    let m = t.d.metrics();
+    assert_eq!(m.bytes_received, (8 * ITEM * 2 * LAYERS) as u64);
+    assert_eq!(m.rooms_succeeded, 1);
+}
+
+#[test]
+fn many_scattered_chunks_with_aux_rows_arrive_in_order() {
+    let t = pair(&[]);
+    t.create(2);
+    let src: Vec<u32> = vec![5, 6, 7, 40, 41, 2, 9, 10, 11, 12, 60];
+    let dst: Vec<u32> = vec![1, 2, 3, 4, 30, 31, 50, 51, 52, 8, 9];
+    // The chunks come before the destination: they are held, then sent.
+    t.p.enqueue_chunk(2, &src[..3], false, None).unwrap();
+    t.p.enqueue_chunk(2, &src[3..6], false, None).unwrap();
+    t.d.room_set_destination(2, &dst, Some(5)).unwrap();
+    t.p.enqueue_chunk(2, &src[6..], true, Some(3)).unwrap();
+    assert_eq!(wait_terminal(&t.d, 2), State::Success);
+    assert_eq!(wait_terminal(&t.p, 2), State::Success);
+    t.assert_pages(&src, &dst);
+    assert_eq!(t.dmem.slot(5), t.pmem.slot(3));
+    assert!(t.dmem.slot(4).iter().all(|&x| x == POISON));
+}
+
+#[test]
+fn an_empty_last_chunk_completes_the_room() {
+    let t = pair(&[]);
+    t.create(3);
+    t.d.room_set_destination(3, &[7, 8], None).unwrap();
+    t.p.enqueue_chunk(3, &[1, 2], false, None).unwrap();
+    t.p.enqueue_chunk(3, &[], true, None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 3), State::Success);
+    t.assert_pages(&[1, 2], &[7, 8]);
+}
+
+#[test]
+fn a_destination_arriving_before_the_prefill_room_is_adopted() {
+    let t = pair(&[]);
+    t.d.room_create(4, RoomPeers::Prefills(vec![t.p.address().to_string()]))
+        .unwrap();
+    wait_state(&t.d, 4, State::WaitingForInput);
+    t.d.room_set_destination(4, &[0, 1], None).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    t.p.room_create(4, RoomPeers::Decoders(1)).unwrap();
+    t.p.enqueue_chunk(4, &[10, 11], true, None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 4), State::Success);
+    t.assert_pages(&[10, 11], &[0, 1]);
+}
+
+#[test]
+fn abort_on_decode_fails_both_sides_and_no_page_is_written() {
+    let t = pair(&[]);
+    t.create(5);
+    t.d.room_set_destination(5, &[1, 2, 3], None).unwrap();
+    wait_state(&t.p, 5, State::WaitingForInput);
+    t.d.room_abort(5, "client went away").unwrap();
+    assert_eq!(wait_terminal(&t.p, 5), State::Failed);
+    let why = t.p.room_failure(5).unwrap();
+    assert!(
+        why.from_peer && why.message.contains("client went away"),
+        "{why}"
+    );
+    assert_eq!(t.d.room_failure(5).unwrap().cause, Cause::Aborted);
+    assert!(t.d.room_drained(5).unwrap());
+    // A chunk after the abort is refused and nothing lands.
+    assert!(t.p.enqueue_chunk(5, &[0, 1, 2], true, None).is_err());
+    std::thread::sleep(Duration::from_millis(50));
+    t.assert_poisoned(&[1, 2, 3]);
+}
+
+#[test]
+fn abort_on_prefill_between_chunks_fails_decode_with_the_peer_reason() {
+    let t = pair(&[]);
+    t.create(6);
+    t.d.room_set_destination(6, &[1, 2, 3, 4], None).unwrap();
+    t.p.enqueue_chunk(6, &[0, 1], false, None).unwrap();
+    wait_state(&t.d, 6, State::Transferring);
+    t.p.room_abort(6, "prefill preempted").unwrap();
+    assert_eq!(wait_terminal(&t.d, 6), State::Failed);
+    let why = t.d.room_failure(6).unwrap();
+    assert!(
+        why.from_peer && why.message.contains("prefill preempted"),
+        "{why}"
+    );
+    assert!(t.p.enqueue_chunk(6, &[2, 3], true, None).is_err());
+    t.assert_poisoned(&[3, 4]);
+}
+
+#[test]
+fn a_page_count_mismatch_fails_both_sides_with_a_clear_reason() {
+    let t = pair(&[]);
+    t.create(7);
+    t.d.room_set_destination(7, &[1, 2], None).unwrap();
+    t.p.enqueue_chunk(7, &[0, 1, 2], true, None).unwrap();
+    assert_eq!(wait_terminal(&t.p, 7), State::Failed);
+    assert_eq!(wait_terminal(&t.d, 7), State::Failed);
+    let why = t.p.room_failure(7).unwrap();
+    assert_eq!(why.cause, Cause::Mismatch);
+    assert!(why.message.contains("overflows"), "{why}");
+    assert!(t.d.room_failure(7).unwrap().message.contains("overflows"));
+
+    t.create(8);
+    t.d.room_set_destination(8, &[1, 2, 3], None).unwrap();
+    t.p.enqueue_chunk(8, &[0], true, None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 8), State::Failed);
+    assert!(t.d.room_failure(8).unwrap().message.contains("unfilled"));
+}
+
+#[test]
+fn a_registration_mismatch_fails_the_room_naming_the_buffer() {
+    let mut pmem = Box::new(Mem::new(src_pattern));
+    let p = engine("prefill", &mut pmem, &[]);
+    let mut c = Config::default();
+    c.set("role", "decode").unwrap();
+    let d = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
+    let mut bufs: Vec<Vec<u8>> = (0..2 * LAYERS).map(|_| vec![0u8; PAGES * ITEM]).collect();
+    d.register_kv(
+        bufs.iter_mut()
+            .enumerate()
+            .map(|(i, b)| BufferDesc {
+                base: b.as_mut_ptr() as usize,
+                len: b.len(),
+                item_len: if i == 3 { ITEM / 2 } else { ITEM },
+            })
+            .collect(),
+    )
+    .unwrap();
+    d.room_create(9, RoomPeers::Prefills(vec![p.address().to_string()]))
+        .unwrap();
+    assert_eq!(wait_terminal(&d, 9), State::Failed);
+    let why = d.room_failure(9).unwrap();
+    assert!(why.message.contains("kv buffer 3"), "{why}");
+}
+
+#[test]
+fn an_unreachable_prefill_fails_the_room_with_the_address() {
+    let mut dmem = Box::new(Mem::new(|_, _| 0));
+    let d = engine("decode", &mut dmem, &[("bootstrap_timeout_ms", "500")]);
+    // A port nobody listens on: bind one, then close it.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    d.room_create(10, RoomPeers::Prefills(vec![addr.clone()]))
+        .unwrap();
+    assert_eq!(wait_terminal(&d, 10), State::Failed);
+    let why = d.room_failure(10).unwrap();
+    assert!(why.message.contains(&addr), "{why}");
+}
+
+#[test]
+fn a_prefill_engine_going_away_fails_decode_rooms() {
+    let mut pmem = Box::new(Mem::new(src_pattern));
+    let mut dmem = Box::new(Mem::new(|_, _| POISON));
+    let p = engine("prefill", &mut pmem, &[]);
+    let d = engine(
+        "decode",
+        &mut dmem,
+        &[("heartbeat_interval_ms", "50"), ("heartbeat_misses", "4")],
+    );
+    for room in 20..25 {
+        p.room_create(room, RoomPeers::Decoders(1)).unwrap();
+        d.room_create(room, RoomPeers::Prefills(vec![p.address().to_string()]))
+            .unwrap();
+        d.room_set_destination(room, &[room as u32], None).unwrap();
+    }
+    wait_state(&p, 24, State::WaitingForInput);
+    drop(p);
+    for room in 20..25 {
+        assert_eq!(wait_terminal(&d, room), State::Failed);
+        let why = d.room_failure(room).unwrap();
+        assert!(
+            matches!(
+                why.cause,
+                Cause::PeerLost | Cause::Shutdown | Cause::Aborted
+            ),
+            "{why}"
+        );
+    }
+}
+
+#[test]
+fn several_decode_engines_receive_the_same_pages() {
+    let mut pmem = Box::new(Mem::new(src_pattern));
+    let p = engine("prefill", &mut pmem, &[]);
+    let mut dmems: Vec<Box<Mem>> = (0..3).map(|_| Box::new(Mem::new(|_, _| POISON))).collect();
+    let ds: Vec<Engine> = dmems.iter_mut().map(|m| engine("decode", m, &[])).collect();
+    p.room_create(30, RoomPeers::Decoders(3)).unwrap();
+    for (i, d) in ds.iter().enumerate() {
+        d.room_create(30, RoomPeers::Prefills(vec![p.address().to_string()]))
+            .unwrap();
+        d.room_set_destination(30, &[i as u32, 10 + i as u32], Some(i as u32))
+            .unwrap();
+    }
+    p.enqueue_chunk(30, &[3, 4], true, Some(1)).unwrap();
+    assert_eq!(wait_terminal(&p, 30), State::Success);
+    for (i, d) in ds.iter().enumerate() {
+        assert_eq!(wait_terminal(d, 30), State::Success);
+        for b in 0..2 * LAYERS {
+            assert_eq!(dmems[i].page(b, i as u32), pmem.page(b, 3));
+            assert_eq!(dmems[i].page(b, 10 + i as u32), pmem.page(b, 4));
+        }
+        assert_eq!(dmems[i].slot(i as u32), pmem.slot(1));
+    }
+}
+
+#[test]
+fn the_waiting_deadline_fails_a_room_that_never_gets_data() {
+    let t = pair(&[("waiting_timeout_ms", "200")]);
+    t.create(40);
+    t.d.room_set_destination(40, &[1], None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 40), State::Failed);
+    let why = t.d.room_failure(40).unwrap();
+    assert_eq!(why.cause, Cause::WaitingTimeout);
+    assert!(why.message.contains("waiting_timeout_ms"));
+    assert_eq!(wait_terminal(&t.p, 40), State::Failed);
+}
+
+#[test]
+fn many_rooms_at_once_all_succeed_and_clear_leaves_nothing() {
+    let t = pair(&[]);
+    for room in 100..164u64 {
+        t.create(room);
+        let dst: Vec<u32> = (0..4).map(|i| (room as u32 % 16) * 4 + i).collect();
+        t.d.room_set_destination(room, &dst, None).unwrap();
+        t.p.enqueue_chunk(room, &[room as u32 % 60, room as u32 % 60 + 1], false, None)
+            .unwrap();
+        t.p.enqueue_chunk(
+            room,
+            &[room as u32 % 60 + 2, room as u32 % 60 + 3],
+            true,
+            None,
+        )
+        .unwrap();
+    }
+    for room in 100..164u64 {
+        assert_eq!(wait_terminal(&t.d, room), State::Success, "room {room}");
+        assert_eq!(wait_terminal(&t.p, room), State::Success, "room {room}");
+        t.d.room_clear(room).unwrap();
+        t.p.room_clear(room).unwrap();
+    }
+    assert_eq!(t.d.room_count(), 0);
+    assert_eq!(t.p.room_count(), 0);
+    let m = t.d.metrics();
+    assert_eq!(m.inflight, 0);
+    assert_eq!(m.rooms_succeeded, 64);
+}
