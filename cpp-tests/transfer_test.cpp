@@ -1,0 +1,342 @@
+// Real transfers between a prefill and a decode engine over loopback TCP, driven only
+// through the C ABI (and one through kvxfer.hpp): bytes compared page by page, and the
+// failure paths that reach both sides.
+#include "kvxfer.hpp"
+#include "support.hpp"
+
+#include <algorithm>
+
+using namespace kvtest;
+
+namespace {
+
+constexpr std::size_t kLayers = 4;
+constexpr std::size_t kBuffers = 2 * kLayers; // K and V per layer
+constexpr std::size_t kPages = 32;
+constexpr std::size_t kPageBytes = 2048;
+constexpr std::size_t kAuxSlots = 8;
+constexpr std::size_t kAuxBytes = 128;
+constexpr unsigned char kPoison = 0xEE;
+
+// One side's registered memory, filled with a pattern naming (buffer, page, byte) on the
+// prefill side and with kPoison on the decode side.
+struct Side {
+    explicit Side(bool source) : kv(kBuffers, kPages, kPageBytes), aux(1, kAuxSlots, kAuxBytes) {
+        for (std::size_t b = 0; b < kBuffers; ++b) {
+            auto *p = static_cast<unsigned char *>(kv.buffers()[b].base);
+            for (std::size_t i = 0; i < kPages * kPageBytes; ++i) {
+                p[i] = source ? static_cast<unsigned char>(b * 31 + i * 7 + i / kPageBytes)
+                              : kPoison;
+            }
+        }
+        auto *a = static_cast<unsigned char *>(aux.buffers()[0].base);
+        for (std::size_t i = 0; i < kAuxSlots * kAuxBytes; ++i) {
+            a[i] = source ? static_cast<unsigned char>(i * 13 + 1) : kPoison;
+        }
+    }
+    const unsigned char *page(std::size_t b, uint32_t p) const {
+        return static_cast<const unsigned char *>(kv.buffers()[b].base) + p * kPageBytes;
+    }
+    const unsigned char *slot(uint32_t s) const {
+        return static_cast<const unsigned char *>(aux.buffers()[0].base) + s * kAuxBytes;
+    }
+    Memory kv;
+    Memory aux;
+};
+
+class Transfer : public ::testing::Test {
+  protected:
+    void start(const std::vector<std::pair<std::string, std::string>> &keys = {}) {
+        auto with = keys;
+        with.emplace_back("workers", "2");
+        p_ = engine("prefill", with);
+        d_ = engine("decode", with);
+        ASSERT_TRUE(ok(kvxfer_register_kv(p_.get(), src_.kv.data(), src_.kv.size())));
+        ASSERT_TRUE(ok(kvxfer_register_aux(p_.get(), src_.aux.data(), src_.aux.size())));
+        ASSERT_TRUE(ok(kvxfer_register_kv(d_.get(), dst_.kv.data(), dst_.kv.size())));
+        ASSERT_TRUE(ok(kvxfer_register_aux(d_.get(), dst_.aux.data(), dst_.aux.size())));
+        peers_ = std::make_unique<Peers>(std::vector<std::string>{address(p_.get())});
+    }
+    void SetUp() override { start(); }
+
+    void create(uint64_t room) {
+        ASSERT_TRUE(ok(kvxfer_room_create(p_.get(), room, nullptr, 1)));
+        ASSERT_TRUE(ok(kvxfer_room_create(d_.get(), room, peers_->ptrs.data(), 1)));
+    }
+
+    ::testing::AssertionResult pages_equal(const std::vector<uint32_t> &src,
+                                           const std::vector<uint32_t> &dst) const {
+        for (std::size_t i = 0; i < src.size(); ++i) {
+            for (std::size_t b = 0; b < kBuffers; ++b) {
+                if (std::memcmp(dst_.page(b, dst[i]), src_.page(b, src[i]), kPageBytes) != 0) {
+                    return ::testing::AssertionFailure()
+                           << "buffer " << b << ": decode page " << dst[i]
+                           << " differs from prefill page " << src[i];
+                }
+            }
+        }
+        return ::testing::AssertionSuccess();
+    }
+
+    ::testing::AssertionResult untouched(const std::vector<uint32_t> &dst) const {
+        for (uint32_t d : dst) {
+            for (std::size_t b = 0; b < kBuffers; ++b) {
+                const unsigned char *p = dst_.page(b, d);
+                for (std::size_t i = 0; i < kPageBytes; ++i) {
+                    if (p[i] != kPoison) {
+                        return ::testing::AssertionFailure()
+                               << "buffer " << b << " page " << d << " was written";
+                    }
+                }
+            }
+        }
+        return ::testing::AssertionSuccess();
+    }
+
+    // Memory first: it outlives the engines.
+    Side src_{true};
+    Side dst_{false};
+    EnginePtr p_;
+    EnginePtr d_;
+    std::unique_ptr<Peers> peers_;
+};
+
+} // namespace
+
+TEST_F(Transfer, ChunksArriveInTheGrantedPagesWithTheAuxRowAndBothSidesSucceed) {
+    create(1);
+    // Scattered destination pages, consecutive source pages, in two chunks.
+    std::vector<uint32_t> dst = {20, 21, 22, 5, 6, 30, 7, 8};
+    std::vector<uint32_t> src = {0, 1, 2, 3, 4, 5, 6, 7};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 1, dst.data(), dst.size(), 3)));
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 1, src.data(), 5, false, -1)));
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 1, src.data() + 5, 3, true, 2)));
+
+    ASSERT_EQ(wait_terminal(d_.get(), 1), KVXFER_ROOM_SUCCESS) << failure(d_.get(), 1);
+    ASSERT_EQ(wait_terminal(p_.get(), 1), KVXFER_ROOM_SUCCESS);
+    EXPECT_TRUE(pages_equal(src, dst));
+    EXPECT_EQ(std::memcmp(dst_.slot(3), src_.slot(2), kAuxBytes), 0) << "aux row";
+    EXPECT_EQ(dst_.slot(2)[0], kPoison) << "only the granted aux slot is written";
+    std::vector<uint32_t> others;
+    for (uint32_t p = 0; p < kPages; ++p) {
+        if (std::find(dst.begin(), dst.end(), p) == dst.end()) {
+            others.push_back(p);
+        }
+    }
+    EXPECT_TRUE(untouched(others));
+
+    bool drained = false;
+    ASSERT_TRUE(ok(kvxfer_room_drained(d_.get(), 1, &drained)));
+    EXPECT_TRUE(drained);
+    char buf[16];
+    std::size_t n;
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_STATE,
+                           kvxfer_room_failure(d_.get(), 1, buf, sizeof buf, &n)))
+        << "a successful room has no failure";
+    // SUCCESS is sticky: an abort afterwards changes nothing.
+    ASSERT_TRUE(ok(kvxfer_room_abort(d_.get(), 1, "late")));
+    EXPECT_EQ(poll(d_.get(), 1), KVXFER_ROOM_SUCCESS);
+}
+
+TEST_F(Transfer, ChunksEnqueuedBeforeTheDestinationAreSentWhenItArrives) {
+    create(2);
+    std::vector<uint32_t> src = {10, 11, 12, 13};
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 2, src.data(), src.size(), true, -1)));
+    std::vector<uint32_t> dst = {0, 1, 2, 3};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 2, dst.data(), dst.size(), -1)));
+    ASSERT_EQ(wait_terminal(d_.get(), 2), KVXFER_ROOM_SUCCESS) << failure(d_.get(), 2);
+    ASSERT_EQ(wait_terminal(p_.get(), 2), KVXFER_ROOM_SUCCESS);
+    EXPECT_TRUE(pages_equal(src, dst));
+}
+
+TEST_F(Transfer, AnEmptyTransferSucceeds) {
+    create(3);
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 3, nullptr, 0, -1)));
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 3, nullptr, 0, true, -1)));
+    EXPECT_EQ(wait_terminal(d_.get(), 3), KVXFER_ROOM_SUCCESS);
+    EXPECT_EQ(wait_terminal(p_.get(), 3), KVXFER_ROOM_SUCCESS);
+}
+
+TEST_F(Transfer, ManyRoomsShareOneConnectionAndAllSucceed) {
+    const uint64_t n = 16;
+    for (uint64_t r = 100; r < 100 + n; ++r) {
+        create(r);
+        std::vector<uint32_t> dst = {static_cast<uint32_t>(2 * (r - 100)),
+                                     static_cast<uint32_t>(2 * (r - 100) + 1)};
+        std::vector<uint32_t> src = {static_cast<uint32_t>(r - 100), 31};
+        ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), r, dst.data(), dst.size(), -1)));
+        ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), r, src.data(), src.size(), true, -1)));
+    }
+    for (uint64_t r = 100; r < 100 + n; ++r) {
+        ASSERT_EQ(wait_terminal(d_.get(), r), KVXFER_ROOM_SUCCESS) << r << ": " << failure(d_.get(), r);
+        ASSERT_EQ(wait_terminal(p_.get(), r), KVXFER_ROOM_SUCCESS) << r;
+        std::vector<uint32_t> dst = {static_cast<uint32_t>(2 * (r - 100)),
+                                     static_cast<uint32_t>(2 * (r - 100) + 1)};
+        EXPECT_TRUE(pages_equal({static_cast<uint32_t>(r - 100), 31}, dst)) << r;
+    }
+}
+
+TEST_F(Transfer, ADecodeAbortReachesThePrefillWithItsReason) {
+    create(4);
+    std::vector<uint32_t> dst = {0, 1};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 4, dst.data(), dst.size(), -1)));
+    ASSERT_EQ(wait_for(p_.get(), 4, [](kvxfer_room_state s) { return s != KVXFER_ROOM_BOOTSTRAPPING; }),
+              KVXFER_ROOM_WAITING_FOR_INPUT);
+    ASSERT_TRUE(ok(kvxfer_room_abort(d_.get(), 4, "client went away")));
+
+    ASSERT_EQ(wait_terminal(p_.get(), 4), KVXFER_ROOM_FAILED);
+    Cause c = cause_of(p_.get(), 4);
+    EXPECT_EQ(c.cause, KVXFER_CAUSE_ABORTED);
+    EXPECT_TRUE(c.from_peer);
+    EXPECT_EQ(failure(p_.get(), 4), "peer: room 4 aborted: client went away");
+    // The decode side keeps its own, local reason.
+    EXPECT_EQ(failure(d_.get(), 4), "room 4 aborted: client went away");
+    EXPECT_FALSE(cause_of(d_.get(), 4).from_peer);
+
+    // Chunks for the failed room are refused and nothing lands in the pages.
+    std::vector<uint32_t> src = {0, 1};
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_STATE,
+                           kvxfer_enqueue_chunk(p_.get(), 4, src.data(), 2, true, -1)));
+    EXPECT_TRUE(untouched(dst));
+}
+
+TEST_F(Transfer, APrefillAbortReachesTheDecodeSide) {
+    create(5);
+    std::vector<uint32_t> dst = {0, 1};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 5, dst.data(), dst.size(), -1)));
+    ASSERT_EQ(wait_for(p_.get(), 5, [](kvxfer_room_state s) { return s != KVXFER_ROOM_BOOTSTRAPPING; }),
+              KVXFER_ROOM_WAITING_FOR_INPUT);
+    ASSERT_TRUE(ok(kvxfer_room_abort(p_.get(), 5, "prefill preempted")));
+    ASSERT_EQ(wait_terminal(d_.get(), 5), KVXFER_ROOM_FAILED);
+    EXPECT_EQ(failure(d_.get(), 5), "peer: room 5 aborted: prefill preempted");
+    EXPECT_TRUE(cause_of(d_.get(), 5).from_peer);
+    bool drained = false;
+    ASSERT_TRUE(ok(kvxfer_room_drained(d_.get(), 5, &drained)));
+    EXPECT_TRUE(drained);
+}
+
+TEST_F(Transfer, ALastChunkThatLeavesPagesUnfilledFailsBothSides) {
+    create(6);
+    std::vector<uint32_t> dst = {0, 1, 2, 3};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 6, dst.data(), dst.size(), -1)));
+    std::vector<uint32_t> src = {0, 1};
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 6, src.data(), src.size(), true, -1)));
+    ASSERT_EQ(wait_terminal(p_.get(), 6), KVXFER_ROOM_FAILED);
+    EXPECT_EQ(cause_of(p_.get(), 6).cause, KVXFER_CAUSE_MISMATCH);
+    std::string why = failure(p_.get(), 6);
+    EXPECT_TRUE(contains(why, "leaves 2 of 4 destination pages")) << why;
+    // The decode side hears of it and fails too: nothing stays live.
+    ASSERT_EQ(wait_terminal(d_.get(), 6), KVXFER_ROOM_FAILED);
+    EXPECT_TRUE(cause_of(d_.get(), 6).from_peer) << failure(d_.get(), 6);
+}
+
+TEST_F(Transfer, MorePagesThanTheDestinationHoldsFailsWithMismatch) {
+    create(7);
+    std::vector<uint32_t> dst = {0, 1};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 7, dst.data(), dst.size(), -1)));
+    std::vector<uint32_t> src = {0, 1, 2};
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 7, src.data(), src.size(), false, -1)));
+    ASSERT_EQ(wait_terminal(p_.get(), 7), KVXFER_ROOM_FAILED);
+    EXPECT_EQ(cause_of(p_.get(), 7).cause, KVXFER_CAUSE_MISMATCH);
+    EXPECT_TRUE(contains(failure(p_.get(), 7), "overflows the destination")) << failure(p_.get(), 7);
+    EXPECT_EQ(wait_terminal(d_.get(), 7), KVXFER_ROOM_FAILED);
+}
+
+TEST_F(Transfer, ClearedIdsCanBeUsedForANewTransfer) {
+    create(8);
+    ASSERT_TRUE(ok(kvxfer_room_abort(d_.get(), 8, "first use")));
+    ASSERT_EQ(wait_terminal(d_.get(), 8), KVXFER_ROOM_FAILED);
+    ASSERT_TRUE(ok(kvxfer_room_clear(d_.get(), 8)));
+    ASSERT_TRUE(ok(kvxfer_room_clear(p_.get(), 8)));
+
+    create(8);
+    std::vector<uint32_t> dst = {9, 10};
+    std::vector<uint32_t> src = {1, 2};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 8, dst.data(), dst.size(), -1)));
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 8, src.data(), src.size(), true, -1)));
+    ASSERT_EQ(wait_terminal(d_.get(), 8), KVXFER_ROOM_SUCCESS) << failure(d_.get(), 8);
+    ASSERT_EQ(wait_terminal(p_.get(), 8), KVXFER_ROOM_SUCCESS);
+    EXPECT_TRUE(pages_equal(src, dst));
+}
+
+class TransferDeadlines : public Transfer {
+  protected:
+    void SetUp() override { start({{"waiting_timeout_ms", "150"}}); }
+};
+
+TEST_F(TransferDeadlines, AConnectedRoomWithoutDataFailsItsWaitingDeadline) {
+    create(1);
+    std::vector<uint32_t> dst = {0};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 1, dst.data(), dst.size(), -1)));
+    // The prefill scheduler never enqueues a chunk.
+    ASSERT_EQ(wait_terminal(d_.get(), 1), KVXFER_ROOM_FAILED);
+    Cause c = cause_of(d_.get(), 1);
+    std::string why = failure(d_.get(), 1);
+    // Whichever side's deadline fires first, both end FAILED and say which deadline.
+    if (c.from_peer) {
+        EXPECT_EQ(c.cause, KVXFER_CAUSE_ABORTED) << why;
+    } else {
+        EXPECT_EQ(c.cause, KVXFER_CAUSE_WAITING_TIMEOUT) << why;
+    }
+    EXPECT_TRUE(contains(why, "waiting_timeout_ms=150")) << why;
+    ASSERT_EQ(wait_terminal(p_.get(), 1), KVXFER_ROOM_FAILED);
+    EXPECT_TRUE(contains(failure(p_.get(), 1), "waiting_timeout_ms=150")) << failure(p_.get(), 1);
+}
+
+TEST(TransferPeers, AnUnreachablePrefillFailsTheDecodeRoomAsPeerLost) {
+    Memory mem(2, 4, 4096);
+    EnginePtr d = engine("decode");
+    ASSERT_TRUE(ok(kvxfer_register_kv(d.get(), mem.data(), mem.size())));
+    Peers peers({closed_address()});
+    ASSERT_TRUE(ok(kvxfer_room_create(d.get(), 1, peers.ptrs.data(), 1)));
+    ASSERT_EQ(wait_terminal(d.get(), 1), KVXFER_ROOM_FAILED);
+    EXPECT_EQ(cause_of(d.get(), 1).cause, KVXFER_CAUSE_PEER_LOST);
+    std::string why = failure(d.get(), 1);
+    EXPECT_TRUE(contains(why, peers.addrs[0])) << why;
+}
+
+TEST(TransferPeers, MismatchedBufferLayoutsFailTheRoomNamingTheBuffer) {
+    Memory pmem(2, 4, 4096);
+    Memory dmem(2, 8, 2048); // same bytes, different page size
+    EnginePtr p = engine("prefill");
+    EnginePtr d = engine("decode");
+    ASSERT_TRUE(ok(kvxfer_register_kv(p.get(), pmem.data(), pmem.size())));
+    ASSERT_TRUE(ok(kvxfer_register_kv(d.get(), dmem.data(), dmem.size())));
+    Peers peers({address(p.get())});
+    ASSERT_TRUE(ok(kvxfer_room_create(d.get(), 1, peers.ptrs.data(), 1)));
+    ASSERT_EQ(wait_terminal(d.get(), 1), KVXFER_ROOM_FAILED);
+    std::string why = failure(d.get(), 1);
+    EXPECT_TRUE(contains(why, "kv buffer 0")) << why;
+    EXPECT_TRUE(contains(why, "item_len")) << why;
+}
+
+TEST(TransferHpp, ARoundTripThroughTheWrapper) {
+    Side src(true), dst(false);
+    kvxfer::Config pc, dc;
+    pc.set("role", "prefill").set("workers", "1");
+    dc.set("role", "decode");
+    kvxfer::Engine p(pc), d(dc);
+    p.register_kv(src.kv.buffers());
+    d.register_kv(dst.kv.buffers());
+    p.register_aux(src.aux.buffers());
+    d.register_aux(dst.aux.buffers());
+    p.room_create(42);
+    d.room_create(42, {p.address()});
+    d.set_destination(42, {3, 4, 5}, 1);
+    p.enqueue_chunk(42, {7, 8}, false);
+    p.enqueue_chunk(42, {9}, true, 0);
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((!kvxfer::is_terminal(d.poll(42)) || !kvxfer::is_terminal(p.poll(42))) &&
+           std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ASSERT_EQ(d.poll(42), kvxfer::RoomState::Success);
+    ASSERT_EQ(p.poll(42), kvxfer::RoomState::Success);
+    EXPECT_TRUE(d.drained(42));
+    for (std::size_t b = 0; b < kBuffers; ++b) {
+        EXPECT_EQ(std::memcmp(dst.page(b, 5), src.page(b, 9), kPageBytes), 0) << b;
+    }
+    EXPECT_EQ(std::memcmp(dst.slot(1), src.slot(0), kAuxBytes), 0);
+    d.clear(42);
+    p.clear(42);
+}

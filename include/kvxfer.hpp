@@ -1,0 +1,290 @@
+/*
+ * libkvxfer: a small header-only C++17 layer over the C ABI in kvxfer.h.
+ *
+ * - Every failing C call becomes a kvxfer::Error carrying the kvxfer_status and the
+ *   per-thread message from kvxfer_last_error() (read right after the failing call).
+ * - kvxfer::Config and kvxfer::Engine own their handles (std::unique_ptr with a deleter
+ *   that calls the _free function); they are movable, not copyable.
+ * - Room states and failure causes are enum classes with the C values.
+ *
+ * Nothing here adds behaviour: each member calls one C function (address() and
+ * failure() may call it twice to size the buffer). The C documentation in kvxfer.h is
+ * the reference for ownership, threading and errors.
+ */
+
+#ifndef KVXFER_HPP
+#define KVXFER_HPP
+
+#include "kvxfer.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvxfer {
+
+/// The library version, such as "0.1.0" (from the shared library, not the header).
+inline std::string version() { return kvxfer_version(); }
+
+/// The static name of a status code, such as "KVXFER_ERR_NOT_FOUND".
+inline const char *status_name(kvxfer_status code) {
+    return kvxfer_status_str(static_cast<int32_t>(code));
+}
+
+/// The message of the last failed call on this thread ("" after a successful call).
+inline std::string last_error() {
+    std::size_t n = kvxfer_last_error(nullptr, 0);
+    std::string s(n + 1, '\0');
+    kvxfer_last_error(&s[0], s.size());
+    s.resize(n);
+    return s;
+}
+
+/// A failed call: the status and the library's message for it.
+class Error : public std::runtime_error {
+  public:
+    Error(kvxfer_status code, std::string message)
+        : std::runtime_error(std::string(status_name(code)) + ": " + message),
+          code_(code), message_(std::move(message)) {}
+
+    /// The status the C call returned.
+    kvxfer_status code() const noexcept { return code_; }
+    /// The library's message alone (what() is "<status name>: <message>").
+    const std::string &message() const noexcept { return message_; }
+
+  private:
+    kvxfer_status code_;
+    std::string message_;
+};
+
+/// Throws kvxfer::Error unless `status` is KVXFER_OK. Call it right after the C call,
+/// before any other kvxfer_* call on this thread, so the message is that call's.
+inline void check(kvxfer_status status) {
+    if (status != KVXFER_OK) {
+        throw Error(status, last_error());
+    }
+}
+
+/// A room's state (values of kvxfer_room_state; Failed is the smallest so that polls
+/// can be MIN-reduced across ranks).
+enum class RoomState : int32_t {
+    Failed = KVXFER_ROOM_FAILED,
+    Bootstrapping = KVXFER_ROOM_BOOTSTRAPPING,
+    WaitingForInput = KVXFER_ROOM_WAITING_FOR_INPUT,
+    Transferring = KVXFER_ROOM_TRANSFERRING,
+    Success = KVXFER_ROOM_SUCCESS,
+};
+
+/// Whether `s` is Success or Failed (terminal states never change until a clear).
+inline bool is_terminal(RoomState s) noexcept {
+    return s == RoomState::Failed || s == RoomState::Success;
+}
+
+inline const char *to_string(RoomState s) noexcept {
+    switch (s) {
+    case RoomState::Failed: return "FAILED";
+    case RoomState::Bootstrapping: return "BOOTSTRAPPING";
+    case RoomState::WaitingForInput: return "WAITING_FOR_INPUT";
+    case RoomState::Transferring: return "TRANSFERRING";
+    case RoomState::Success: return "SUCCESS";
+    }
+    return "UNKNOWN";
+}
+
+/// The class of a room's failure (values of kvxfer_failure_cause).
+enum class FailureCause : int32_t {
+    Aborted = KVXFER_CAUSE_ABORTED,
+    PeerLost = KVXFER_CAUSE_PEER_LOST,
+    BootstrapTimeout = KVXFER_CAUSE_BOOTSTRAP_TIMEOUT,
+    WaitingTimeout = KVXFER_CAUSE_WAITING_TIMEOUT,
+    TransferTimeout = KVXFER_CAUSE_TRANSFER_TIMEOUT,
+    Protocol = KVXFER_CAUSE_PROTOCOL,
+    Mismatch = KVXFER_CAUSE_MISMATCH,
+    Transfer = KVXFER_CAUSE_TRANSFER,
+    Shutdown = KVXFER_CAUSE_SHUTDOWN,
+    Internal = KVXFER_CAUSE_INTERNAL,
+};
+
+inline const char *to_string(FailureCause c) noexcept {
+    switch (c) {
+    case FailureCause::Aborted: return "ABORTED";
+    case FailureCause::PeerLost: return "PEER_LOST";
+    case FailureCause::BootstrapTimeout: return "BOOTSTRAP_TIMEOUT";
+    case FailureCause::WaitingTimeout: return "WAITING_TIMEOUT";
+    case FailureCause::TransferTimeout: return "TRANSFER_TIMEOUT";
+    case FailureCause::Protocol: return "PROTOCOL";
+    case FailureCause::Mismatch: return "MISMATCH";
+    case FailureCause::Transfer: return "TRANSFER";
+    case FailureCause::Shutdown: return "SHUTDOWN";
+    case FailureCause::Internal: return "INTERNAL";
+    }
+    return "UNKNOWN";
+}
+
+namespace detail {
+/// Calls `f(buf, len, &out_n)` with a growing buffer until it fits.
+template <class F> std::string read_string(F &&f) {
+    std::string s(64, '\0');
+    for (;;) {
+        std::size_t n = 0;
+        kvxfer_status st = f(&s[0], s.size(), &n);
+        if (st == KVXFER_OK) {
+            s.resize(n);
+            return s;
+        }
+        if (st == KVXFER_ERR_BUFFER_TOO_SMALL && n + 1 > s.size()) {
+            s.assign(n + 1, '\0');
+            continue;
+        }
+        check(st);
+        throw Error(st, "unexpected result while reading a string");
+    }
+}
+} // namespace detail
+
+/// An engine configuration (kvxfer_config). Every key is validated when set.
+class Config {
+  public:
+    Config() {
+        kvxfer_config *c = nullptr;
+        check(kvxfer_config_new(&c));
+        handle_.reset(c);
+    }
+
+    /// Sets `key` to `value`; throws KVXFER_ERR_UNKNOWN_KEY / KVXFER_ERR_BAD_VALUE.
+    Config &set(const std::string &key, const std::string &value) {
+        check(kvxfer_config_set(handle_.get(), key.c_str(), value.c_str()));
+        return *this;
+    }
+
+    /// Routes engine log lines to `sink(ctx, level, line)`; nullptr restores stderr.
+    /// `sink` and `ctx` must outlive every engine created from this config, and `sink`
+    /// must be thread-safe (see kvxfer_config_set_log_sink).
+    Config &set_log_sink(kvxfer_log_fn sink, void *ctx) {
+        check(kvxfer_config_set_log_sink(handle_.get(), sink, ctx));
+        return *this;
+    }
+
+    kvxfer_config *get() const noexcept { return handle_.get(); }
+
+  private:
+    struct Deleter {
+        void operator()(kvxfer_config *c) const noexcept { kvxfer_config_free(c); }
+    };
+    std::unique_ptr<kvxfer_config, Deleter> handle_;
+};
+
+/// A running engine (kvxfer_engine). Destroying it fails every live room with
+/// "engine shut down" and joins the library's threads. Registered memory must outlive
+/// the Engine.
+class Engine {
+  public:
+    explicit Engine(const Config &config) {
+        kvxfer_engine *e = nullptr;
+        check(kvxfer_engine_new(config.get(), &e));
+        handle_.reset(e);
+    }
+
+    /// The "host:port" peers connect to.
+    std::string address() const {
+        return detail::read_string([this](char *buf, std::size_t len, std::size_t *n) {
+            return kvxfer_engine_address(handle_.get(), buf, len, n);
+        });
+    }
+
+    void register_kv(const std::vector<kvxfer_buffer> &bufs) {
+        check(kvxfer_register_kv(handle_.get(), bufs.data(), bufs.size()));
+    }
+
+    void register_aux(const std::vector<kvxfer_buffer> &bufs) {
+        check(kvxfer_register_aux(handle_.get(), bufs.data(), bufs.size()));
+    }
+
+    /// Decode engine: creates `room`, pulling from the prefill engines at `peers`.
+    void room_create(uint64_t room, const std::vector<std::string> &peers) {
+        std::vector<const char *> ptrs;
+        ptrs.reserve(peers.size());
+        for (const std::string &p : peers) {
+            ptrs.push_back(p.c_str());
+        }
+        check(kvxfer_room_create(handle_.get(), room, ptrs.data(), ptrs.size()));
+    }
+
+    /// Prefill engine: creates `room`, expecting a destination from `n_decoders`
+    /// decode engines.
+    void room_create(uint64_t room, std::size_t n_decoders = 1) {
+        check(kvxfer_room_create(handle_.get(), room, nullptr, n_decoders));
+    }
+
+    /// Decode engine: the destination pages and aux slot (< 0: none) of `room`.
+    void set_destination(uint64_t room, const std::vector<uint32_t> &pages,
+                         int64_t aux_slot = -1) {
+        check(kvxfer_room_set_destination(handle_.get(), room, pages.data(), pages.size(),
+                                          aux_slot));
+    }
+
+    /// Prefill engine: the next chunk of `room` (source pages; aux slot only when last).
+    void enqueue_chunk(uint64_t room, const std::vector<uint32_t> &pages, bool is_last,
+                       int64_t aux_slot = -1) {
+        check(kvxfer_enqueue_chunk(handle_.get(), room, pages.data(), pages.size(), is_last,
+                                   aux_slot));
+    }
+
+    /// The room's state; never blocks.
+    RoomState poll(uint64_t room) const {
+        kvxfer_room_state s{};
+        check(kvxfer_room_poll(handle_.get(), room, &s));
+        return static_cast<RoomState>(s);
+    }
+
+    /// Fails a live room with `reason` ("" for the default text); no effect on a
+    /// terminal one.
+    void abort(uint64_t room, const std::string &reason = std::string()) {
+        check(kvxfer_room_abort(handle_.get(), room, reason.empty() ? nullptr : reason.c_str()));
+    }
+
+    /// The recorded reason of a FAILED room (throws KVXFER_ERR_WRONG_STATE otherwise).
+    std::string failure(uint64_t room) const {
+        return detail::read_string([this, room](char *buf, std::size_t len, std::size_t *n) {
+            return kvxfer_room_failure(handle_.get(), room, buf, len, n);
+        });
+    }
+
+    /// The class of a FAILED room's failure; `*from_peer` (if given) says whether the
+    /// peer engine reported it.
+    FailureCause failure_cause(uint64_t room, bool *from_peer = nullptr) const {
+        kvxfer_failure_cause c{};
+        bool peer = false;
+        check(kvxfer_room_failure_cause(handle_.get(), room, &c, &peer));
+        if (from_peer != nullptr) {
+            *from_peer = peer;
+        }
+        return static_cast<FailureCause>(c);
+    }
+
+    /// Decode engine: whether no write into the room's pages can still land.
+    bool drained(uint64_t room) const {
+        bool d = false;
+        check(kvxfer_room_drained(handle_.get(), room, &d));
+        return d;
+    }
+
+    /// Releases the room (aborting it first if live); the id may then be reused.
+    void clear(uint64_t room) { check(kvxfer_room_clear(handle_.get(), room)); }
+
+    kvxfer_engine *get() const noexcept { return handle_.get(); }
+
+  private:
+    struct Deleter {
+        void operator()(kvxfer_engine *e) const noexcept { kvxfer_engine_free(e); }
+    };
+    std::unique_ptr<kvxfer_engine, Deleter> handle_;
+};
+
+} // namespace kvxfer
+
+#endif /* KVXFER_HPP */
