@@ -275,6 +275,81 @@ typedef struct {
   size_t item_len;
 } kvxfer_buffer;
 
+/**
+ * Counters and gauges of one engine, for a server to export.
+ *
+ * Counters only grow; gauges (`rooms_by_state`, `inflight`) describe the rooms present
+ * now. `rooms_created` = `rooms_succeeded` + `rooms_failed` + rooms still live.
+ */
+typedef struct {
+  /**
+   * Rooms created since the engine started.
+   */
+  uint64_t rooms_created;
+  /**
+   * Rooms that reached SUCCESS.
+   */
+  uint64_t rooms_succeeded;
+  /**
+   * Rooms that reached FAILED.
+   */
+  uint64_t rooms_failed;
+  /**
+   * Rooms that reached FAILED, indexed by `kvxfer_failure_cause` value (index 0 and
+   * values beyond the last cause stay 0).
+   */
+  uint64_t rooms_failed_by_cause[16];
+  /**
+   * Rooms present (not cleared), indexed by `kvxfer_room_state` value.
+   */
+  uint64_t rooms_by_state[5];
+  /**
+   * Rooms present and not terminal.
+   */
+  uint64_t inflight;
+  /**
+   * KV and aux payload bytes written to peers.
+   */
+  uint64_t bytes_sent;
+  /**
+   * KV and aux payload bytes read from peers.
+   */
+  uint64_t bytes_received;
+  /**
+   * Chunks fully sent.
+   */
+  uint64_t chunks;
+  /**
+   * Peer engines lost (connection closed, silent past the heartbeat deadline, or bad
+   * frames).
+   */
+  uint64_t peers_lost;
+  /**
+   * Malformed or out-of-protocol frames received.
+   */
+  uint64_t protocol_errors;
+  /**
+   * Data frames discarded because their room was gone or terminal.
+   */
+  uint64_t dropped_frames;
+  /**
+   * Peer messages that named an unknown room.
+   */
+  uint64_t unknown_room_frames;
+  /**
+   * Destinations that arrived before their prefill room was created.
+   */
+  uint64_t held_destinations;
+  /**
+   * Early destinations refused because the holding area was full.
+   */
+  uint64_t held_overflow;
+  /**
+   * Early destinations whose room was not created in time.
+   */
+  uint64_t held_expired;
+} kvxfer_metrics;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -372,6 +447,25 @@ KVXFER_MUST_USE kvxfer_status kvxfer_register_kv(const kvxfer_engine *engine, co
 KVXFER_MUST_USE kvxfer_status kvxfer_register_aux(const kvxfer_engine *engine, const kvxfer_buffer *bufs, size_t n);
 
 /**
+ * Copies the engine's metrics into `*out`. `size` must be `sizeof(kvxfer_metrics)` as
+ * the caller compiled it: the library writes at most that many bytes, so a caller built
+ * against an older, shorter struct stays safe when fields are appended.
+ *
+ * Errors: `KVXFER_ERR_NULL_POINTER`; `KVXFER_ERR_INVALID_ARGUMENT` if `size` is 0.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics(const kvxfer_engine *engine, kvxfer_metrics *out, size_t size);
+
+/**
+ * Copies the engine's metrics in the Prometheus text exposition format (version 0.0.4;
+ * every series labelled with `role`) into `buf` (NUL-terminated) and its length into
+ * `*out_n`.
+ *
+ * Errors: `KVXFER_ERR_BUFFER_TOO_SMALL` (with `*out_n` = length needed; 16 KiB is
+ * always enough today); `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics_text(const kvxfer_engine *engine, char *buf, size_t len, size_t *out_n);
+
+/**
  * Creates room `room` in BOOTSTRAPPING.
  *
  * Decode engine: `peers` holds `n_peers` (at least 1) NUL-terminated `host:port`
@@ -389,11 +483,14 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_create(const kvxfer_engine *engine, ui
  * the room: `n_pages` page indices into the KV buffers, filled in order by the prefill's
  * chunks, and the aux slot for the request's metadata rows (`aux_slot < 0` means none).
  *
+ * May be called while the room is BOOTSTRAPPING (it is sent once the prefill engines
+ * are connected) or WAITING_FOR_INPUT. Once the room is terminal, no byte lands in these
+ * pages after `kvxfer_room_drained` reports true.
+ *
  * Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
- * `KVXFER_ERR_WRONG_STATE` if the room is terminal; `KVXFER_ERR_INVALID_ARGUMENT` for a
- * page outside the registered buffers, a page listed twice or an aux slot out of range.
- * This build validates and then returns `KVXFER_ERR_UNSUPPORTED`: the transfer engine
- * is not in it yet.
+ * `KVXFER_ERR_WRONG_STATE` if the room is terminal or already has a destination;
+ * `KVXFER_ERR_INVALID_ARGUMENT` for a page outside the registered buffers, a page
+ * listed twice or an aux slot out of range.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_room_set_destination(const kvxfer_engine *engine, uint64_t room, const uint32_t *pages, size_t n_pages, int64_t aux_slot);
 
@@ -403,10 +500,15 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_set_destination(const kvxfer_engine *e
  * `is_last` closes the room; `aux_slot` (>= 0) names the source aux slot and is allowed
  * only with `is_last`. Never blocks on the network.
  *
+ * Chunks enqueued before every destination arrived are held and sent, in order, when
+ * it does. The source pages must not change until the room is terminal. A chunk with
+ * more pages than the destination has left, or a last chunk that leaves destination
+ * pages unfilled, fails the room (cause MISMATCH) on both sides.
+ *
  * Errors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_NOT_FOUND`;
- * `KVXFER_ERR_WRONG_STATE` if the room is terminal; `KVXFER_ERR_INVALID_ARGUMENT` for a
- * page or slot out of range or an aux slot without `is_last`. This build validates and
- * then returns `KVXFER_ERR_UNSUPPORTED`: the transfer engine is not in it yet.
+ * `KVXFER_ERR_WRONG_STATE` if the room is terminal or already got its last chunk;
+ * `KVXFER_ERR_INVALID_ARGUMENT` for a page or slot out of range or an aux slot without
+ * `is_last`.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_enqueue_chunk(const kvxfer_engine *engine, uint64_t room, const uint32_t *pages, size_t n_pages, bool is_last, int64_t aux_slot);
 
@@ -448,7 +550,9 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_failure_cause(const kvxfer_engine *eng
 
 /**
  * Decode engine only: stores in `*drained` whether no write into room `room`'s pages
- * can still land, so the pages may be reused. True only for a terminal room.
+ * can still land, so the pages may be reused: the room is terminal and no receiver is
+ * inside a write to its pages. Over TCP the receiver refuses every byte for a terminal
+ * room, so this becomes true as soon as any in-progress slice (at most 256 KiB) ends.
  *
  * Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
  * `KVXFER_ERR_NULL_POINTER`.

@@ -349,6 +349,9 @@ impl Shared {
                 }
             }
         }
+        // Progress: re-arm before entering (or staying in) TRANSFERRING, so the watchdog
+        // never sees the new state with the old state's deadline.
+        room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
         let _ = room.advance(Event::Start);
         Ok((room.clone(), h.byte_len as usize))
     }

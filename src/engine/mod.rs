@@ -93,6 +93,7 @@ pub(crate) struct Shared {
     stopping: AtomicBool,
     wake: (Mutex<()>, Condvar),
     peers: Mutex<HashMap<String, Arc<Peer>>>,
+    handshaking: peer::Handshaking,
     holding: Mutex<Holding>,
     workers: RwLock<Vec<mpsc::Sender<Job>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -321,6 +322,7 @@ impl Engine {
             stopping: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
             peers: Mutex::new(HashMap::new()),
+            handshaking: Default::default(),
             holding: Mutex::new(Holding::default()),
             workers: RwLock::new(senders),
             threads: Mutex::new(Vec::new()),
@@ -656,6 +658,7 @@ impl Drop for Engine {
         }
         // Threads may start threads (the acceptor, connectors): join until none is left.
         loop {
+            shared.handshaking.close_all();
             let threads: Vec<JoinHandle<()>> = shared.threads.lock().drain(..).collect();
             if threads.is_empty() {
                 break;

@@ -85,9 +85,45 @@ impl Peer {
         }
     }
 
+    /// Keeps a handle on `s` so that losing the peer closes it (and unblocks its reader).
+    /// A stream tracked after the loss is closed at once.
     fn track(&self, s: &TcpStream) {
         if let Ok(c) = s.try_clone() {
             self.streams.lock().push(c);
+        }
+        if self.is_lost() {
+            for s in self.streams.lock().drain(..) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+/// Accepted connections still in their handshake, so that stopping the engine can close
+/// them instead of waiting for a silent client's read timeout.
+#[derive(Default)]
+pub(crate) struct Handshaking {
+    next: AtomicU64,
+    streams: Mutex<std::collections::HashMap<u64, TcpStream>>,
+}
+
+impl Handshaking {
+    fn track(&self, s: &TcpStream) -> u64 {
+        let token = self.next.fetch_add(1, Ordering::Relaxed);
+        if let Ok(c) = s.try_clone() {
+            self.streams.lock().insert(token, c);
+        }
+        token
+    }
+
+    fn untrack(&self, token: u64) {
+        self.streams.lock().remove(&token);
+    }
+
+    /// Closes every connection still in its handshake.
+    pub fn close_all(&self) {
+        for (_, s) in self.streams.lock().drain() {
+            let _ = s.shutdown(Shutdown::Both);
         }
     }
 }
@@ -423,10 +459,13 @@ impl Shared {
             match listener.accept() {
                 Ok((s, from)) => {
                     let shared = self.clone();
+                    let token = self.handshaking.track(&s);
                     self.spawn("kvxfer-accept", move || {
                         let _ = s.set_nonblocking(false);
                         let _ = s.set_nodelay(true);
-                        if let Err(why) = shared.incoming(s) {
+                        let r = shared.incoming(s);
+                        shared.handshaking.untrack(token);
+                        if let Err(why) = r {
                             shared
                                 .metrics
                                 .protocol_errors

@@ -141,3 +141,131 @@ pub unsafe extern "C" fn kvxfer_register_aux(
         engine.register_aux(descs(bufs))
     })
 }
+
+/// Counters and gauges of one engine, for a server to export.
+///
+/// Counters only grow; gauges (`rooms_by_state`, `inflight`) describe the rooms present
+/// now. `rooms_created` = `rooms_succeeded` + `rooms_failed` + rooms still live.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct kvxfer_metrics {
+    /// Rooms created since the engine started.
+    pub rooms_created: u64,
+    /// Rooms that reached SUCCESS.
+    pub rooms_succeeded: u64,
+    /// Rooms that reached FAILED.
+    pub rooms_failed: u64,
+    /// Rooms that reached FAILED, indexed by `kvxfer_failure_cause` value (index 0 and
+    /// values beyond the last cause stay 0).
+    pub rooms_failed_by_cause: [u64; 16],
+    /// Rooms present (not cleared), indexed by `kvxfer_room_state` value.
+    pub rooms_by_state: [u64; 5],
+    /// Rooms present and not terminal.
+    pub inflight: u64,
+    /// KV and aux payload bytes written to peers.
+    pub bytes_sent: u64,
+    /// KV and aux payload bytes read from peers.
+    pub bytes_received: u64,
+    /// Chunks fully sent.
+    pub chunks: u64,
+    /// Peer engines lost (connection closed, silent past the heartbeat deadline, or bad
+    /// frames).
+    pub peers_lost: u64,
+    /// Malformed or out-of-protocol frames received.
+    pub protocol_errors: u64,
+    /// Data frames discarded because their room was gone or terminal.
+    pub dropped_frames: u64,
+    /// Peer messages that named an unknown room.
+    pub unknown_room_frames: u64,
+    /// Destinations that arrived before their prefill room was created.
+    pub held_destinations: u64,
+    /// Early destinations refused because the holding area was full.
+    pub held_overflow: u64,
+    /// Early destinations whose room was not created in time.
+    pub held_expired: u64,
+}
+
+/// Copies the engine's metrics into `*out`. `size` must be `sizeof(kvxfer_metrics)` as
+/// the caller compiled it: the library writes at most that many bytes, so a caller built
+/// against an older, shorter struct stays safe when fields are appended.
+///
+/// Errors: `KVXFER_ERR_NULL_POINTER`; `KVXFER_ERR_INVALID_ARGUMENT` if `size` is 0.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_engine_metrics(
+    engine: *const kvxfer_engine,
+    out: *mut kvxfer_metrics,
+    size: usize,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        if out.is_null() {
+            return Err(crate::err!(NullPointer, "argument 'out' is NULL"));
+        }
+        if size == 0 {
+            return Err(crate::err!(
+                InvalidArgument,
+                "size is 0; pass sizeof(kvxfer_metrics)"
+            ));
+        }
+        let m = engine.metrics();
+        let mut c = kvxfer_metrics {
+            rooms_created: m.rooms_created,
+            rooms_succeeded: m.rooms_succeeded,
+            rooms_failed: m.rooms_failed_total(),
+            rooms_by_state: m.rooms_by_state,
+            inflight: m.inflight,
+            bytes_sent: m.bytes_sent,
+            bytes_received: m.bytes_received,
+            chunks: m.chunks,
+            peers_lost: m.peers_lost,
+            protocol_errors: m.protocol_errors,
+            dropped_frames: m.dropped_frames,
+            unknown_room_frames: m.unknown_room_frames,
+            held_destinations: m.held,
+            held_overflow: m.held_overflow,
+            held_expired: m.held_expired,
+            ..Default::default()
+        };
+        for (cause, n) in crate::room::Cause::ALL.iter().zip(m.rooms_failed) {
+            let code = super::room::kvxfer_failure_cause::from(*cause) as usize;
+            c.rooms_failed_by_cause[code] = n;
+        }
+        let n = size.min(std::mem::size_of::<kvxfer_metrics>());
+        // SAFETY: `out` is non-NULL and the caller guarantees `size` writable bytes; we
+        // copy `n <= size` bytes from a local of at least `n` bytes. No alignment is
+        // assumed on the destination.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (&c as *const kvxfer_metrics).cast::<u8>(),
+                out.cast::<u8>(),
+                n,
+            )
+        };
+        Ok(())
+    })
+}
+
+/// Copies the engine's metrics in the Prometheus text exposition format (version 0.0.4;
+/// every series labelled with `role`) into `buf` (NUL-terminated) and its length into
+/// `*out_n`.
+///
+/// Errors: `KVXFER_ERR_BUFFER_TOO_SMALL` (with `*out_n` = length needed; 16 KiB is
+/// always enough today); `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_engine_metrics_text(
+    engine: *const kvxfer_engine,
+    buf: *mut c_char,
+    len: usize,
+    out_n: *mut usize,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        let text = engine.metrics().prometheus(&engine.role().to_string());
+        // SAFETY: buf holds len bytes by contract.
+        unsafe { write_string(buf, len, out_n, &text) }
+    })
+}

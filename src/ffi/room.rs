@@ -149,11 +149,14 @@ pub unsafe extern "C" fn kvxfer_room_create(
 /// the room: `n_pages` page indices into the KV buffers, filled in order by the prefill's
 /// chunks, and the aux slot for the request's metadata rows (`aux_slot < 0` means none).
 ///
+/// May be called while the room is BOOTSTRAPPING (it is sent once the prefill engines
+/// are connected) or WAITING_FOR_INPUT. Once the room is terminal, no byte lands in these
+/// pages after `kvxfer_room_drained` reports true.
+///
 /// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
-/// `KVXFER_ERR_WRONG_STATE` if the room is terminal; `KVXFER_ERR_INVALID_ARGUMENT` for a
-/// page outside the registered buffers, a page listed twice or an aux slot out of range.
-/// This build validates and then returns `KVXFER_ERR_UNSUPPORTED`: the transfer engine
-/// is not in it yet.
+/// `KVXFER_ERR_WRONG_STATE` if the room is terminal or already has a destination;
+/// `KVXFER_ERR_INVALID_ARGUMENT` for a page outside the registered buffers, a page
+/// listed twice or an aux slot out of range.
 #[no_mangle]
 #[must_use]
 pub unsafe extern "C" fn kvxfer_room_set_destination(
@@ -177,10 +180,15 @@ pub unsafe extern "C" fn kvxfer_room_set_destination(
 /// `is_last` closes the room; `aux_slot` (>= 0) names the source aux slot and is allowed
 /// only with `is_last`. Never blocks on the network.
 ///
+/// Chunks enqueued before every destination arrived are held and sent, in order, when
+/// it does. The source pages must not change until the room is terminal. A chunk with
+/// more pages than the destination has left, or a last chunk that leaves destination
+/// pages unfilled, fails the room (cause MISMATCH) on both sides.
+///
 /// Errors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_NOT_FOUND`;
-/// `KVXFER_ERR_WRONG_STATE` if the room is terminal; `KVXFER_ERR_INVALID_ARGUMENT` for a
-/// page or slot out of range or an aux slot without `is_last`. This build validates and
-/// then returns `KVXFER_ERR_UNSUPPORTED`: the transfer engine is not in it yet.
+/// `KVXFER_ERR_WRONG_STATE` if the room is terminal or already got its last chunk;
+/// `KVXFER_ERR_INVALID_ARGUMENT` for a page or slot out of range or an aux slot without
+/// `is_last`.
 #[no_mangle]
 #[must_use]
 pub unsafe extern "C" fn kvxfer_enqueue_chunk(
@@ -300,7 +308,9 @@ pub unsafe extern "C" fn kvxfer_room_failure_cause(
 }
 
 /// Decode engine only: stores in `*drained` whether no write into room `room`'s pages
-/// can still land, so the pages may be reused. True only for a terminal room.
+/// can still land, so the pages may be reused: the room is terminal and no receiver is
+/// inside a write to its pages. Over TCP the receiver refuses every byte for a terminal
+/// room, so this becomes true as soon as any in-progress slice (at most 256 KiB) ends.
 ///
 /// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
 /// `KVXFER_ERR_NULL_POINTER`.

@@ -123,8 +123,12 @@ pub fn transition(from: State, event: Event) -> Result<State, Refusal> {
 
 /// A room's state in one atomic byte, changed only through [`transition`].
 ///
-/// Ordering: a successful `apply` is `AcqRel`, so whatever the winner wrote before it
-/// (the failure reason) is visible to any thread that `load`s (`Acquire`) the new state.
+/// Ordering: `SeqCst` throughout. A successful `apply` releases whatever the winner wrote
+/// before it (the failure reason) to every thread that loads the new state, and the
+/// single total order lets the decode receiver's "announce a write, then re-check the
+/// state" pair with "make terminal, then check for writes in flight" (store-buffering),
+/// so `drained` can never be true while a write is about to land. On x86 a SeqCst load
+/// is a plain load, so `room_poll` pays nothing for it.
 #[derive(Debug)]
 pub struct StateWord(AtomicU8);
 
@@ -136,14 +140,14 @@ impl StateWord {
 
     /// The current state (a single atomic load; never blocks).
     pub fn load(&self) -> State {
-        decode(self.0.load(Ordering::Acquire))
+        decode(self.0.load(Ordering::SeqCst))
     }
 
     /// Applies `event` in one atomic step: reads the state, asks [`transition`], and
     /// installs the result with a compare-and-swap that fails (and retries with the
     /// fresh state) if anything changed in between. Returns `(old, new)`.
     pub fn apply(&self, event: Event) -> Result<(State, State), Refusal> {
-        let mut cur = self.0.load(Ordering::Acquire);
+        let mut cur = self.0.load(Ordering::SeqCst);
         loop {
             let from = decode(cur);
             let to = transition(from, event)?;
@@ -152,7 +156,7 @@ impl StateWord {
             }
             match self
                 .0
-                .compare_exchange_weak(cur, to as u8, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(cur, to as u8, Ordering::SeqCst, Ordering::SeqCst)
             {
                 Ok(_) => return Ok((from, to)),
                 Err(actual) => cur = actual,

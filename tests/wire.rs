@@ -1,0 +1,439 @@
+//! Hostile and broken peers on raw sockets: malformed, truncated and out-of-grant frames
+//! close the connection and fail that peer's rooms with a reason; the process lives on
+//! and no byte lands outside the grant.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use kvxfer::log::{Level, Logger};
+use kvxfer::proto::{
+    self, BufferInfo, ConnKind, DataHeader, Layout, Limits, Message, Registration, Role, Target,
+    PROTO_VERSION,
+};
+use kvxfer::{BufferDesc, Cause, Config, Engine, RoomPeers, State};
+
+const ITEM: usize = 256;
+const PAGES: usize = 16;
+const POISON: u8 = 0xEE;
+
+fn engine(role: &str, mem: &mut [Vec<u8>], extra: &[(&str, &str)]) -> Engine {
+    let mut c = Config::default();
+    c.set("role", role).unwrap();
+    c.set("connections_per_peer", "1").unwrap();
+    for (k, v) in extra {
+        c.set(k, v).unwrap();
+    }
+    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
+    e.register_kv(
+        mem.iter_mut()
+            .map(|b| BufferDesc {
+                base: b.as_mut_ptr() as usize,
+                len: b.len(),
+                item_len: ITEM,
+            })
+            .collect(),
+    )
+    .unwrap();
+    e
+}
+
+fn registration(n: usize) -> Registration {
+    Registration {
+        kv: (0..n)
+            .map(|_| BufferInfo {
+                len: (PAGES * ITEM) as u64,
+                item_len: ITEM as u64,
+                layer_id: BufferInfo::NO_LAYER,
+                addr: 0,
+                rkey: 0,
+            })
+            .collect(),
+        aux: vec![],
+        layout: Layout::default(),
+    }
+}
+
+fn send(s: &mut TcpStream, m: &Message) {
+    let mut f = Vec::new();
+    m.encode(&mut f).unwrap();
+    s.write_all(&f).unwrap();
+}
+
+fn recv(s: &mut TcpStream) -> Message {
+    let l = Limits::default();
+    let h = proto::read_frame_header(s, &l).unwrap();
+    proto::read_control(s, &h, &l).unwrap()
+}
+
+fn hello(role: Role, conn: ConnKind, id: u64) -> Message {
+    Message::Hello {
+        proto_version: PROTO_VERSION,
+        role,
+        engine_id: id,
+        conn,
+        conn_index: 0,
+    }
+}
+
+/// A fake decode engine: control connection with handshake done.
+fn fake_decode(addr: &str, id: u64) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    send(&mut s, &hello(Role::Decode, ConnKind::Control, id));
+    assert!(matches!(
+        recv(&mut s),
+        Message::Hello {
+            role: Role::Prefill,
+            ..
+        }
+    ));
+    assert!(matches!(recv(&mut s), Message::Registration(_)));
+    send(&mut s, &Message::Registration(registration(2)));
+    s
+}
+
+fn wait_terminal(e: &Engine, room: u64) -> State {
+    let t = Instant::now();
+    loop {
+        let s = e.room_poll(room).unwrap();
+        if s.is_terminal() {
+            return s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "room {room} stuck in {s}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The engine closes the connection: reads end in EOF or a reset within the timeout.
+fn assert_closed(s: &mut TcpStream) {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => continue, // heartbeats or aborts still queued
+        }
+    }
+}
+
+fn prefill() -> (Vec<Vec<u8>>, Engine) {
+    let mut mem: Vec<Vec<u8>> = (0..2).map(|_| vec![7u8; PAGES * ITEM]).collect();
+    let e = engine("prefill", &mut mem, &[]);
+    (mem, e)
+}
+
+#[test]
+fn garbage_before_the_handshake_closes_the_connection_and_the_engine_lives() {
+    let (_mem, p) = prefill();
+    for junk in [
+        &b"GET / HTTP/1.1\r\n\r\n"[..],
+        &[0u8; 64][..],
+        &[0xFF; 3][..],
+    ] {
+        let mut s = TcpStream::connect(p.address()).unwrap();
+        s.write_all(junk).unwrap();
+        if junk.len() < 16 {
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+        }
+        assert_closed(&mut s);
+    }
+    // Still serving: a well-behaved peer handshakes fine.
+    let _ok = fake_decode(p.address(), 1);
+    p.room_create(1, RoomPeers::Decoders(1)).unwrap();
+    assert_eq!(p.room_poll(1).unwrap(), State::Bootstrapping);
+}
+
+#[test]
+fn a_malformed_frame_from_a_peer_fails_its_rooms_with_a_reason() {
+    let (_mem, p) = prefill();
+    let mut s = fake_decode(p.address(), 2);
+    p.room_create(5, RoomPeers::Decoders(1)).unwrap();
+    send(
+        &mut s,
+        &Message::Destination {
+            room: 5,
+            generation: 77,
+            pages: vec![0, 1],
+            aux_slot: None,
+        },
+    );
+    let t = Instant::now();
+    while p.room_poll(5).unwrap() != State::WaitingForInput {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // A frame header with a bad magic.
+    s.write_all(&[0xAB; 16]).unwrap();
+    assert_closed(&mut s);
+    assert_eq!(wait_terminal(&p, 5), State::Failed);
+    let why = p.room_failure(5).unwrap();
+    assert_eq!(why.cause, Cause::PeerLost);
+    assert!(why.message.contains("malformed frame"), "{why}");
+    assert!(p.metrics().protocol_errors >= 1);
+}
+
+#[test]
+fn a_truncated_frame_then_close_fails_the_room() {
+    let (_mem, p) = prefill();
+    let mut s = fake_decode(p.address(), 3);
+    p.room_create(6, RoomPeers::Decoders(1)).unwrap();
+    send(
+        &mut s,
+        &Message::Destination {
+            room: 6,
+            generation: 1,
+            pages: vec![3],
+            aux_slot: None,
+        },
+    );
+    let mut f = Vec::new();
+    Message::Destination {
+        room: 9,
+        generation: 1,
+        pages: vec![1, 2, 3],
+        aux_slot: None,
+    }
+    .encode(&mut f)
+    .unwrap();
+    s.write_all(&f[..f.len() - 5]).unwrap();
+    drop(s);
+    assert_eq!(wait_terminal(&p, 6), State::Failed);
+    assert!(p.room_failure(6).unwrap().message.contains("decode engine"));
+}
+
+#[test]
+fn a_destination_for_a_room_never_created_is_answered_with_an_abort() {
+    let mut mem: Vec<Vec<u8>> = (0..2).map(|_| vec![7u8; PAGES * ITEM]).collect();
+    let p = engine("prefill", &mut mem, &[("bootstrap_timeout_ms", "200")]);
+    let mut s = fake_decode(p.address(), 4);
+    send(
+        &mut s,
+        &Message::Destination {
+            room: 404,
+            generation: 9,
+            pages: vec![1],
+            aux_slot: None,
+        },
+    );
+    let t = Instant::now();
+    loop {
+        match recv(&mut s) {
+            Message::Abort {
+                room,
+                generation,
+                reason,
+            } => {
+                assert_eq!((room, generation), (404, 9));
+                assert!(reason.contains("created no room 404"), "{reason}");
+                break;
+            }
+            Message::Heartbeat { .. } => {}
+            m => panic!("unexpected {m:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(10));
+    }
+    // No room was created by the peer's message.
+    assert!(p.room_poll(404).is_err());
+    assert_eq!(p.metrics().held_expired, 1);
+}
+
+/// A fake prefill engine for one decode room: handshakes on the control connection and
+/// one data connection, reads the destination, then lets the test write raw frames.
+struct FakePrefill {
+    ctrl: TcpStream,
+    data: TcpStream,
+    dest: Vec<u32>,
+    generation: u64,
+}
+
+fn fake_prefill(d: &Engine, room: u64) -> FakePrefill {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    d.room_create(room, RoomPeers::Prefills(vec![addr]))
+        .unwrap();
+    let (mut ctrl, _) = l.accept().unwrap();
+    ctrl.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert!(matches!(
+        recv(&mut ctrl),
+        Message::Hello {
+            role: Role::Decode,
+            ..
+        }
+    ));
+    send(&mut ctrl, &hello(Role::Prefill, ConnKind::Control, 99));
+    assert!(matches!(recv(&mut ctrl), Message::Registration(_)));
+    send(&mut ctrl, &Message::Registration(registration(2)));
+    let (mut data, _) = l.accept().unwrap();
+    assert!(matches!(
+        recv(&mut data),
+        Message::Hello {
+            conn: ConnKind::Data,
+            ..
+        }
+    ));
+    send(&mut data, &hello(Role::Prefill, ConnKind::Data, 99));
+    d.room_set_destination(room, &[2, 3], None).unwrap();
+    loop {
+        match recv(&mut ctrl) {
+            Message::Destination {
+                room: r,
+                generation,
+                pages,
+                ..
+            } => {
+                assert_eq!(r, room);
+                return FakePrefill {
+                    ctrl,
+                    data,
+                    dest: pages,
+                    generation,
+                };
+            }
+            Message::Heartbeat { .. } => {}
+            m => panic!("unexpected {m:?}"),
+        }
+    }
+}
+
+fn data_frame(
+    room: u64,
+    generation: u64,
+    buffer: u32,
+    first_page: u32,
+    n: u32,
+    byte: u8,
+) -> Vec<u8> {
+    let h = DataHeader {
+        room,
+        generation,
+        target: Target::Kv,
+        buffer,
+        first_page,
+        n_pages: n,
+        byte_len: n * ITEM as u32,
+    };
+    let mut prefix = [0u8; proto::DATA_FRAME_PREFIX_LEN];
+    h.encode_frame(&mut prefix).unwrap();
+    let mut f = prefix.to_vec();
+    f.extend(std::iter::repeat_n(byte, n as usize * ITEM));
+    f
+}
+
+#[test]
+fn a_data_frame_outside_the_grant_is_refused_and_nothing_is_written() {
+    let mut mem: Vec<Vec<u8>> = (0..2).map(|_| vec![POISON; PAGES * ITEM]).collect();
+    let d = engine("decode", &mut mem, &[]);
+    let mut f = fake_prefill(&d, 11);
+    assert_eq!(f.dest, vec![2, 3]);
+    // Page 5 was never granted to room 11.
+    f.data
+        .write_all(&data_frame(11, f.generation, 0, 5, 1, 0x41))
+        .unwrap();
+    assert_eq!(wait_terminal(&d, 11), State::Failed);
+    let why = d.room_failure(11).unwrap();
+    assert_eq!(why.cause, Cause::Protocol);
+    assert!(why.message.contains("page 5 was not granted"), "{why}");
+    assert!(
+        mem.iter().all(|b| b.iter().all(|&x| x == POISON)),
+        "a byte landed"
+    );
+    assert_closed(&mut f.data);
+    let _ = &mut f.ctrl;
+}
+
+#[test]
+fn frames_for_an_unknown_buffer_or_with_a_wrong_length_are_refused() {
+    let mut mem: Vec<Vec<u8>> = (0..2).map(|_| vec![POISON; PAGES * ITEM]).collect();
+    let d = engine("decode", &mut mem, &[]);
+    let mut f = fake_prefill(&d, 12);
+    f.data
+        .write_all(&data_frame(12, f.generation, 7, 2, 1, 0x41))
+        .unwrap();
+    assert_eq!(wait_terminal(&d, 12), State::Failed);
+    assert!(d
+        .room_failure(12)
+        .unwrap()
+        .message
+        .contains("kv buffer 7 is not registered"));
+
+    let mut g = fake_prefill(&d, 13);
+    let mut frame = data_frame(13, g.generation, 0, 2, 2, 0x41);
+    // Claim 2 pages but carry the bytes of 1 (fix up both length fields).
+    let h = DataHeader {
+        room: 13,
+        generation: g.generation,
+        target: Target::Kv,
+        buffer: 0,
+        first_page: 2,
+        n_pages: 2,
+        byte_len: ITEM as u32,
+    };
+    let mut prefix = [0u8; proto::DATA_FRAME_PREFIX_LEN];
+    h.encode_frame(&mut prefix).unwrap();
+    frame.truncate(prefix.len() + ITEM);
+    frame[..prefix.len()].copy_from_slice(&prefix);
+    g.data.write_all(&frame).unwrap();
+    assert_eq!(wait_terminal(&d, 13), State::Failed);
+    assert_eq!(d.room_failure(13).unwrap().cause, Cause::Protocol);
+    assert!(
+        mem.iter().all(|b| b.iter().all(|&x| x == POISON)),
+        "a byte landed"
+    );
+}
+
+#[test]
+fn data_for_a_stale_generation_is_discarded_not_written() {
+    let mut mem: Vec<Vec<u8>> = (0..2).map(|_| vec![POISON; PAGES * ITEM]).collect();
+    let d = engine("decode", &mut mem, &[]);
+    let mut f = fake_prefill(&d, 14);
+    f.data
+        .write_all(&data_frame(14, f.generation + 1000, 0, 2, 1, 0x41))
+        .unwrap();
+    // Then a good frame and Done: the room completes with exactly the good bytes.
+    for b in 0..2 {
+        f.data
+            .write_all(&data_frame(14, f.generation, b, 2, 2, 0x42))
+            .unwrap();
+    }
+    send(
+        &mut f.data,
+        &Message::Done {
+            room: 14,
+            generation: f.generation,
+            pages_sent: 2,
+            aux_sent: false,
+        },
+    );
+    assert_eq!(wait_terminal(&d, 14), State::Success);
+    assert!(mem[0][2 * ITEM..4 * ITEM].iter().all(|&x| x == 0x42));
+    assert!(mem[0][..2 * ITEM].iter().all(|&x| x == POISON));
+    assert_eq!(d.metrics().dropped_frames, 1);
+}
+
+#[test]
+fn done_before_every_page_arrived_fails_the_room() {
+    let mut mem: Vec<Vec<u8>> = (0..2).map(|_| vec![POISON; PAGES * ITEM]).collect();
+    let d = engine("decode", &mut mem, &[]);
+    let mut f = fake_prefill(&d, 15);
+    f.data
+        .write_all(&data_frame(15, f.generation, 0, 2, 2, 0x42))
+        .unwrap();
+    send(
+        &mut f.data,
+        &Message::Done {
+            room: 15,
+            generation: f.generation,
+            pages_sent: 2,
+            aux_sent: false,
+        },
+    );
+    assert_eq!(wait_terminal(&d, 15), State::Failed);
+    let why = d.room_failure(15).unwrap();
+    assert_eq!(why.cause, Cause::Mismatch);
+    assert!(why.message.contains("2 of 4 page writes"), "{why}");
+}
