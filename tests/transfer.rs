@@ -103,10 +103,14 @@ struct Pair {
 }
 
 fn pair(extra: &[(&str, &str)]) -> Pair {
+    pair_with(extra, extra)
+}
+
+fn pair_with(p_extra: &[(&str, &str)], d_extra: &[(&str, &str)]) -> Pair {
     let mut pmem = Box::new(Mem::new(src_pattern));
     let mut dmem = Box::new(Mem::new(|_, _| POISON));
-    let p = engine("prefill", &mut pmem, extra);
-    let d = engine("decode", &mut dmem, extra);
+    let p = engine("prefill", &mut pmem, p_extra);
+    let d = engine("decode", &mut dmem, d_extra);
     Pair { pmem, dmem, p, d }
 }
 
@@ -363,14 +367,21 @@ fn several_decode_engines_receive_the_same_pages() {
 
 #[test]
 fn the_waiting_deadline_fails_a_room_that_never_gets_data() {
-    let t = pair(&[("waiting_timeout_ms", "200")]);
+    // Only the decode side has the short deadline, so its own watchdog fires first.
+    let t = pair_with(&[], &[("waiting_timeout_ms", "200")]);
     t.create(40);
     t.d.room_set_destination(40, &[1], None).unwrap();
     assert_eq!(wait_terminal(&t.d, 40), State::Failed);
     let why = t.d.room_failure(40).unwrap();
     assert_eq!(why.cause, Cause::WaitingTimeout);
     assert!(why.message.contains("waiting_timeout_ms"));
+    // The prefill room hears of it from the decode side.
     assert_eq!(wait_terminal(&t.p, 40), State::Failed);
+    let why = t.p.room_failure(40).unwrap();
+    assert!(
+        why.from_peer && why.message.contains("waiting_timeout_ms"),
+        "{why}"
+    );
 }
 
 #[test]
@@ -401,4 +412,186 @@ fn many_rooms_at_once_all_succeed_and_clear_leaves_nothing() {
     let m = t.d.metrics();
     assert_eq!(m.inflight, 0);
     assert_eq!(m.rooms_succeeded, 64);
+}
+
+/// Waits until room is drained, re-poisons its pages, lets any straggler arrive, and
+/// checks no byte landed after the drain.
+fn assert_no_write_after_drain(t: &mut Pair, room: u64, dst: &[u32]) {
+    let start = Instant::now();
+    while !t.d.room_drained(room).unwrap() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "room {room} never drained"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for &d in dst {
+        for b in 0..2 * LAYERS {
+            t.dmem.kv[b][d as usize * ITEM..(d as usize + 1) * ITEM].fill(POISON);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    t.assert_poisoned(dst);
+}
+
+#[test]
+fn abort_at_every_stage_from_either_side_ends_both_rooms() {
+    // (stage, abort from decode?)
+    for from_decode in [true, false] {
+        let mut t = pair(&[]);
+        fn side(t: &Pair, from_decode: bool) -> &Engine {
+            if from_decode {
+                &t.d
+            } else {
+                &t.p
+            }
+        }
+        let dst: Vec<u32> = (0..32).collect();
+        let src: Vec<u32> = (32..64).collect();
+
+        // 1. Before the destination is known.
+        t.create(1);
+        side(&t, from_decode).room_abort(1, "stage 1").unwrap();
+        assert_eq!(wait_terminal(&t.p, 1), State::Failed, "prefill, stage 1");
+        if !from_decode {
+            // The decode room learns it when it sends its destination.
+            t.d.room_set_destination(1, &dst[..1], None).unwrap();
+        }
+        assert_eq!(wait_terminal(&t.d, 1), State::Failed, "decode, stage 1");
+
+        // 2. Between chunks.
+        t.create(2);
+        t.d.room_set_destination(2, &dst, None).unwrap();
+        t.p.enqueue_chunk(2, &src[..8], false, None).unwrap();
+        wait_state(&t.d, 2, State::Transferring);
+        side(&t, from_decode).room_abort(2, "stage 2").unwrap();
+        assert_eq!(wait_terminal(&t.p, 2), State::Failed);
+        assert_eq!(wait_terminal(&t.d, 2), State::Failed);
+        assert!(t.p.enqueue_chunk(2, &src[8..], true, None).is_err());
+        assert_no_write_after_drain(&mut t, 2, &dst);
+
+        // 3. While a chunk is on the wire: abort as soon as bytes arrive.
+        t.create(3);
+        t.d.room_set_destination(3, &dst, None).unwrap();
+        t.p.enqueue_chunk(3, &src, true, None).unwrap();
+        let s0 = Instant::now();
+        while t.d.metrics().bytes_received == 0 && s0.elapsed() < Duration::from_secs(10) {
+            std::hint::spin_loop();
+        }
+        side(&t, from_decode).room_abort(3, "stage 3").unwrap();
+        let (ps, ds) = (wait_terminal(&t.p, 3), wait_terminal(&t.d, 3));
+        // The whole chunk may have landed before the abort: then both may be SUCCESS;
+        // either way the two sides agree unless the abort came after completion.
+        assert!(
+            ds == State::Failed || ps == State::Success,
+            "prefill {ps}, decode {ds}"
+        );
+        if ds == State::Failed {
+            assert_no_write_after_drain(&mut t, 3, &dst);
+        }
+
+        // 4. After the last chunk completed: SUCCESS stays.
+        t.create(4);
+        t.d.room_set_destination(4, &dst[..2], None).unwrap();
+        t.p.enqueue_chunk(4, &src[..2], true, None).unwrap();
+        assert_eq!(wait_terminal(&t.p, 4), State::Success);
+        assert_eq!(wait_terminal(&t.d, 4), State::Success);
+        side(&t, from_decode).room_abort(4, "stage 4").unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(t.p.room_poll(4).unwrap(), State::Success);
+        assert_eq!(t.d.room_poll(4).unwrap(), State::Success);
+
+        for room in 1..=3 {
+            for e in [&t.p, &t.d] {
+                if let Ok(why) = e.room_failure(room) {
+                    assert!(!why.message.is_empty());
+                    assert!(
+                        why.message.contains(&format!("stage {room}"))
+                            || why.cause != Cause::Aborted,
+                        "{why}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_transfer_deadline_fails_a_room_whose_last_chunk_never_comes() {
+    let t = pair_with(&[], &[("transfer_timeout_ms", "200")]);
+    t.create(50);
+    t.d.room_set_destination(50, &[1, 2], None).unwrap();
+    t.p.enqueue_chunk(50, &[1], false, None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 50), State::Failed);
+    assert_eq!(wait_terminal(&t.p, 50), State::Failed);
+    let why = t.d.room_failure(50).unwrap();
+    assert_eq!(why.cause, Cause::TransferTimeout);
+    assert!(why.message.contains("transfer_timeout_ms"), "{why}");
+}
+
+#[test]
+fn the_bootstrap_deadline_fails_a_prefill_room_that_gets_no_destination() {
+    let t = pair(&[("bootstrap_timeout_ms", "150")]);
+    t.p.room_create(60, RoomPeers::Decoders(1)).unwrap();
+    t.p.enqueue_chunk(60, &[1], true, None).unwrap();
+    assert_eq!(wait_terminal(&t.p, 60), State::Failed);
+    let why = t.p.room_failure(60).unwrap();
+    assert_eq!(why.cause, Cause::BootstrapTimeout);
+    assert!(why.message.contains("bootstrap_timeout_ms"), "{why}");
+}
+
+#[test]
+fn clearing_a_live_room_aborts_it_on_the_peer_too() {
+    let t = pair(&[]);
+    t.create(70);
+    t.d.room_set_destination(70, &[1], None).unwrap();
+    wait_state(&t.p, 70, State::WaitingForInput);
+    t.d.room_clear(70).unwrap();
+    assert!(t.d.room_poll(70).is_err());
+    assert_eq!(wait_terminal(&t.p, 70), State::Failed);
+    assert!(t
+        .p
+        .room_failure(70)
+        .unwrap()
+        .message
+        .contains("cleared while live"));
+    // The id is free again on decode, and a new use of it works end to end.
+    t.p.room_clear(70).unwrap();
+    t.create(70);
+    t.d.room_set_destination(70, &[3], None).unwrap();
+    t.p.enqueue_chunk(70, &[9], true, None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 70), State::Success);
+    t.assert_pages(&[9], &[3]);
+}
+
+#[test]
+fn dropping_an_engine_fails_its_live_rooms_as_shut_down() {
+    let t = pair(&[]);
+    t.create(80);
+    let Pair { p, d, pmem, dmem } = t;
+    drop(p);
+    assert_eq!(wait_terminal(&d, 80), State::Failed);
+    drop(d);
+    drop((pmem, dmem));
+}
+
+#[test]
+fn an_abort_that_arrives_before_the_prefill_room_exists_fails_it_on_creation() {
+    let t = pair(&[]);
+    t.d.room_create(90, RoomPeers::Prefills(vec![t.p.address().to_string()]))
+        .unwrap();
+    t.d.room_abort(90, "cancelled early").unwrap();
+    // Give the abort time to reach the prefill engine before its room exists.
+    let start = Instant::now();
+    while t.p.metrics().unknown_room_frames == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    t.p.room_create(90, RoomPeers::Decoders(1)).unwrap();
+    assert_eq!(t.p.room_poll(90).unwrap(), State::Failed);
+    let why = t.p.room_failure(90).unwrap();
+    assert!(
+        why.from_peer && why.message.contains("cancelled early"),
+        "{why}"
+    );
 }

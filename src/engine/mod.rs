@@ -186,36 +186,10 @@ impl Shared {
         }
     }
 
-    /// A peer's Abort: fail the room it names (if the generation matches) and, on the
-    /// prefill side, acknowledge.
+    /// A peer's Abort: fail the room it names and, on the prefill side, acknowledge.
     fn on_peer_abort(&self, peer: &Arc<Peer>, id: u64, generation: u64, reason: String) {
-        let room = match self.role {
-            Role::Decode => self.rooms.get_generation(id, generation),
-            Role::Prefill => self.rooms.get(id).filter(|r| match &r.ext {
-                RoomExt::Prefill(p) => p
-                    .lock()
-                    .dests
-                    .iter()
-                    .any(|d| Arc::ptr_eq(&d.peer, peer) && d.generation == generation),
-                RoomExt::Decode(_) => false,
-            }),
-        };
-        match room {
-            Some(room) => {
-                self.fail_room(
-                    &room,
-                    FailureReason::peer(Cause::Aborted, reason),
-                    Some(peer),
-                );
-            }
-            None => {
-                self.prefill_drop_held(peer, id, generation);
-                self.metrics
-                    .unknown_room_frames
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-        }
         if self.role == Role::Prefill {
+            self.prefill_on_abort(peer, id, generation, reason);
             // Over TCP nothing is outstanding once the worker sees the room terminal: the
             // decode side refuses every later byte itself, so acknowledge at once.
             peer.send(
@@ -225,6 +199,21 @@ impl Shared {
                     generation,
                 },
             );
+            return;
+        }
+        match self.rooms.get_generation(id, generation) {
+            Some(room) => {
+                self.fail_room(
+                    &room,
+                    FailureReason::peer(Cause::Aborted, reason),
+                    Some(peer),
+                );
+            }
+            None => {
+                self.metrics
+                    .unknown_room_frames
+                    .fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 

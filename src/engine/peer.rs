@@ -28,7 +28,10 @@ pub(crate) struct Peer {
     pub name: String,
     ready: AtomicBool,
     lost: OnceLock<String>,
+    /// Control frames to send. Created with the peer, so that messages queued before the
+    /// connection is up (an abort right after room creation) go out once it is.
     ctrl: Mutex<Option<mpsc::Sender<Vec<u8>>>>,
+    ctrl_rx: Mutex<Option<mpsc::Receiver<Vec<u8>>>>,
     /// Connections data frames are written to (prefill side).
     pub data: RwLock<Vec<Arc<SendConn>>>,
     streams: Mutex<Vec<TcpStream>>,
@@ -43,12 +46,14 @@ pub(crate) struct Peer {
 
 impl Peer {
     pub fn new(key: String, name: String, now_ms: u64) -> Arc<Peer> {
+        let (tx, rx) = mpsc::channel();
         Arc::new(Peer {
             key,
             name,
             ready: AtomicBool::new(false),
             lost: OnceLock::new(),
-            ctrl: Mutex::new(None),
+            ctrl: Mutex::new(Some(tx)),
+            ctrl_rx: Mutex::new(Some(rx)),
             data: RwLock::new(Vec::new()),
             streams: Mutex::new(Vec::new()),
             rooms: Mutex::new(HashSet::new()),
@@ -142,6 +147,7 @@ impl Shared {
             }
         }
         peer.ctrl.lock().take();
+        peer.ctrl_rx.lock().take();
         for s in peer.streams.lock().drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -346,13 +352,12 @@ impl Shared {
 
     /// Starts the control writer thread and the control reader thread of `peer`.
     fn start_control(self: &Arc<Self>, peer: &Arc<Peer>, ctrl: TcpStream) -> Result<(), String> {
-        let (tx, rx) = mpsc::channel::<Vec<u8>>();
         let writer = ctrl.try_clone().map_err(|e| e.to_string())?;
-        *peer.ctrl.lock() = Some(tx);
-        if peer.is_lost() {
-            peer.ctrl.lock().take();
-            return Err("lost during setup".into());
-        }
+        let rx = peer
+            .ctrl_rx
+            .lock()
+            .take()
+            .ok_or_else(|| "lost during setup".to_string())?;
         let (shared, p) = (self.clone(), peer.clone());
         self.spawn("kvxfer-ctrl-tx", move || {
             let conn = SendConn::new(writer);

@@ -75,9 +75,21 @@ pub(crate) struct Held {
     expires_ms: u64,
 }
 
+/// An abort from a decode engine for a room this engine has not created yet: the room is
+/// failed with it when created (like an early destination, it is adopted), unless it
+/// expires first.
+pub(crate) struct Tombstone {
+    peer: Arc<Peer>,
+    reason: String,
+    expires_ms: u64,
+}
+
+/// Early arrivals from decode engines, bounded in count (`MAX_HELD` in all) and time
+/// (`bootstrap_timeout_ms`).
 #[derive(Default)]
 pub(crate) struct Holding {
     by_room: HashMap<u64, Vec<Held>>,
+    aborted: HashMap<u64, Tombstone>,
     count: usize,
 }
 
@@ -207,14 +219,22 @@ impl Shared {
         }
     }
 
-    /// A new room takes the destinations that were waiting for it.
+    /// A new room takes the destinations (and aborts) that were waiting for it.
     pub(crate) fn prefill_adopt_held(&self, room: &Arc<ERoom>) {
-        let held = {
+        let (held, tomb) = {
             let mut h = self.holding.lock();
             let held = h.by_room.remove(&room.id()).unwrap_or_default();
-            h.count -= held.len();
-            held
+            let tomb = h.aborted.remove(&room.id());
+            h.count -= held.len() + tomb.is_some() as usize;
+            (held, tomb)
         };
+        if let Some(t) = tomb {
+            self.fail_room(
+                room,
+                FailureReason::peer(Cause::Aborted, t.reason),
+                Some(&t.peer),
+            );
+        }
         for d in held {
             if !d.peer.is_lost() {
                 self.attach(room, &d.peer, d.generation, d.pages, d.aux);
@@ -222,8 +242,50 @@ impl Shared {
         }
     }
 
-    /// Forgets a held destination the decode side aborted.
-    pub(crate) fn prefill_drop_held(&self, peer: &Arc<Peer>, id: u64, generation: u64) {
+    /// A decode engine's Abort for room `id`.
+    ///
+    /// It fails the prefill room when the room has that decode room's destination, or
+    /// has none from that engine yet while still waiting for destinations (the decode
+    /// side gave up before its destination went out). An Abort for a room not created yet
+    /// is held like an early destination and fails the room when it is created. Anything
+    /// else (another generation of a destination we hold) is a late message for an
+    /// earlier use of the id and is dropped.
+    pub(crate) fn prefill_on_abort(
+        &self,
+        peer: &Arc<Peer>,
+        id: u64,
+        generation: u64,
+        reason: String,
+    ) {
+        if let Some(room) = self.rooms.get(id) {
+            let applies = {
+                let p = ext(&room).lock();
+                let from_peer: Vec<&Dest> = p
+                    .dests
+                    .iter()
+                    .filter(|d| Arc::ptr_eq(&d.peer, peer))
+                    .collect();
+                match from_peer.first() {
+                    Some(d) => d.generation == generation,
+                    None => !p.ready(),
+                }
+            };
+            if applies {
+                self.fail_room(
+                    &room,
+                    FailureReason::peer(Cause::Aborted, reason),
+                    Some(peer),
+                );
+            } else {
+                self.metrics
+                    .unknown_room_frames
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        }
+        self.metrics
+            .unknown_room_frames
+            .fetch_add(1, Ordering::Relaxed);
         let mut h = self.holding.lock();
         if let Some(list) = h.by_room.get_mut(&id) {
             let before = list.len();
@@ -233,6 +295,22 @@ impl Shared {
                 h.by_room.remove(&id);
             }
             h.count -= removed;
+        }
+        if h.count < MAX_HELD && !h.aborted.contains_key(&id) {
+            h.count += 1;
+            h.aborted.insert(
+                id,
+                Tombstone {
+                    peer: peer.clone(),
+                    reason,
+                    expires_ms: self.now_ms() + self.config.bootstrap_timeout_ms,
+                },
+            );
+        }
+        drop(h);
+        // The room may have been created between our lookup and the insert.
+        if let Some(room) = self.rooms.get(id) {
+            self.prefill_adopt_held(&room);
         }
     }
 
@@ -253,7 +331,10 @@ impl Shared {
                 expired.extend(gone.into_iter().map(|d| (id, d)));
             }
             h.by_room.retain(|_, l| !l.is_empty());
-            h.count -= expired.len();
+            let tombs = h.aborted.len();
+            h.aborted.retain(|_, t| t.expires_ms > now);
+            let gone_tombs = tombs - h.aborted.len();
+            h.count -= expired.len() + gone_tombs;
         }
         for (id, d) in expired {
             self.metrics.held_expired.fetch_add(1, Ordering::Relaxed);
