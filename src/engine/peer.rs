@@ -511,11 +511,8 @@ impl Shared {
                     self.now_ms(),
                 );
                 peer.track(&s);
-                self.write_msg(&mut s, &self.hello(ConnKind::Control, 0))?;
-                self.write_msg(&mut s, &Message::Registration(self.registration()))?;
-                let theirs = self.expect_registration(&mut s)?;
-                self.check_registration(&peer.name, &theirs)?;
-                s.set_read_timeout(None).map_err(|e| e.to_string())?;
+                // Known before our Registration goes out: the decode engine opens its data
+                // connections as soon as it has read it, and they must find this peer.
                 let old = self.peers.lock().insert(key, peer.clone());
                 if let Some(old) = old {
                     self.lose_peer(
@@ -523,7 +520,18 @@ impl Shared {
                         "replaced by a new connection from the same engine".into(),
                     );
                 }
-                self.start_control(&peer, s)?;
+                let setup = (|| {
+                    self.write_msg(&mut s, &self.hello(ConnKind::Control, 0))?;
+                    self.write_msg(&mut s, &Message::Registration(self.registration()))?;
+                    let theirs = self.expect_registration(&mut s)?;
+                    self.check_registration(&peer.name, &theirs)?;
+                    s.set_read_timeout(None).map_err(|e| e.to_string())?;
+                    self.start_control(&peer, s)
+                })();
+                if let Err(why) = setup {
+                    self.lose_peer(&peer, why.clone());
+                    return Err(why);
+                }
                 peer.ready.store(true, Ordering::Release);
                 crate::log!(self.log, Info, "accepted {}", peer.name);
                 Ok(())
