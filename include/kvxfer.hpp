@@ -196,6 +196,20 @@ class Engine {
         });
     }
 
+    /// Counters and gauges (see kvxfer_metrics).
+    kvxfer_metrics metrics() const {
+        kvxfer_metrics m{};
+        check(kvxfer_engine_metrics(handle_.get(), &m, sizeof m));
+        return m;
+    }
+
+    /// The metrics in the Prometheus text exposition format.
+    std::string metrics_text() const {
+        return detail::read_string([this](char *buf, std::size_t len, std::size_t *n) {
+            return kvxfer_engine_metrics_text(handle_.get(), buf, len, n);
+        });
+    }
+
     void register_kv(const std::vector<kvxfer_buffer> &bufs) {
         check(kvxfer_register_kv(handle_.get(), bufs.data(), bufs.size()));
     }
