@@ -440,6 +440,19 @@ KVXFER_MUST_USE kvxfer_status kvxfer_engine_address(const kvxfer_engine *engine,
 KVXFER_MUST_USE kvxfer_status kvxfer_register_kv(const kvxfer_engine *engine, const kvxfer_buffer *bufs, size_t n);
 
 /**
+ * Registers the engine's KV buffers with a layer id each (`layer_ids[i]` for `bufs[i]`),
+ * instead of `kvxfer_register_kv`. Buffers then pair with the peer's by layer id (several
+ * buffers of one layer, such as K and V, pair in the order registered), so a pipeline
+ * stage registers only its own layers and a decode room pulling from several stages
+ * completes when, together, they delivered every decode buffer exactly once. Both sides
+ * must use layer ids, or neither.
+ *
+ * Errors: as `kvxfer_register_kv`, and `KVXFER_ERR_INVALID_ARGUMENT` for a layer id
+ * above `INT32_MAX`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_register_kv_layers(const kvxfer_engine *engine, const kvxfer_buffer *bufs, const uint32_t *layer_ids, size_t n);
+
+/**
  * Registers the engine's aux buffers (per-request metadata rows, indexed by slot: slot
  * `s` of buffer `i` is at `base + s * item_len`), once. Same rules and errors as
  * `kvxfer_register_kv`.

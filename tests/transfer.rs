@@ -595,3 +595,73 @@ fn an_abort_that_arrives_before_the_prefill_room_exists_fails_it_on_creation() {
         "{why}"
     );
 }
+
+fn layered_engine(role: &str, mem: &mut Mem, layers: std::ops::Range<usize>) -> Engine {
+    let mut c = Config::default();
+    c.set("role", role).unwrap();
+    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
+    let mut bufs = Vec::new();
+    let mut ids = Vec::new();
+    for l in layers {
+        for kv in 0..2 {
+            let b = &mut mem.kv[2 * l + kv];
+            bufs.push(BufferDesc {
+                base: b.as_mut_ptr() as usize,
+                len: b.len(),
+                item_len: ITEM,
+            });
+            ids.push(l as u32);
+        }
+    }
+    e.register_kv_layers(bufs, ids).unwrap();
+    e.register_aux(vec![BufferDesc {
+        base: mem.aux.as_mut_ptr() as usize,
+        len: mem.aux.len(),
+        item_len: AUX_ITEM,
+    }])
+    .unwrap();
+    e
+}
+
+#[test]
+fn a_decode_room_pulls_each_layer_from_the_pipeline_stage_that_has_it() {
+    let mut s0 = Box::new(Mem::new(src_pattern));
+    let mut s1 = Box::new(Mem::new(|b, i| src_pattern(b, i) ^ 0x5A));
+    let mut dmem = Box::new(Mem::new(|_, _| POISON));
+    let stage0 = layered_engine("prefill", &mut s0, 0..LAYERS / 2);
+    let stage1 = layered_engine("prefill", &mut s1, LAYERS / 2..LAYERS);
+    let d = layered_engine("decode", &mut dmem, 0..LAYERS);
+    let addrs = vec![stage0.address().to_string(), stage1.address().to_string()];
+    d.room_create(1, RoomPeers::Prefills(addrs)).unwrap();
+    d.room_set_destination(1, &[4, 5, 6], None).unwrap();
+    for stage in [&stage0, &stage1] {
+        stage.room_create(1, RoomPeers::Decoders(1)).unwrap();
+        stage.enqueue_chunk(1, &[10, 11], false, None).unwrap();
+        stage.enqueue_chunk(1, &[12], true, None).unwrap();
+    }
+    assert_eq!(wait_terminal(&d, 1), State::Success);
+    for (s, t) in [(10, 4), (11, 5), (12, 6)] {
+        for b in 0..2 * LAYERS {
+            let from = if b < LAYERS { &s0 } else { &s1 };
+            assert_eq!(dmem.page(b, t), from.page(b, s), "buffer {b}");
+        }
+    }
+}
+
+#[test]
+fn a_decode_room_whose_stages_miss_a_layer_fails_naming_the_buffer() {
+    let mut s0 = Box::new(Mem::new(src_pattern));
+    let mut dmem = Box::new(Mem::new(|_, _| POISON));
+    let stage0 = layered_engine("prefill", &mut s0, 0..LAYERS / 2);
+    let d = layered_engine("decode", &mut dmem, 0..LAYERS);
+    d.room_create(2, RoomPeers::Prefills(vec![stage0.address().to_string()]))
+        .unwrap();
+    assert_eq!(wait_terminal(&d, 2), State::Failed);
+    let why = d.room_failure(2).unwrap();
+    assert_eq!(why.cause, Cause::Mismatch);
+    assert!(
+        why.message
+            .contains(&format!("decode kv buffer {} is delivered by none", LAYERS)),
+        "{why}"
+    );
+}

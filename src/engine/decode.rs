@@ -93,6 +93,20 @@ impl Shared {
         if !d.peers.iter().all(|p| p.is_ready()) {
             return;
         }
+        let n_kv = self.kv.get().map_or(0, |m| m.buffers().len());
+        let maps: Vec<&[u32]> = d
+            .peers
+            .iter()
+            .map(|p| p.kv_map.get().map_or(&[][..], |m| &m[..]))
+            .collect();
+        if let Err(why) = super::pairing::check_coverage(n_kv, &maps) {
+            self.fail_room(
+                room,
+                FailureReason::local(Cause::Mismatch, format!("room {}: {why}", room.id())),
+                None,
+            );
+            return;
+        }
         if room.state() == State::Bootstrapping {
             self.arm(room, State::WaitingForInput);
             let _ = room.advance(Event::Ready);
@@ -220,7 +234,7 @@ impl Shared {
             None => Err(Refuse::Discard),
             Some(room) => self.check_data(peer, room, h),
         };
-        let (room, dst_len) = match target {
+        let (room, buffer) = match target {
             Ok(t) => t,
             Err(Refuse::Discard) => {
                 self.metrics.dropped_frames.fetch_add(1, Ordering::Relaxed);
@@ -237,7 +251,6 @@ impl Shared {
                 return Err(why);
             }
         };
-        debug_assert_eq!(dst_len, h.byte_len as usize);
         let d = ext(&room).expect("checked");
         let mem = match h.target {
             Target::Kv => self.kv.get(),
@@ -247,7 +260,7 @@ impl Shared {
         d.writes.fetch_add(1, Ordering::SeqCst);
         let r = (|| -> std::io::Result<bool> {
             let dst = mem
-                .pages_mut(h.buffer as usize, h.first_page, h.n_pages)
+                .pages_mut(buffer as usize, h.first_page, h.n_pages)
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             let mut off = 0;
             while off < dst.len() {
@@ -285,13 +298,13 @@ impl Shared {
 
     /// Checks a data frame: the room pulls from this peer, is live, has a destination,
     /// and the frame's pages are granted to it, in registered buffers, with the right
-    /// length. Returns the room and the byte length to write.
+    /// length. Returns the room and our buffer the frame fills.
     fn check_data(
         &self,
         peer: &Arc<Peer>,
         room: &Arc<ERoom>,
         h: &DataHeader,
-    ) -> std::result::Result<(Arc<ERoom>, usize), Refuse> {
+    ) -> std::result::Result<(Arc<ERoom>, u32), Refuse> {
         let proto_err =
             |why: String| Refuse::Protocol(format!("a bad data frame for room {}: {why}", h.room));
         let d = ext(room).ok_or(Refuse::Discard)?;
@@ -301,12 +314,18 @@ impl Shared {
         if room.state().is_terminal() {
             return Err(Refuse::Discard);
         }
-        let (mem, what) = match h.target {
-            Target::Kv => (self.kv.get(), "kv"),
-            Target::Aux => (self.aux.get(), "aux"),
+        let (mem, what, local) = match h.target {
+            Target::Kv => (
+                self.kv.get(),
+                "kv",
+                peer.kv_map
+                    .get()
+                    .and_then(|m| m.get(h.buffer as usize).copied()),
+            ),
+            Target::Aux => (self.aux.get(), "aux", Some(h.buffer)),
         };
-        let item_len = mem
-            .and_then(|m| m.item_len(h.buffer as usize))
+        let item_len = local
+            .and_then(|b| mem.and_then(|m| m.item_len(b as usize)))
             .ok_or_else(|| proto_err(format!("{what} buffer {} is not registered", h.buffer)))?;
         if h.byte_len as u64 != h.n_pages as u64 * item_len as u64 {
             return Err(proto_err(format!(
@@ -353,7 +372,7 @@ impl Shared {
         // never sees the new state with the old state's deadline.
         room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
         let _ = room.advance(Event::Start);
-        Ok((room.clone(), h.byte_len as usize))
+        Ok((room.clone(), local.unwrap_or(h.buffer)))
     }
 
     /// A prefill engine's Done: check it delivered everything, then complete the room
@@ -369,8 +388,12 @@ impl Shared {
         let Some(idx) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) else {
             return;
         };
-        let n_kv = self.kv.get().map_or(0, |m| m.buffers().len()) as u64;
-        let n_aux = self.aux.get().map_or(0, |m| m.buffers().len()) as u64;
+        let n_kv = peer.kv_map.get().map_or(0, Vec::len) as u64;
+        let n_aux = peer.aux_count.get().copied().unwrap_or(0) as u64;
+        let any_aux = d
+            .peers
+            .iter()
+            .any(|p| p.aux_count.get().copied().unwrap_or(0) > 0);
         let verdict = {
             let mut st = d.inner.lock();
             let (want_pages, want_aux) = match &st.dest {
@@ -390,8 +413,13 @@ impl Shared {
                     pr.kv_pages,
                     want_pages * n_kv
                 ))
-            } else if want_aux && (!aux_sent || pr.aux_rows != n_aux) {
+            } else if want_aux && n_aux > 0 && (!aux_sent || pr.aux_rows != n_aux) {
                 Some(format!("{} did not send the aux rows", peer.name))
+            } else if want_aux && !any_aux {
+                Some(
+                    "the destination has an aux slot but no prefill engine registered aux buffers"
+                        .to_string(),
+                )
             } else {
                 None
             };

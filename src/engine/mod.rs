@@ -5,6 +5,7 @@
 
 mod decode;
 mod metrics;
+mod pairing;
 mod peer;
 mod prefill;
 mod watchdog;
@@ -350,12 +351,36 @@ impl Engine {
 
     /// Registers the KV buffers (once per engine).
     pub fn register_kv(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        register(&self.shared.kv, bufs, "kv")
+        register(&self.shared.kv, bufs, None, "kv")
+    }
+
+    /// Registers the KV buffers with a layer id each (once per engine): buffers then pair
+    /// with the peer's by layer id, and a pipeline stage may register only its layers.
+    pub fn register_kv_layers(&self, bufs: Vec<BufferDesc>, layers: Vec<u32>) -> Result<()> {
+        if layers.len() != bufs.len() {
+            return Err(err!(
+                InvalidArgument,
+                "{} layer ids for {} kv buffers",
+                layers.len(),
+                bufs.len()
+            ));
+        }
+        if let Some((i, l)) = layers
+            .iter()
+            .enumerate()
+            .find(|(_, &l)| l > i32::MAX as u32)
+        {
+            return Err(err!(
+                InvalidArgument,
+                "kv buffer {i}: layer id {l} is too large"
+            ));
+        }
+        register(&self.shared.kv, bufs, Some(layers), "kv")
     }
 
     /// Registers the aux buffers (once per engine).
     pub fn register_aux(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        register(&self.shared.aux, bufs, "aux")
+        register(&self.shared.aux, bufs, None, "aux")
     }
 
     /// Creates room `id` in `Bootstrapping`.
@@ -704,7 +729,12 @@ fn bind(listen: &str) -> Result<TcpListener> {
     ))
 }
 
-fn register(slot: &OnceLock<Memory>, bufs: Vec<BufferDesc>, what: &str) -> Result<()> {
+fn register(
+    slot: &OnceLock<Memory>,
+    bufs: Vec<BufferDesc>,
+    layers: Option<Vec<u32>>,
+    what: &str,
+) -> Result<()> {
     if bufs.is_empty() || bufs.len() > MAX_BUFFERS {
         return Err(err!(
             InvalidArgument,
@@ -741,6 +771,10 @@ fn register(slot: &OnceLock<Memory>, bufs: Vec<BufferDesc>, what: &str) -> Resul
             ));
         }
     }
-    slot.set(Memory::new(bufs))
+    let memory = match layers {
+        Some(l) => Memory::with_layers(bufs, l),
+        None => Memory::new(bufs),
+    };
+    slot.set(memory)
         .map_err(|_| err!(WrongState, "{what} buffers are already registered"))
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::Shared;
+use super::{pairing, Shared};
 use crate::proto::{
     self, ConnKind, FrameHeader, Kind, Message, ReadError, Registration, Role as WireRole,
     PROTO_VERSION,
@@ -35,6 +35,10 @@ pub(crate) struct Peer {
     /// Connections data frames are written to (prefill side).
     pub data: RwLock<Vec<Arc<SendConn>>>,
     streams: Mutex<Vec<TcpStream>>,
+    /// Decode side: for each of this prefill engine's kv buffers, our buffer it fills.
+    pub kv_map: OnceLock<Vec<u32>>,
+    /// Decode side: how many aux buffers this prefill engine registered (0 or ours).
+    pub aux_count: OnceLock<usize>,
     /// Rooms (id, local generation) that depend on this peer.
     pub rooms: Mutex<HashSet<(u64, u64)>>,
     /// Engine-clock ms of the last frame received; Relaxed: read only by the watchdog
@@ -56,6 +60,8 @@ impl Peer {
             ctrl_rx: Mutex::new(Some(rx)),
             data: RwLock::new(Vec::new()),
             streams: Mutex::new(Vec::new()),
+            kv_map: OnceLock::new(),
+            aux_count: OnceLock::new(),
             rooms: Mutex::new(HashSet::new()),
             last_recv_ms: AtomicU64::new(now_ms),
             last_sent_ms: AtomicU64::new(now_ms),
@@ -192,10 +198,11 @@ impl Shared {
             m.map(|m| {
                 m.buffers()
                     .iter()
-                    .map(|b| proto::BufferInfo {
+                    .enumerate()
+                    .map(|(i, b)| proto::BufferInfo {
                         len: b.len as u64,
                         item_len: b.item_len as u64,
-                        layer_id: proto::BufferInfo::NO_LAYER,
+                        layer_id: m.layer(i).map_or(proto::BufferInfo::NO_LAYER, |l| l as i32),
                         addr: 0,
                         rkey: 0,
                     })
@@ -210,31 +217,17 @@ impl Shared {
         }
     }
 
-    /// Checks the peer's registration against ours: same buffer counts and item lengths.
-    fn check_registration(&self, peer: &str, theirs: &Registration) -> Result<(), String> {
+    /// Checks the peer's registration against ours and returns, for each of the prefill
+    /// engine's kv buffers, the decode buffer it fills. A mismatch names the buffer.
+    fn check_registration(&self, peer: &str, theirs: &Registration) -> Result<Vec<u32>, String> {
         let ours = self.registration();
-        for (what, a, b) in [
-            ("kv", &ours.kv, &theirs.kv),
-            ("aux", &ours.aux, &theirs.aux),
-        ] {
-            if a.len() != b.len() {
-                return Err(format!(
-                    "registration mismatch with {peer}: {} {what} buffers here, {} there",
-                    a.len(),
-                    b.len()
-                ));
-            }
-            for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
-                if x.item_len != y.item_len {
-                    return Err(format!(
-                        "registration mismatch with {peer}: {what} buffer {i} has item_len {} \
-                         here and {} there",
-                        x.item_len, y.item_len
-                    ));
-                }
-            }
-        }
-        Ok(())
+        let (decode, prefill) = match self.role {
+            crate::Role::Decode => (&ours, theirs),
+            crate::Role::Prefill => (theirs, &ours),
+        };
+        pairing::pair_kv(&decode.kv, &prefill.kv)
+            .and_then(|map| pairing::check_aux(&decode.aux, &prefill.aux).map(|()| map))
+            .map_err(|why| format!("registration mismatch with {peer}: {why}"))
     }
 
     fn write_msg(&self, s: &mut TcpStream, msg: &Message) -> Result<(), String> {
@@ -325,7 +318,9 @@ impl Shared {
         self.expect_hello(&mut ctrl, WireRole::Prefill)?;
         self.write_msg(&mut ctrl, &Message::Registration(self.registration()))?;
         let theirs = self.expect_registration(&mut ctrl)?;
-        self.check_registration(&peer.name, &theirs)?;
+        let map = self.check_registration(&peer.name, &theirs)?;
+        let _ = peer.kv_map.set(map);
+        let _ = peer.aux_count.set(theirs.aux.len());
         for i in 0..self.config.connections_per_peer {
             let mut d = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
             peer.track(&d);

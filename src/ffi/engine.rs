@@ -123,6 +123,34 @@ pub unsafe extern "C" fn kvxfer_register_kv(
     })
 }
 
+/// Registers the engine's KV buffers with a layer id each (`layer_ids[i]` for `bufs[i]`),
+/// instead of `kvxfer_register_kv`. Buffers then pair with the peer's by layer id (several
+/// buffers of one layer, such as K and V, pair in the order registered), so a pipeline
+/// stage registers only its own layers and a decode room pulling from several stages
+/// completes when, together, they delivered every decode buffer exactly once. Both sides
+/// must use layer ids, or neither.
+///
+/// Errors: as `kvxfer_register_kv`, and `KVXFER_ERR_INVALID_ARGUMENT` for a layer id
+/// above `INT32_MAX`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_register_kv_layers(
+    engine: *const kvxfer_engine,
+    bufs: *const kvxfer_buffer,
+    layer_ids: *const u32,
+    n: usize,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine is a live handle.
+        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: bufs holds n elements by contract.
+        let bufs = unsafe { try_slice(bufs, n, "bufs") }?;
+        // SAFETY: layer_ids holds n elements by contract.
+        let layers = unsafe { try_slice(layer_ids, n, "layer_ids") }?;
+        engine.register_kv_layers(descs(bufs), layers.to_vec())
+    })
+}
+
 /// Registers the engine's aux buffers (per-request metadata rows, indexed by slot: slot
 /// `s` of buffer `i` is at `base + s * item_len`), once. Same rules and errors as
 /// `kvxfer_register_kv`.

@@ -14,12 +14,28 @@ use crate::error::Result;
 #[derive(Debug, Clone)]
 pub struct Memory {
     bufs: Vec<BufferDesc>,
+    layers: Vec<Option<u32>>,
 }
 
 impl Memory {
-    /// Wraps validated buffer descriptors.
+    /// Wraps validated buffer descriptors without layer ids.
     pub fn new(bufs: Vec<BufferDesc>) -> Self {
-        Memory { bufs }
+        let layers = vec![None; bufs.len()];
+        Memory { bufs, layers }
+    }
+
+    /// Wraps validated buffer descriptors with one layer id per buffer.
+    pub fn with_layers(bufs: Vec<BufferDesc>, layers: Vec<u32>) -> Self {
+        debug_assert_eq!(bufs.len(), layers.len());
+        Memory {
+            bufs,
+            layers: layers.into_iter().map(Some).collect(),
+        }
+    }
+
+    /// The layer id of `buffer`, if layer ids were registered.
+    pub fn layer(&self, buffer: usize) -> Option<u32> {
+        self.layers.get(buffer).copied().flatten()
     }
 
     /// The buffers.
