@@ -18,6 +18,7 @@ use crate::proto::{
 };
 use crate::room::{Cause, FailureReason};
 use crate::transport::tcp::{self, SendConn};
+use crate::transport::DataLink;
 
 /// A remote engine.
 pub(crate) struct Peer {
@@ -33,7 +34,7 @@ pub(crate) struct Peer {
     ctrl: Mutex<Option<mpsc::Sender<Vec<u8>>>>,
     ctrl_rx: Mutex<Option<mpsc::Receiver<Vec<u8>>>>,
     /// Connections data frames are written to (prefill side).
-    pub data: RwLock<Vec<Arc<SendConn>>>,
+    pub data: RwLock<Vec<Arc<dyn DataLink>>>,
     streams: Mutex<Vec<TcpStream>>,
     /// Decode side: for each of this prefill engine's kv buffers, our buffer it fills.
     pub kv_map: OnceLock<Vec<u32>>,

@@ -12,7 +12,7 @@ use crate::err;
 use crate::error::Result;
 use crate::proto::{DataHeader, Message, Target};
 use crate::room::{Cause, Event, FailureReason, State};
-use crate::transport::tcp::{SendConn, MAX_FRAME_BYTES};
+use crate::transport::tcp::MAX_FRAME_BYTES;
 use crate::transport::{coalesce, Memory};
 
 /// The most early destinations held at once.
@@ -444,7 +444,7 @@ impl Shared {
                         "room ended while sending",
                     ));
                 }
-                conn.send_data(&hdr, bytes).map_err(|e| {
+                conn.write_run(&hdr, bytes).map_err(|e| {
                     FailureReason::local(
                         Cause::Transfer,
                         format!("room {}: writing to {} failed: {e}", room.id(), peer.name),
@@ -490,7 +490,7 @@ impl Shared {
                 }
                 .encode(&mut frame)
                 .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
-                send_done(&conn, &frame).map_err(|e| {
+                conn.finish(&frame).map_err(|e| {
                     FailureReason::local(
                         Cause::Transfer,
                         format!("room {}: writing to {} failed: {e}", room.id(), peer.name),
@@ -536,8 +536,4 @@ impl Shared {
         }
         Ok(true)
     }
-}
-
-fn send_done(conn: &SendConn, frame: &[u8]) -> std::io::Result<()> {
-    conn.send_frame(frame)
 }

@@ -6,7 +6,25 @@
 
 pub mod tcp;
 
+use std::io;
+
 use crate::engine::BufferDesc;
+use crate::proto::DataHeader;
+
+/// One way of moving a room's page runs to one peer engine, used by the prefill workers.
+///
+/// Implementations: [`tcp::SendConn`] (a data frame per run on a socket; the receiver
+/// validates and reads it into the granted pages). An RDMA implementation writes the run
+/// with one-sided writes into the peer's registered memory and sends `finish` only once
+/// every write of the room has completed.
+pub trait DataLink: Send + Sync {
+    /// Moves `bytes` (whole pages of one registered buffer) to where `hdr` says. Returns
+    /// when the bytes are handed to the transport; an error means the link is broken.
+    fn write_run(&self, hdr: &DataHeader, bytes: &[u8]) -> io::Result<()>;
+
+    /// Sends an encoded `Done` frame after every `write_run` of the room, in order.
+    fn finish(&self, done_frame: &[u8]) -> io::Result<()>;
+}
 use crate::err;
 use crate::error::Result;
 

@@ -57,6 +57,17 @@ fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::R
     Ok(())
 }
 
+impl super::DataLink for SendConn {
+    fn write_run(&self, hdr: &DataHeader, bytes: &[u8]) -> io::Result<()> {
+        self.send_data(hdr, bytes)
+    }
+
+    fn finish(&self, done_frame: &[u8]) -> io::Result<()> {
+        // Same connection as the room's data, so Done arrives after every byte of it.
+        self.send_frame(done_frame)
+    }
+}
+
 /// Reads and throws away `n` bytes (data for a room that may no longer be written).
 pub fn discard(r: &mut impl Read, mut n: u64) -> io::Result<()> {
     let mut scratch = [0u8; 64 * 1024];
