@@ -5,6 +5,11 @@
 //! state except [`StateWord::apply`], and `apply` only ever installs what [`transition`]
 //! returns, in one compare-and-swap that re-checks the state it read. A terminal state is
 //! never left because `transition` refuses every event on one.
+//!
+//! The word's atomic byte is a type parameter ([`AtomicByte`], `std`'s [`AtomicU8`] by
+//! default) so that the model checker in `tests/loom_room.rs` runs this very `apply`
+//! over loom's atomics. (A `cfg(loom)` switch inside the library cannot do that: loom is
+//! a dev-dependency, which the library is not compiled against for integration tests.)
 
 use std::fmt;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -121,6 +126,43 @@ pub fn transition(from: State, event: Event) -> Result<State, Refusal> {
     }
 }
 
+/// The atomic byte a [`StateWord`] keeps its state in: the three operations `apply` and
+/// `load` use, with the meaning of `std`'s [`AtomicU8`] methods of the same names.
+///
+/// Implemented for [`AtomicU8`]; the model checker implements it for loom's atomic.
+pub trait AtomicByte {
+    /// A byte holding `v`.
+    fn new(v: u8) -> Self;
+    /// As [`AtomicU8::load`].
+    fn load(&self, order: Ordering) -> u8;
+    /// As [`AtomicU8::compare_exchange_weak`] (it may fail spuriously).
+    fn compare_exchange_weak(
+        &self,
+        current: u8,
+        new: u8,
+        success: Ordering,
+        failure: Ordering,
+    ) -> Result<u8, u8>;
+}
+
+impl AtomicByte for AtomicU8 {
+    fn new(v: u8) -> Self {
+        AtomicU8::new(v)
+    }
+    fn load(&self, order: Ordering) -> u8 {
+        AtomicU8::load(self, order)
+    }
+    fn compare_exchange_weak(
+        &self,
+        current: u8,
+        new: u8,
+        success: Ordering,
+        failure: Ordering,
+    ) -> Result<u8, u8> {
+        AtomicU8::compare_exchange_weak(self, current, new, success, failure)
+    }
+}
+
 /// A room's state in one atomic byte, changed only through [`transition`].
 ///
 /// Ordering: `SeqCst` throughout. A successful `apply` releases whatever the winner wrote
@@ -130,12 +172,20 @@ pub fn transition(from: State, event: Event) -> Result<State, Refusal> {
 /// so `drained` can never be true while a write is about to land. On x86 a SeqCst load
 /// is a plain load, so `room_poll` pays nothing for it.
 #[derive(Debug)]
-pub struct StateWord(AtomicU8);
+pub struct StateWord<A: AtomicByte = AtomicU8>(A);
 
 impl StateWord {
     /// A word holding `initial`.
     pub fn new(initial: State) -> Self {
-        StateWord(AtomicU8::new(initial as u8))
+        Self::with_atomic(initial)
+    }
+}
+
+impl<A: AtomicByte> StateWord<A> {
+    /// A word holding `initial` in an atomic byte of type `A` (loom's, in the model
+    /// checker; [`StateWord::new`] everywhere else).
+    pub fn with_atomic(initial: State) -> Self {
+        StateWord(A::new(initial as u8))
     }
 
     /// The current state (a single atomic load; never blocks).
