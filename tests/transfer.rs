@@ -665,3 +665,30 @@ fn a_decode_room_whose_stages_miss_a_layer_fails_naming_the_buffer() {
         "{why}"
     );
 }
+
+#[test]
+fn a_destination_for_a_room_failed_and_cleared_before_it_arrived_is_answered_at_once() {
+    // Default deadlines (30 s): the answer must not wait for any of them.
+    let t = pair(&[]);
+    t.p.room_create(91, RoomPeers::Decoders(1)).unwrap();
+    t.p.room_abort(91, "preempted before the decode side showed up")
+        .unwrap();
+    t.p.room_clear(91).unwrap();
+    t.d.room_create(91, RoomPeers::Prefills(vec![t.p.address().to_string()]))
+        .unwrap();
+    t.d.room_set_destination(91, &[1], None).unwrap();
+    let start = Instant::now();
+    assert_eq!(wait_terminal(&t.d, 91), State::Failed);
+    assert!(start.elapsed() < Duration::from_secs(5));
+    let why = t.d.room_failure(91).unwrap();
+    assert!(
+        why.from_peer && why.message.contains("preempted before"),
+        "{why}"
+    );
+    // A new use of the id on the prefill side is not touched by the old tombstone.
+    t.d.room_clear(91).unwrap();
+    t.create(91);
+    t.d.room_set_destination(91, &[2], None).unwrap();
+    t.p.enqueue_chunk(91, &[3], true, None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 91), State::Success);
+}

@@ -442,6 +442,7 @@ impl Engine {
             RoomPeers::Decoders(n) => {
                 let ext = RoomExt::Prefill(Mutex::new(PrefillRoom::new(n)));
                 let room = shared.rooms.create(id, shared.role, deadline, ext)?;
+                shared.prefill_forget_cleared(id);
                 shared.metrics.created();
                 crate::log!(
                     shared.log,
@@ -587,6 +588,9 @@ impl Engine {
             None,
         );
         self.shared.forget_room(&room);
+        if self.shared.role == Role::Prefill {
+            self.shared.prefill_on_clear(&room);
+        }
         self.shared.rooms.remove_generation(id, room.generation());
         Ok(())
     }

@@ -90,6 +90,10 @@ pub(crate) struct Tombstone {
 pub(crate) struct Holding {
     by_room: HashMap<u64, Vec<Held>>,
     aborted: HashMap<u64, Tombstone>,
+    /// Rooms cleared after failing before every decode engine's destination arrived:
+    /// (reason, expiry). A destination arriving later is answered at once instead of
+    /// being held as an early arrival until it expires.
+    cleared: HashMap<u64, (String, u64)>,
     count: usize,
 }
 
@@ -132,9 +136,38 @@ impl Shared {
         aux: Option<u32>,
     ) {
         let Some(room) = self.rooms.get(id) else {
+            let cleared = self.holding.lock().cleared.get(&id).map(|(r, _)| r.clone());
+            if let Some(reason) = cleared {
+                let why = format!("prefill room {id} already failed and was cleared: {reason}");
+                peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+                return;
+            }
             return self.hold(peer, id, generation, pages, aux);
         };
         self.attach(&room, peer, generation, pages, aux);
+    }
+
+    /// A prefill room is being cleared: if it failed before every decode engine's
+    /// destination arrived, remember why for a while so those destinations get an answer.
+    pub(crate) fn prefill_on_clear(&self, room: &ERoom) {
+        let Some(why) = room.failure() else { return };
+        if ext(room).lock().ready() {
+            return; // every decode engine was told when the room failed
+        }
+        let mut h = self.holding.lock();
+        if h.count < MAX_HELD && !h.cleared.contains_key(&room.id()) {
+            h.count += 1;
+            let expires = self.now_ms() + self.config.bootstrap_timeout_ms;
+            h.cleared.insert(room.id(), (why.to_string(), expires));
+        }
+    }
+
+    /// A new use of room `id` starts: forget the previous use's tombstone.
+    pub(crate) fn prefill_forget_cleared(&self, id: u64) {
+        let mut h = self.holding.lock();
+        if h.cleared.remove(&id).is_some() {
+            h.count -= 1;
+        }
     }
 
     fn attach(
@@ -331,9 +364,10 @@ impl Shared {
                 expired.extend(gone.into_iter().map(|d| (id, d)));
             }
             h.by_room.retain(|_, l| !l.is_empty());
-            let tombs = h.aborted.len();
+            let tombs = h.aborted.len() + h.cleared.len();
             h.aborted.retain(|_, t| t.expires_ms > now);
-            let gone_tombs = tombs - h.aborted.len();
+            h.cleared.retain(|_, (_, expires)| *expires > now);
+            let gone_tombs = tombs - h.aborted.len() - h.cleared.len();
             h.count -= expired.len() + gone_tombs;
         }
         for (id, d) in expired {
