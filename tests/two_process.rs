@@ -103,6 +103,15 @@ impl ChildPrefill {
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
+        // If the child never says where it listens, kill it so the test fails instead of
+        // hanging.
+        let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+        let pid = child.id().to_string();
+        std::thread::spawn(move || {
+            if started_rx.recv_timeout(Duration::from_secs(60)).is_err() {
+                let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            }
+        });
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         let addr = loop {
@@ -113,6 +122,7 @@ impl ChildPrefill {
                 break line[i + 5..].trim().to_string();
             }
         };
+        let _ = started_tx.send(());
         ChildPrefill { child, addr }
     }
 
