@@ -61,12 +61,13 @@ install-test: build
 	scripts/test-install.sh build
 
 test: deps
-	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory rust-checks; \
-	$(MAKE) --no-print-directory ctest; \
-	$(MAKE) --no-print-directory asan; \
-	$(MAKE) --no-print-directory install-test; \
-	echo "make test: everything passed in $$(( $$(date +%s) - start )) s"
+	@start=$$(date +%s); times=""; \
+	for stage in rust-checks ctest asan install-test; do \
+	  t=$$(date +%s); \
+	  $(MAKE) --no-print-directory $$stage; \
+	  times="$$times $$stage=$$(( $$(date +%s) - t ))s"; \
+	done; \
+	echo "make test: everything passed in $$(( $$(date +%s) - start )) s ($${times# })"
 
 demo: build
 	rm -rf "$(DEMO_PREFIX)" build/demo-example
