@@ -1,0 +1,212 @@
+//! The limits kvxfer is measured against, in the same run on the same host:
+//!
+//! - a plain TCP stream from the prefill process to the decode process, with as many
+//!   connections as the engine uses per peer, large writes from a buffer and large reads
+//!   into a buffer (the link limit for this transport);
+//! - a memcpy of the same volume inside one process, on one thread (the host memory
+//!   limit).
+//!
+//! The buffers are `--baseline-buf-mib` per connection (64 MiB by default, beyond the
+//! caches), walked 4 MiB at a time, so that the baseline, like the engine, streams through
+//! memory rather than re-using a cache-hot buffer.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::sys::{Cpu, Region};
+
+/// One memcpy call, and the default write and read size of the TCP baseline.
+pub const IO: usize = 4 << 20;
+
+/// What a baseline measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Measured {
+    pub bytes: u64,
+    pub secs: f64,
+    /// CPU seconds of this process during the phase.
+    pub cpu: Cpu,
+}
+
+impl Measured {
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.secs / 1e9
+    }
+}
+
+fn buf_len(mib: usize) -> usize {
+    mib << 20
+}
+
+/// memcpy of `bytes` (or for `secs` when non-zero) between two 256 MiB regions.
+pub fn memcpy(bytes: u64, secs: f64) -> Measured {
+    let len = 256 << 20;
+    let src = Region::new(len);
+    let dst = Region::new(len);
+    // SAFETY: both regions are private to this function.
+    let (s, d) = unsafe { (src.bytes_mut(), dst.bytes_mut()) };
+    for (i, x) in s.iter_mut().enumerate().step_by(64) {
+        *x = i as u8;
+    }
+    let cpu0 = Cpu::now();
+    let t = Instant::now();
+    let mut done = 0u64;
+    let mut off = 0;
+    loop {
+        if secs > 0.0 {
+            if t.elapsed().as_secs_f64() >= secs {
+                break;
+            }
+        } else if done >= bytes {
+            break;
+        }
+        let n = if secs > 0.0 {
+            IO
+        } else {
+            IO.min((bytes - done) as usize)
+        };
+        let n = n.min(len - off);
+        d[off..off + n].copy_from_slice(&s[off..off + n]);
+        std::hint::black_box(&d[off]);
+        done += n as u64;
+        off = (off + n) % len;
+    }
+    Measured {
+        bytes: done,
+        secs: t.elapsed().as_secs_f64(),
+        cpu: Cpu::now().since(cpu0),
+    }
+}
+
+/// Decode side of the TCP baseline: prepares its buffers, waits for the prefill side to
+/// have prepared its own (`wait_ready`), connects `conns` streams to the prefill's
+/// baseline listener and reads until each is closed. Timed from the first connection to
+/// the last end of stream.
+pub fn tcp_receive(
+    addr: &str,
+    conns: usize,
+    buf_mib: usize,
+    io: usize,
+    wait_ready: &mut dyn FnMut() -> Result<(), String>,
+) -> Result<Measured, String> {
+    let bufs: Vec<Region> = (0..conns).map(|_| Region::new(buf_len(buf_mib))).collect();
+    wait_ready()?;
+    let cpu0 = Cpu::now();
+    let t = Instant::now();
+    let mut streams = Vec::new();
+    for _ in 0..conns {
+        let s = TcpStream::connect(addr)
+            .map_err(|e| format!("baseline: cannot connect to {addr}: {e}"))?;
+        streams.push(s);
+    }
+    let readers: Vec<_> = streams
+        .into_iter()
+        .zip(bufs)
+        .map(|(mut s, buf)| {
+            std::thread::spawn(move || -> Result<u64, String> {
+                // SAFETY: private to this thread.
+                let b = unsafe { buf.bytes_mut() };
+                let mut total = 0u64;
+                let mut off = 0;
+                loop {
+                    let end = (off + io).min(b.len());
+                    match s.read(&mut b[off..end]) {
+                        Ok(0) => return Ok(total),
+                        Ok(n) => {
+                            total += n as u64;
+                            off = (off + n) % b.len();
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(format!("baseline: read failed: {e}")),
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut bytes = 0;
+    for r in readers {
+        bytes += r
+            .join()
+            .map_err(|_| "baseline reader panicked".to_string())??;
+    }
+    Ok(Measured {
+        bytes,
+        secs: t.elapsed().as_secs_f64(),
+        cpu: Cpu::now().since(cpu0),
+    })
+}
+
+/// Prefill side of the TCP baseline: prepares its buffers, says so (`ready`), accepts
+/// `conns` streams and writes `bytes` in all (or for `secs` when non-zero), split evenly,
+/// then closes them.
+pub fn tcp_send(
+    listener: &TcpListener,
+    conns: usize,
+    bytes: u64,
+    secs: f64,
+    buf_mib: usize,
+    io: usize,
+    ready: &mut dyn FnMut() -> Result<(), String>,
+) -> Result<Measured, String> {
+    let bufs: Vec<Region> = (0..conns)
+        .map(|_| {
+            let r = Region::new(buf_len(buf_mib));
+            // SAFETY: not shared yet.
+            for (j, x) in unsafe { r.bytes_mut() }.iter_mut().enumerate().step_by(64) {
+                *x = j as u8;
+            }
+            r
+        })
+        .collect();
+    ready()?;
+    let cpu0 = Cpu::now();
+    let t = Instant::now();
+    listener.set_nonblocking(false).map_err(|e| e.to_string())?;
+    let mut writers = Vec::new();
+    for (i, buf) in bufs.into_iter().enumerate() {
+        let (mut s, _) = listener
+            .accept()
+            .map_err(|e| format!("baseline: accept failed: {e}"))?;
+        let share = bytes / conns as u64 + u64::from((i as u64) < bytes % conns as u64);
+        writers.push(std::thread::spawn(move || -> Result<u64, String> {
+            s.set_write_timeout(Some(Duration::from_secs(60)))
+                .map_err(|e| e.to_string())?;
+            // SAFETY: private to this thread.
+            let b = unsafe { buf.bytes_mut() };
+            let start = Instant::now();
+            let mut sent = 0u64;
+            let mut off = 0;
+            loop {
+                let n = if secs > 0.0 {
+                    if start.elapsed().as_secs_f64() >= secs {
+                        break;
+                    }
+                    io
+                } else {
+                    if sent >= share {
+                        break;
+                    }
+                    io.min((share - sent) as usize)
+                };
+                let n = n.min(b.len() - off);
+                s.write_all(&b[off..off + n])
+                    .map_err(|e| format!("baseline: write failed: {e}"))?;
+                sent += n as u64;
+                off = (off + n) % b.len();
+            }
+            let _ = s.shutdown(Shutdown::Write);
+            Ok(sent)
+        }));
+    }
+    let mut sent = 0;
+    for w in writers {
+        sent += w
+            .join()
+            .map_err(|_| "baseline writer panicked".to_string())??;
+    }
+    Ok(Measured {
+        bytes: sent,
+        secs: t.elapsed().as_secs_f64(),
+        cpu: Cpu::now().since(cpu0),
+    })
+}

@@ -1,0 +1,354 @@
+//! `kvxfer-bench table`: the room table under the calls a scheduler makes.
+//!
+//! - `room_poll` latency through `Engine::room_poll` on a decode engine whose rooms are
+//!   live (connected to a prefill engine in this process, waiting for input), at 1, 1,000
+//!   and 100,000 live rooms; and the bare `RoomTable::state` under the same ids. Polls run
+//!   in batches of 1,000 timed together; the figure is the median batch time / 1,000.
+//!   Three access orders: `hot` (one room again and again), `sweep` (every live room in
+//!   creation order, as a scheduler polls its in-flight list), `random` (every live room
+//!   in a shuffled order).
+//! - create+clear: `room_create` then `room_clear` on a prefill engine, from 1 and 2
+//!   threads; and `RoomTable::create` + `remove` bare.
+//! - abort contention: T threads abort the same 10,000 live rooms at once (each room sees
+//!   T aborts, exactly one of which may win), and T threads abort disjoint rooms; checks
+//!   that every room ends FAILED once, with one of the aborting threads' reasons.
+
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use kvxfer::log::{Level, Logger};
+use kvxfer::room::{RoomTable, NO_DEADLINE};
+use kvxfer::{BufferDesc, Cause, Config, Engine, Role, RoomPeers, State};
+
+use crate::args::Params;
+use crate::pattern::mix;
+use crate::report::J;
+use crate::sys::Region;
+
+const BATCH: usize = 1000;
+
+fn engine(role: &str, mem: &Region) -> Result<Engine, String> {
+    let mut c = Config::default();
+    let mut set = |k: &str, v: &str| c.set(k, v).map_err(|e| e.to_string());
+    set("role", role)?;
+    set("transport", "tcp")?;
+    // Nothing may time out while the rooms sit there being polled.
+    for k in [
+        "bootstrap_timeout_ms",
+        "waiting_timeout_ms",
+        "transfer_timeout_ms",
+    ] {
+        set(k, "86400000")?;
+    }
+    let e = Engine::new(c, Logger::new(Level::Error, None)).map_err(|e| e.to_string())?;
+    e.register_kv(vec![BufferDesc {
+        base: mem.addr(),
+        len: mem.len(),
+        item_len: 64,
+    }])
+    .map_err(|e| e.to_string())?;
+    Ok(e)
+}
+
+/// Median over `batches` batches of the time per call of `f` (called BATCH times a batch
+/// with the call index), in nanoseconds.
+fn median_ns(batches: usize, mut f: impl FnMut(usize)) -> f64 {
+    let mut t = Vec::with_capacity(batches);
+    let mut i = 0usize;
+    for _ in 0..batches {
+        let s = Instant::now();
+        for _ in 0..BATCH {
+            f(i);
+            i = i.wrapping_add(1);
+        }
+        t.push(s.elapsed().as_nanos() as f64 / BATCH as f64);
+    }
+    t.sort_by(|a, b| a.total_cmp(b));
+    t[t.len() / 2]
+}
+
+struct PollRow {
+    rooms: usize,
+    hot: f64,
+    sweep: f64,
+    random: f64,
+    table_hot: f64,
+    table_sweep: f64,
+}
+
+struct AbortRow {
+    threads: usize,
+    same_ns: f64,
+    same_per_sec: f64,
+    disjoint_ns: f64,
+    disjoint_per_sec: f64,
+}
+
+pub fn run(p: &Params) -> Result<(String, bool), String> {
+    let big = if p.quick { 10_000 } else { 100_000 };
+    let batches = if p.quick { 300 } else { 3000 };
+    let mem_p = Region::new(64 * 16);
+    let mem_d = Region::new(64 * 16);
+    let pe = engine("prefill", &mem_p)?;
+    let de = engine("decode", &mem_d)?;
+    let peers = RoomPeers::Prefills(vec![pe.address().to_string()]);
+    let mut ok = true;
+    let mut notes: Vec<String> = Vec::new();
+
+    // room_poll at growing numbers of live rooms.
+    let id = |i: usize| mix(0xDEC0DE ^ i as u64);
+    let table = RoomTable::<()>::new();
+    let mut rows = Vec::new();
+    let mut live = 0usize;
+    for n in [1usize, 1000, big] {
+        eprintln!("kvxfer-bench [table]: room_poll with {n} live rooms");
+        while live < n {
+            de.room_create(id(live), peers.clone())
+                .map_err(|e| format!("room_create: {e}"))?;
+            table
+                .create(id(live), Role::Decode, NO_DEADLINE, ())
+                .map_err(|e| e.to_string())?;
+            live += 1;
+        }
+        let t = Instant::now();
+        while de.room_poll(id(n - 1)).ok() != Some(State::WaitingForInput) {
+            if t.elapsed() > Duration::from_secs(30) {
+                return Err("decode rooms never became ready".into());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let ids: Vec<u64> = (0..n).map(id).collect();
+        let mut shuffled = ids.clone();
+        for i in (1..shuffled.len()).rev() {
+            shuffled.swap(i, (mix(i as u64) % (i as u64 + 1)) as usize);
+        }
+        let poll = |x: u64| {
+            black_box(de.room_poll(black_box(x)).ok());
+        };
+        rows.push(PollRow {
+            rooms: n,
+            hot: median_ns(batches, |_| poll(ids[0])),
+            sweep: median_ns(batches, |i| poll(ids[i % n])),
+            random: median_ns(batches, |i| poll(shuffled[i % n])),
+            table_hot: median_ns(batches, |_| {
+                black_box(table.state(black_box(ids[0])));
+            }),
+            table_sweep: median_ns(batches, |i| {
+                black_box(table.state(black_box(ids[i % n])));
+            }),
+        });
+    }
+    drop(de);
+
+    // create + clear.
+    eprintln!("kvxfer-bench [table]: create+clear");
+    let m = if p.quick { 20_000 } else { 200_000 };
+    let cc = |threads: usize| -> Result<f64, String> {
+        let t = Instant::now();
+        std::thread::scope(|s| -> Result<(), String> {
+            let hs: Vec<_> = (0..threads)
+                .map(|k| {
+                    let pe = &pe;
+                    s.spawn(move || -> Result<(), String> {
+                        for i in 0..m / threads {
+                            let x = mix(((k as u64) << 40) | i as u64);
+                            pe.room_create(x, RoomPeers::Decoders(1))
+                                .map_err(|e| e.to_string())?;
+                            pe.room_clear(x).map_err(|e| e.to_string())?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for h in hs {
+                h.join().map_err(|_| "create+clear thread panicked")??;
+            }
+            Ok(())
+        })?;
+        Ok(m as f64 / t.elapsed().as_secs_f64())
+    };
+    let cc1 = cc(1)?;
+    let cc2 = cc(2)?;
+    let t = Instant::now();
+    for i in 0..m {
+        let x = mix(i as u64 ^ 0xABCD);
+        let _ = black_box(table.create(x, Role::Prefill, NO_DEADLINE, ()));
+        black_box(table.remove(x));
+    }
+    let cc_table = m as f64 / t.elapsed().as_secs_f64();
+
+    // Abort contention.
+    let r = if p.quick { 2_000 } else { 10_000 };
+    let mut aborts = Vec::new();
+    for threads in [1usize, 2, 4, 8, 16, 32] {
+        eprintln!("kvxfer-bench [table]: abort contention, {threads} threads");
+        let mut one = |same: bool| -> Result<(f64, f64), String> {
+            let ids: Vec<u64> = (0..r)
+                .map(|i| mix(0xAB0_0000 ^ ((threads as u64) << 32) ^ i as u64))
+                .collect();
+            for &x in &ids {
+                pe.room_create(x, RoomPeers::Decoders(1))
+                    .map_err(|e| e.to_string())?;
+            }
+            let before = pe.metrics().rooms_failed[0];
+            let barrier = Arc::new(Barrier::new(threads));
+            let calls = if same { r * threads } else { r };
+            let secs = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..threads)
+                    .map(|k| {
+                        let (pe, ids, barrier) = (&pe, &ids, barrier.clone());
+                        s.spawn(move || {
+                            barrier.wait();
+                            let t = Instant::now();
+                            let mine: Vec<u64> = if same {
+                                ids.clone()
+                            } else {
+                                ids.iter().skip(k).step_by(threads).copied().collect()
+                            };
+                            let reason = format!("thread {k}");
+                            for x in mine {
+                                let _ = pe.room_abort(x, &reason);
+                            }
+                            t.elapsed().as_secs_f64()
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().unwrap_or(f64::NAN))
+                    .fold(0.0f64, f64::max)
+            });
+            let after = pe.metrics().rooms_failed[0];
+            assert_eq!(Cause::ALL[0], Cause::Aborted);
+            if after - before != r as u64 {
+                ok = false;
+                notes.push(format!(
+                    "{threads} threads: {} aborts counted for {r} rooms",
+                    after - before
+                ));
+            }
+            for &x in &ids {
+                let good = pe.room_poll(x).ok() == Some(State::Failed)
+                    && pe
+                        .room_failure(x)
+                        .is_ok_and(|f| f.cause == Cause::Aborted && f.message.contains("thread "));
+                if !good {
+                    ok = false;
+                    notes.push(format!(
+                        "{threads} threads: room {x} not failed by one abort"
+                    ));
+                    break;
+                }
+                let _ = pe.room_clear(x);
+            }
+            Ok((
+                secs * 1e9 / calls as f64 * threads.min(2) as f64,
+                calls as f64 / secs,
+            ))
+        };
+        let (same_ns, same_per_sec) = one(true)?;
+        let (disjoint_ns, disjoint_per_sec) = one(false)?;
+        aborts.push(AbortRow {
+            threads,
+            same_ns,
+            same_per_sec,
+            disjoint_ns,
+            disjoint_per_sec,
+        });
+    }
+    drop(pe);
+
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "\nkvxfer-bench table  (median of {batches} batches of {BATCH} calls; ns per call)"
+    );
+    let _ = writeln!(
+        o,
+        "  {:>12}  {:>10} {:>10} {:>10}   {:>12} {:>12}",
+        "live rooms", "poll hot", "sweep", "random", "table hot", "table sweep"
+    );
+    for r in &rows {
+        let _ = writeln!(
+            o,
+            "  {:>12}  {:>10.1} {:>10.1} {:>10.1}   {:>12.1} {:>12.1}",
+            r.rooms, r.hot, r.sweep, r.random, r.table_hot, r.table_sweep
+        );
+    }
+    let _ = writeln!(
+        o,
+        "  create+clear (prefill engine): {cc1:.0}/s on 1 thread, {cc2:.0}/s on 2 threads; \
+         bare RoomTable create+remove {cc_table:.0}/s"
+    );
+    let _ = writeln!(
+        o,
+        "  abort contention ({r} live rooms; ns per call = wall time x min(threads, cores) / calls)"
+    );
+    let _ = writeln!(
+        o,
+        "  {:>8}  {:>14} {:>14}   {:>14} {:>14}",
+        "threads", "same ns/call", "same calls/s", "disjoint ns", "disjoint /s"
+    );
+    for a in &aborts {
+        let _ = writeln!(
+            o,
+            "  {:>8}  {:>14.1} {:>14.0}   {:>14.1} {:>14.0}",
+            a.threads, a.same_ns, a.same_per_sec, a.disjoint_ns, a.disjoint_per_sec
+        );
+    }
+    for n in &notes {
+        let _ = writeln!(o, "  FAILED CHECK: {n}");
+    }
+    if p.json {
+        let first = &rows[0];
+        let last = &rows[rows.len() - 1];
+        let j = J::obj(vec![
+            ("preset", J::Str("table".into())),
+            ("room_poll_median_ns_1", J::Num(first.sweep)),
+            ("room_poll_median_ns_max_rooms", J::Num(last.sweep)),
+            ("max_rooms", J::Int(last.rooms as u64)),
+            (
+                "room_poll_ns",
+                J::Arr(
+                    rows.iter()
+                        .map(|r| {
+                            J::obj(vec![
+                                ("rooms", J::Int(r.rooms as u64)),
+                                ("hot", J::Num(r.hot)),
+                                ("sweep", J::Num(r.sweep)),
+                                ("random", J::Num(r.random)),
+                                ("table_hot", J::Num(r.table_hot)),
+                                ("table_sweep", J::Num(r.table_sweep)),
+                            ])
+                        })
+                        .collect(),
+                ),
+            ),
+            ("create_clear_per_sec_1_thread", J::Num(cc1)),
+            ("create_clear_per_sec_2_threads", J::Num(cc2)),
+            ("table_create_remove_per_sec", J::Num(cc_table)),
+            (
+                "abort_contention",
+                J::Arr(
+                    aborts
+                        .iter()
+                        .map(|a| {
+                            J::obj(vec![
+                                ("threads", J::Int(a.threads as u64)),
+                                ("same_rooms_ns_per_call", J::Num(a.same_ns)),
+                                ("same_rooms_calls_per_sec", J::Num(a.same_per_sec)),
+                                ("disjoint_ns_per_call", J::Num(a.disjoint_ns)),
+                                ("disjoint_calls_per_sec", J::Num(a.disjoint_per_sec)),
+                            ])
+                        })
+                        .collect(),
+                ),
+            ),
+            ("checks_passed", J::Bool(ok)),
+        ]);
+        o.push_str(&j.to_line());
+        o.push('\n');
+    }
+    Ok((o, ok))
+}
