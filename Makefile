@@ -50,9 +50,10 @@ ctest: build
 
 # The gtest suite under AddressSanitizer and UndefinedBehaviorSanitizer, with leak
 # detection on (LeakSanitizer reports nothing for the Rust library as it stands, so no
-# suppressions file is needed).
+# suppressions file is needed). A Debug build: sanitizers lose nothing at -O0, and the
+# suites compile about four times faster than at -O2.
 asan: deps
-	$(CMAKE_CONFIGURE) -S . -B build-asan -DKVXFER_SANITIZE=ON
+	cmake -G Ninja -DCMAKE_BUILD_TYPE=Debug -S . -B build-asan -DKVXFER_SANITIZE=ON
 	cmake --build build-asan
 	ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:check_initialization_order=1 \
 	  ctest --test-dir build-asan --output-on-failure -j $(NPROC)
