@@ -75,7 +75,7 @@ demo: build
 	cmake --install build --prefix "$(DEMO_PREFIX)"
 	cmake -G Ninja -S examples -B build/demo-example -DCMAKE_PREFIX_PATH="$(DEMO_PREFIX)"
 	cmake --build build/demo-example
-	build/demo-example/room_lifecycle
+	build/demo-example/kv_demo $(DEMO_ARGS)
 
 header:
 	KVXFER_BLESS=1 cargo test --locked --test header

@@ -81,7 +81,9 @@ if [[ "$lib" != "$work/moved/"* ]]; then
   exit 1
 fi
 
-step "run the example"
+step "run the examples"
 "$work/examples/room_lifecycle"
+# The main job, small: two processes, real transfers, cancellations, every page verified.
+"$work/examples/kv_demo" --requests 24 --concurrency 4 --abort-pct 25 --seed 3
 
 step "passed (installed, moved, found, built and ran against $work/moved; cleaned up)"
