@@ -437,3 +437,75 @@ fn done_before_every_page_arrived_fails_the_room() {
     assert_eq!(why.cause, Cause::Mismatch);
     assert!(why.message.contains("2 of 4 page writes"), "{why}");
 }
+
+fn wait_state(e: &Engine, room: u64, want: State) {
+    let t = Instant::now();
+    while e.room_poll(room).unwrap() != want {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "room {room} never reached {want}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn a_late_abort_for_an_earlier_use_of_an_id_does_not_touch_the_next_use() {
+    let (_mem, p) = prefill();
+    let mut s = fake_decode(p.address(), 5);
+    // Data connection, so the prefill can send the first use's pages.
+    let mut data = TcpStream::connect(p.address()).unwrap();
+    data.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    send(&mut data, &hello(Role::Decode, ConnKind::Data, 5));
+    assert!(matches!(recv(&mut data), Message::Hello { .. }));
+    let drain = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 16];
+        while matches!(data.read(&mut buf), Ok(n) if n > 0) {}
+    });
+
+    // First use: generation 5, completed and cleared on the prefill side.
+    p.room_create(7, RoomPeers::Decoders(1)).unwrap();
+    send(
+        &mut s,
+        &Message::Destination {
+            room: 7,
+            generation: 5,
+            pages: vec![0],
+            aux_slot: None,
+        },
+    );
+    p.enqueue_chunk(7, &[1], true, None).unwrap();
+    assert_eq!(wait_terminal(&p, 7), State::Success);
+    p.room_clear(7).unwrap();
+
+    // Second use of id 7 on the prefill side; then the decode side's late abort of
+    // generation 5 arrives. It must not touch the new room.
+    p.room_create(7, RoomPeers::Decoders(1)).unwrap();
+    send(
+        &mut s,
+        &Message::Abort {
+            room: 7,
+            generation: 5,
+            reason: "old".into(),
+        },
+    );
+    // A heartbeat round trip later the abort has certainly been processed.
+    send(
+        &mut s,
+        &Message::Destination {
+            room: 7,
+            generation: 6,
+            pages: vec![2],
+            aux_slot: None,
+        },
+    );
+    wait_state(&p, 7, State::WaitingForInput);
+    assert_eq!(p.metrics().unknown_room_frames, 1);
+    // A stale destination of generation 5 is answered, not attached.
+    p.enqueue_chunk(7, &[3], true, None).unwrap();
+    assert_eq!(wait_terminal(&p, 7), State::Success);
+    drop(s);
+    drop(p);
+    let _ = drain.join();
+}

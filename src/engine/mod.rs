@@ -442,7 +442,6 @@ impl Engine {
             RoomPeers::Decoders(n) => {
                 let ext = RoomExt::Prefill(Mutex::new(PrefillRoom::new(n)));
                 let room = shared.rooms.create(id, shared.role, deadline, ext)?;
-                shared.prefill_forget_cleared(id);
                 shared.metrics.created();
                 crate::log!(
                     shared.log,

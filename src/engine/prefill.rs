@@ -90,11 +90,29 @@ pub(crate) struct Tombstone {
 pub(crate) struct Holding {
     by_room: HashMap<u64, Vec<Held>>,
     aborted: HashMap<u64, Tombstone>,
-    /// Rooms cleared after failing before every decode engine's destination arrived:
-    /// (reason, expiry). A destination arriving later is answered at once instead of
-    /// being held as an early arrival until it expires.
-    cleared: HashMap<u64, (String, u64)>,
+    /// Earlier uses of room ids, kept after their clear so that late messages about them
+    /// are told apart from messages about a new use of the same id.
+    cleared: HashMap<u64, Cleared>,
     count: usize,
+}
+
+/// What a cleared prefill room leaves behind for a while.
+///
+/// A decode engine's messages about one id reach us in order (one control connection),
+/// and its generations only grow; every decode use sends at least one message (its
+/// destination, or an abort when it ends without success). So the first message from an
+/// engine about an id after a use was cleared belongs to that use if the engine was one
+/// the use still waited for; messages with a generation at most the one attributed to
+/// the old use are late ones for it; higher generations belong to the new use.
+pub(crate) struct Cleared {
+    /// Why the use failed, if it failed: the answer to its late destinations.
+    reason: Option<String>,
+    /// Decode generations attributed to the old use, per decode engine.
+    gens: Vec<(Arc<Peer>, u64)>,
+    /// Whether the old use had every destination it expected (then an engine not in
+    /// `gens` had nothing to do with it).
+    complete: bool,
+    expires_ms: u64,
 }
 
 fn ext(room: &ERoom) -> &parking_lot::Mutex<PrefillRoom> {
@@ -135,38 +153,72 @@ impl Shared {
         pages: Vec<u32>,
         aux: Option<u32>,
     ) {
+        if let Some(old) = self.earlier_use(peer, id, generation) {
+            let why = match old {
+                Some(reason) => {
+                    format!("prefill room {id} already failed and was cleared: {reason}")
+                }
+                None => format!("prefill room {id} already finished and was cleared"),
+            };
+            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            return;
+        }
         let Some(room) = self.rooms.get(id) else {
-            let cleared = self.holding.lock().cleared.get(&id).map(|(r, _)| r.clone());
-            if let Some(reason) = cleared {
-                let why = format!("prefill room {id} already failed and was cleared: {reason}");
-                peer.send(self, &Message::abort(id, generation, &why, &self.limits));
-                return;
-            }
             return self.hold(peer, id, generation, pages, aux);
         };
         self.attach(&room, peer, generation, pages, aux);
     }
 
-    /// A prefill room is being cleared: if it failed before every decode engine's
-    /// destination arrived, remember why for a while so those destinations get an answer.
-    pub(crate) fn prefill_on_clear(&self, room: &ERoom) {
-        let Some(why) = room.failure() else { return };
-        if ext(room).lock().ready() {
-            return; // every decode engine was told when the room failed
-        }
+    /// Whether a message from `peer` about `id` with decode generation `generation`
+    /// belongs to an earlier, cleared use of the id (see [`Cleared`]); if so, with the
+    /// old use's failure reason.
+    fn earlier_use(&self, peer: &Arc<Peer>, id: u64, generation: u64) -> Option<Option<String>> {
         let mut h = self.holding.lock();
-        if h.count < MAX_HELD && !h.cleared.contains_key(&room.id()) {
-            h.count += 1;
-            let expires = self.now_ms() + self.config.bootstrap_timeout_ms;
-            h.cleared.insert(room.id(), (why.to_string(), expires));
+        let c = h.cleared.get_mut(&id)?;
+        if let Some((_, g)) = c.gens.iter().find(|(p, _)| Arc::ptr_eq(p, peer)) {
+            return (generation <= *g).then(|| c.reason.clone());
         }
+        if c.complete {
+            return None;
+        }
+        c.gens.push((peer.clone(), generation));
+        Some(c.reason.clone())
     }
 
-    /// A new use of room `id` starts: forget the previous use's tombstone.
-    pub(crate) fn prefill_forget_cleared(&self, id: u64) {
+    /// A prefill room is being cleared: remember, for a while, which decode generations
+    /// it knew and why it failed, so late messages about it neither touch a new use of
+    /// the id nor wait for a deadline to be answered.
+    pub(crate) fn prefill_on_clear(&self, room: &ERoom) {
+        let (gens, complete) = {
+            let p = ext(room).lock();
+            let gens = p
+                .dests
+                .iter()
+                .map(|d| (d.peer.clone(), d.generation))
+                .collect();
+            (gens, p.ready())
+        };
+        let reason = room.failure().map(|f| f.to_string());
         let mut h = self.holding.lock();
-        if h.cleared.remove(&id).is_some() {
-            h.count -= 1;
+        // Records that answer waiting engines (failed before complete) may use the whole
+        // bound; the others, which only guard against id reuse, half of it.
+        let limit = if complete { MAX_HELD / 2 } else { MAX_HELD };
+        if h.count >= limit {
+            return;
+        }
+        let expires_ms =
+            self.now_ms() + self.config.bootstrap_timeout_ms + self.config.waiting_timeout_ms;
+        let old = h.cleared.insert(
+            room.id(),
+            Cleared {
+                reason,
+                gens,
+                complete,
+                expires_ms,
+            },
+        );
+        if old.is_none() {
+            h.count += 1;
         }
     }
 
@@ -290,6 +342,13 @@ impl Shared {
         generation: u64,
         reason: String,
     ) {
+        if self.earlier_use(peer, id, generation).is_some() {
+            // A late abort for an earlier use of the id: it must not touch this one.
+            self.metrics
+                .unknown_room_frames
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         if let Some(room) = self.rooms.get(id) {
             let applies = {
                 let p = ext(&room).lock();
@@ -366,7 +425,7 @@ impl Shared {
             h.by_room.retain(|_, l| !l.is_empty());
             let tombs = h.aborted.len() + h.cleared.len();
             h.aborted.retain(|_, t| t.expires_ms > now);
-            h.cleared.retain(|_, (_, expires)| *expires > now);
+            h.cleared.retain(|_, c| c.expires_ms > now);
             let gone_tombs = tombs - h.aborted.len() - h.cleared.len();
             h.count -= expired.len() + gone_tombs;
         }
@@ -509,6 +568,8 @@ impl Shared {
                             byte_len: bytes.len() as u32,
                         };
                         send(hdr, bytes)?;
+                        #[cfg(feature = "test-hooks")]
+                        crate::testing::pause_point("worker.mid_chunk", room.id());
                         off += k;
                     }
                 }
