@@ -371,7 +371,8 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(kvxfer_config **out);
  * Sets configuration `key` to `value` (both NUL-terminated UTF-8; copied).
  *
  * Keys: `role` (`prefill` | `decode`), `listen` (`host:port`, port 0 = any; IPv6 as
- * `[addr]:port`), `transport` (`auto` | `tcp` | `rdma`), `workers` (1..256),
+ * `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
+ * reports this machine's host name), `transport` (`auto` | `tcp` | `rdma`), `workers` (1..256),
  * `connections_per_peer` (1..64), `rdma_devices` (comma-separated names, empty = all),
  * `bootstrap_timeout_ms`, `waiting_timeout_ms`, `transfer_timeout_ms`,
  * `heartbeat_interval_ms`, `drain_timeout_ms` (1..86400000), `heartbeat_misses`
@@ -516,7 +517,8 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_set_destination(const kvxfer_engine *e
  * Chunks enqueued before every destination arrived are held and sent, in order, when
  * it does. The source pages must not change until the room is terminal. A chunk with
  * more pages than the destination has left, or a last chunk that leaves destination
- * pages unfilled, fails the room (cause MISMATCH) on both sides.
+ * pages unfilled, fails the room on both sides: here with cause MISMATCH, on the decode
+ * engine as ABORTED from the peer with this side's reason.
  *
  * Errors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_NOT_FOUND`;
  * `KVXFER_ERR_WRONG_STATE` if the room is terminal or already got its last chunk;

@@ -12,6 +12,8 @@ pub mod engine;
 pub mod log;
 pub mod proto;
 pub mod room;
+#[cfg(feature = "test-hooks")]
+pub mod testing;
 pub mod transport;
 
 #[doc(hidden)]

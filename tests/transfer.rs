@@ -290,6 +290,7 @@ fn a_registration_mismatch_fails_the_room_naming_the_buffer() {
     assert_eq!(wait_terminal(&d, 9), State::Failed);
     let why = d.room_failure(9).unwrap();
     assert!(why.message.contains("kv buffer 3"), "{why}");
+    assert_eq!(why.cause, Cause::Mismatch);
 }
 
 #[test]
@@ -691,4 +692,20 @@ fn a_destination_for_a_room_failed_and_cleared_before_it_arrived_is_answered_at_
     t.d.room_set_destination(91, &[2], None).unwrap();
     t.p.enqueue_chunk(91, &[3], true, None).unwrap();
     assert_eq!(wait_terminal(&t.d, 91), State::Success);
+}
+
+#[test]
+fn a_wildcard_listen_address_is_advertised_with_a_reachable_host() {
+    let mut mem = Box::new(Mem::new(src_pattern));
+    let p = engine("prefill", &mut mem, &[("listen", "0.0.0.0:0")]);
+    let addr = p.address().to_string();
+    assert!(!addr.starts_with("0.0.0.0:"), "{addr}");
+    // And a decode engine can use it.
+    let mut dmem = Box::new(Mem::new(|_, _| POISON));
+    let d = engine("decode", &mut dmem, &[]);
+    p.room_create(1, RoomPeers::Decoders(1)).unwrap();
+    d.room_create(1, RoomPeers::Prefills(vec![addr])).unwrap();
+    d.room_set_destination(1, &[2], None).unwrap();
+    p.enqueue_chunk(1, &[3], true, None).unwrap();
+    assert_eq!(wait_terminal(&d, 1), State::Success);
 }

@@ -283,7 +283,7 @@ impl Engine {
         let local = listener
             .local_addr()
             .map_err(|e| err!(Io, "cannot read the listening address: {e}"))?;
-        let address = local.to_string();
+        let address = advertised(local);
         let auto = config.transport == TransportKind::Auto;
         crate::log!(
             log,
@@ -695,6 +695,26 @@ impl Drop for Engine {
             shared.role,
             shared.address
         );
+    }
+}
+
+/// The address peers should connect to: the bound one, except that a wildcard host
+/// (`0.0.0.0`, `[::]`) is replaced by this machine's host name, which peers can resolve,
+/// when it resolves here.
+fn advertised(local: SocketAddr) -> String {
+    if !local.ip().is_unspecified() {
+        return local.to_string();
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host = host.trim();
+    let resolves = !host.is_empty()
+        && (host, local.port())
+            .to_socket_addrs()
+            .is_ok_and(|mut a| a.next().is_some());
+    if resolves {
+        format!("{host}:{}", local.port())
+    } else {
+        local.to_string()
     }
 }
 

@@ -144,6 +144,11 @@ impl Shared {
     /// Marks `peer` lost (once): closes its connections, forgets it, and fails every
     /// live room that depends on it with a reason naming the peer.
     pub(crate) fn lose_peer(&self, peer: &Arc<Peer>, why: String) {
+        self.lose_peer_with(peer, Cause::PeerLost, why)
+    }
+
+    /// As [`Shared::lose_peer`], with the cause its rooms fail with.
+    pub(crate) fn lose_peer_with(&self, peer: &Arc<Peer>, cause: Cause, why: String) {
         if peer.lost.set(why.clone()).is_err() {
             return;
         }
@@ -174,7 +179,7 @@ impl Shared {
             if let Some(room) = self.rooms.get_generation(id, generation) {
                 self.fail_room(
                     &room,
-                    FailureReason::local(Cause::PeerLost, format!("lost {}: {why}", peer.name)),
+                    FailureReason::local(cause, format!("lost {}: {why}", peer.name)),
                     Some(peer),
                 );
             }
@@ -319,7 +324,9 @@ impl Shared {
         self.expect_hello(&mut ctrl, WireRole::Prefill)?;
         self.write_msg(&mut ctrl, &Message::Registration(self.registration()))?;
         let theirs = self.expect_registration(&mut ctrl)?;
-        let map = self.check_registration(&peer.name, &theirs)?;
+        let map = self
+            .check_registration(&peer.name, &theirs)
+            .inspect_err(|why| self.lose_peer_with(peer, Cause::Mismatch, why.clone()))?;
         let _ = peer.kv_map.set(map);
         let _ = peer.aux_count.set(theirs.aux.len());
         for i in 0..self.config.connections_per_peer {
@@ -520,7 +527,10 @@ impl Shared {
                     self.write_msg(&mut s, &self.hello(ConnKind::Control, 0))?;
                     self.write_msg(&mut s, &Message::Registration(self.registration()))?;
                     let theirs = self.expect_registration(&mut s)?;
-                    self.check_registration(&peer.name, &theirs)?;
+                    self.check_registration(&peer.name, &theirs)
+                        .inspect_err(|why| {
+                            self.lose_peer_with(&peer, Cause::Mismatch, why.clone())
+                        })?;
                     s.set_read_timeout(None).map_err(|e| e.to_string())?;
                     self.start_control(&peer, s)
                 })();

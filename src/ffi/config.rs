@@ -86,7 +86,8 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 /// Sets configuration `key` to `value` (both NUL-terminated UTF-8; copied).
 ///
 /// Keys: `role` (`prefill` | `decode`), `listen` (`host:port`, port 0 = any; IPv6 as
-/// `[addr]:port`), `transport` (`auto` | `tcp` | `rdma`), `workers` (1..256),
+/// `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
+/// reports this machine's host name), `transport` (`auto` | `tcp` | `rdma`), `workers` (1..256),
 /// `connections_per_peer` (1..64), `rdma_devices` (comma-separated names, empty = all),
 /// `bootstrap_timeout_ms`, `waiting_timeout_ms`, `transfer_timeout_ms`,
 /// `heartbeat_interval_ms`, `drain_timeout_ms` (1..86400000), `heartbeat_misses`

@@ -183,7 +183,8 @@ pub unsafe extern "C" fn kvxfer_room_set_destination(
 /// Chunks enqueued before every destination arrived are held and sent, in order, when
 /// it does. The source pages must not change until the room is terminal. A chunk with
 /// more pages than the destination has left, or a last chunk that leaves destination
-/// pages unfilled, fails the room (cause MISMATCH) on both sides.
+/// pages unfilled, fails the room on both sides: here with cause MISMATCH, on the decode
+/// engine as ABORTED from the peer with this side's reason.
 ///
 /// Errors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_NOT_FOUND`;
 /// `KVXFER_ERR_WRONG_STATE` if the room is terminal or already got its last chunk;

@@ -67,6 +67,12 @@ pub struct KvResult {
     pub prefill_unexpected: u64,
     pub aborts_planned: u64,
     pub aborts_too_late: u64,
+    /// Rooms the prefill side saw FAILED but the decode side SUCCESS (the two engines
+    /// disagree: the decode side took data the prefill side had given up on).
+    pub split_prefill_failed_decode_ok: u64,
+    /// Rooms the prefill side saw SUCCESS but the decode side FAILED (expected when the
+    /// decode side aborts after the prefill finished sending).
+    pub split_prefill_ok_decode_failed: u64,
     pub cpu_decode: Cpu,
     pub cpu_prefill: Cpu,
     pub verify_cpu_s: f64,
@@ -106,6 +112,8 @@ impl KvResult {
         self.prefill_unexpected += o.prefill_unexpected;
         self.aborts_planned += o.aborts_planned;
         self.aborts_too_late += o.aborts_too_late;
+        self.split_prefill_failed_decode_ok += o.split_prefill_failed_decode_ok;
+        self.split_prefill_ok_decode_failed += o.split_prefill_ok_decode_failed;
         let add = |a: Cpu, b: Cpu| Cpu {
             user_us: a.user_us + b.user_us,
             sys_us: a.sys_us + b.sys_us,
@@ -589,6 +597,15 @@ fn kvxfer_loop<'s>(
                     return Err(format!("prefill reported room {idx}, never started"));
                 };
                 n += 1;
+                if *outcome == "ok" && !rec.ok {
+                    out.split_prefill_ok_decode_failed += 1;
+                }
+                if *outcome != "ok" && rec.ok {
+                    out.split_prefill_failed_decode_ok += 1;
+                    out.note(format!(
+                        "room {idx}: SUCCESS on the decode side, {outcome} on the prefill side"
+                    ));
+                }
                 if *outcome == "ok" {
                     out.lat_prefill.push(t_term.saturating_sub(t_enq));
                     if rec.ok {

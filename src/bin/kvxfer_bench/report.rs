@@ -260,6 +260,14 @@ pub fn json(p: &Params, r: &Report) -> String {
         ("aborts_planned", J::Int(k.aborts_planned)),
         ("aborts_too_late", J::Int(k.aborts_too_late)),
         (
+            "split_prefill_failed_decode_ok",
+            J::Int(k.split_prefill_failed_decode_ok),
+        ),
+        (
+            "split_prefill_ok_decode_failed",
+            J::Int(k.split_prefill_ok_decode_failed),
+        ),
+        (
             "cpu_s_per_gb",
             J::obj(vec![
                 ("decode", per_gb(k.cpu_decode.secs())),
@@ -465,6 +473,12 @@ pub fn human(p: &Params, r: &Report) -> String {
         k.prefill_unexpected,
         k.aborts_planned,
         k.aborts_too_late
+    );
+    let _ = writeln!(
+        o,
+        "  outcomes that differ between the sides: decode SUCCESS with prefill FAILED {}, \
+         prefill SUCCESS with decode FAILED {}",
+        k.split_prefill_failed_decode_ok, k.split_prefill_ok_decode_failed
     );
     for e in &k.errors {
         let _ = writeln!(o, "  error: {e}");

@@ -1,0 +1,156 @@
+//! Test-only pause points, compiled only with the `test-hooks` feature (never in a
+//! release build of the library).
+//!
+//! A pause point is a named place in engine code, reached with a room id
+//! ([`pause_point`]). A test arms it for one room ([`pause_at`]); the next thread that
+//! reaches that point for that room parks there until the test [`release`]s it, and the
+//! test can wait until it is parked ([`wait_paused`]). Each arming catches one thread
+//! once. Unarmed points cost one relaxed atomic load.
+//!
+//! Points in the engine:
+//! - `"worker.mid_chunk"` (src/engine/prefill.rs, `send_chunk`): a prefill worker has
+//!   just written one data frame of a chunk and not yet the next one (nor the chunk's
+//!   Done, nor its state change).
+//!
+//! A parked thread gives up after [`PARK_LIMIT`] so that a test that fails before
+//! releasing cannot hang the engine's shutdown.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+/// The longest a thread stays parked at a pause point without being released.
+pub const PARK_LIMIT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for a thread to arrive.
+    Armed,
+    /// A thread is parked here.
+    Paused,
+    /// The test let it go (or it gave up); the entry is removed by whoever leaves last.
+    Released,
+}
+
+struct Point {
+    name: String,
+    room: u64,
+    phase: Phase,
+}
+
+static POINTS: Mutex<Vec<Point>> = Mutex::new(Vec::new());
+static CHANGED: Condvar = Condvar::new();
+/// Points armed and not yet released: the engine's fast path skips the lock when zero.
+static ARMED: AtomicUsize = AtomicUsize::new(0);
+
+fn find(points: &[Point], name: &str, room: u64) -> Option<usize> {
+    points.iter().position(|p| p.name == name && p.room == room)
+}
+
+/// Arms pause point `name` for room `room`: the next thread to reach it for that room
+/// parks there. Arming an armed point does nothing.
+pub fn pause_at(name: &str, room: u64) {
+    let mut points = POINTS.lock();
+    if find(&points, name, room).is_none() {
+        points.push(Point {
+            name: name.to_string(),
+            room,
+            phase: Phase::Armed,
+        });
+        ARMED.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Waits until a thread is parked at `name` for `room`; false if none arrived within
+/// `timeout` (or the point is not armed).
+pub fn wait_paused(name: &str, room: u64, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    let mut points = POINTS.lock();
+    loop {
+        match find(&points, name, room).map(|i| points[i].phase) {
+            Some(Phase::Paused) => return true,
+            Some(Phase::Armed) => {}
+            Some(Phase::Released) | None => return false,
+        }
+        if CHANGED.wait_until(&mut points, deadline).timed_out() {
+            return matches!(
+                find(&points, name, room).map(|i| points[i].phase),
+                Some(Phase::Paused)
+            );
+        }
+    }
+}
+
+/// Lets the thread parked at `name` for `room` go on, or disarms the point if no thread
+/// reached it yet.
+pub fn release(name: &str, room: u64) {
+    let mut points = POINTS.lock();
+    if let Some(i) = find(&points, name, room) {
+        match points[i].phase {
+            Phase::Armed => {
+                points.remove(i);
+                ARMED.fetch_sub(1, Ordering::SeqCst);
+            }
+            Phase::Paused => points[i].phase = Phase::Released,
+            Phase::Released => {}
+        }
+        CHANGED.notify_all();
+    }
+}
+
+/// Engine side: parks here if the test armed `name` for `room`.
+pub(crate) fn pause_point(name: &str, room: u64) {
+    if ARMED.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let mut points = POINTS.lock();
+    let Some(i) = find(&points, name, room) else {
+        return;
+    };
+    if points[i].phase != Phase::Armed {
+        return;
+    }
+    points[i].phase = Phase::Paused;
+    CHANGED.notify_all();
+    let deadline = Instant::now() + PARK_LIMIT;
+    loop {
+        let i = find(&points, name, room).expect("only the parked thread removes it");
+        if points[i].phase == Phase::Released
+            || CHANGED.wait_until(&mut points, deadline).timed_out()
+        {
+            let i = find(&points, name, room).expect("only the parked thread removes it");
+            points.remove(i);
+            ARMED.fetch_sub(1, Ordering::SeqCst);
+            CHANGED.notify_all();
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_armed_point_parks_one_thread_until_released() {
+        pause_at("unit.point", 7);
+        let t = std::thread::spawn(|| {
+            pause_point("unit.point", 8); // another room: passes
+            pause_point("unit.point", 7); // parks
+            pause_point("unit.point", 7); // one-shot: passes
+        });
+        assert!(wait_paused("unit.point", 7, Duration::from_secs(10)));
+        assert!(!t.is_finished());
+        release("unit.point", 7);
+        t.join().unwrap();
+        assert!(!wait_paused("unit.point", 7, Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn releasing_an_unreached_point_disarms_it() {
+        pause_at("unit.unreached", 1);
+        release("unit.unreached", 1);
+        pause_point("unit.unreached", 1); // does not park
+    }
+}
