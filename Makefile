@@ -17,7 +17,7 @@ export DEBIAN_FRONTEND := noninteractive
 
 BUILD_TYPE ?= RelWithDebInfo
 NPROC := $(shell nproc 2>/dev/null || echo 2)
-DEBS := cmake ninja-build g++ libgtest-dev pkg-config
+DEBS := cmake ninja-build g++ libgtest-dev pkg-config iproute2
 CMAKE_CONFIGURE := cmake -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
 DEMO_PREFIX := $(CURDIR)/build/demo-prefix
 
@@ -44,6 +44,8 @@ rust-checks: deps
 	cargo fmt --check
 	cargo clippy --all-targets --locked -- -D warnings
 	cargo test --locked
+	# Two hosts in network namespaces (root + iproute2), with a link cut and heal.
+	cargo test --locked --test netns -- --ignored
 
 ctest: build
 	ctest --test-dir build --output-on-failure -j $(NPROC)

@@ -2,154 +2,17 @@
 //! the prefill process (the `child_prefill` test, which does nothing unless
 //! KVXFER_CHILD is set), so no extra binary is needed.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvxfer::log::{Level, Logger};
-use kvxfer::{BufferDesc, Cause, Config, Engine, RoomPeers, State};
+use common::*;
+use kvxfer::{Cause, RoomPeers, State};
 
-const BUFS: usize = 8;
-const PAGES: usize = 256;
-const ITEM: usize = 4096;
-
-fn pattern(b: usize, page: usize, i: usize) -> u8 {
-    (b * 131 + page * 17 + i * 3) as u8
-}
-
-fn engine(role: &str, mem: &mut [Vec<u8>], extra: &[(&str, &str)]) -> Engine {
-    let mut c = Config::default();
-    c.set("role", role).unwrap();
-    for (k, v) in extra {
-        c.set(k, v).unwrap();
-    }
-    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
-    e.register_kv(
-        mem.iter_mut()
-            .map(|b| BufferDesc {
-                base: b.as_mut_ptr() as usize,
-                len: b.len(),
-                item_len: ITEM,
-            })
-            .collect(),
-    )
-    .unwrap();
-    e
-}
-
-/// Source pages of room `r`: 4..20 pages spread over the buffer, in 1..4 chunks.
-fn plan(r: u64) -> (Vec<u32>, usize) {
-    let n = 4 + (r as usize * 7) % 17;
-    let start = (r as usize * 13) % (PAGES - n);
-    (
-        (start..start + n).map(|p| p as u32).collect(),
-        1 + r as usize % 4,
-    )
-}
-
-/// The prefill process: reads commands from stdin, one per line:
-/// `room R` creates room R and enqueues its chunks; `quit` exits.
 #[test]
 fn child_prefill() {
-    if std::env::var_os("KVXFER_CHILD").is_none() {
-        return;
-    }
-    let mut mem: Vec<Vec<u8>> = (0..BUFS)
-        .map(|b| {
-            (0..PAGES * ITEM)
-                .map(|i| pattern(b, i / ITEM, i % ITEM))
-                .collect()
-        })
-        .collect();
-    let p = engine("prefill", &mut mem, &[("heartbeat_interval_ms", "100")]);
-    println!("ADDR {}", p.address());
-    std::io::stdout().flush().unwrap();
-    for line in std::io::stdin().lock().lines() {
-        let line = line.unwrap();
-        let mut w = line.split_whitespace();
-        match (w.next(), w.next().and_then(|x| x.parse::<u64>().ok())) {
-            (Some("room"), Some(r)) => {
-                p.room_create(r, RoomPeers::Decoders(1)).unwrap();
-                let (src, chunks) = plan(r);
-                let per = src.len().div_ceil(chunks);
-                let parts: Vec<&[u32]> = src.chunks(per).collect();
-                for (i, part) in parts.iter().enumerate() {
-                    p.enqueue_chunk(r, part, i + 1 == parts.len(), None)
-                        .unwrap();
-                }
-            }
-            (Some("quit"), _) => return,
-            _ => panic!("bad command {line}"),
-        }
-    }
-}
-
-struct ChildPrefill {
-    child: Child,
-    addr: String,
-}
-
-impl ChildPrefill {
-    fn start() -> ChildPrefill {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_prefill",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("KVXFER_CHILD", "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        // If the child never says where it listens, kill it so the test fails instead of
-        // hanging.
-        let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
-        let pid = child.id().to_string();
-        std::thread::spawn(move || {
-            if started_rx.recv_timeout(Duration::from_secs(60)).is_err() {
-                let _ = Command::new("kill").args(["-KILL", &pid]).status();
-            }
-        });
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        let addr = loop {
-            line.clear();
-            assert!(out.read_line(&mut line).unwrap() > 0, "child exited early");
-            // libtest may print "test child_prefill ... " on the same line first.
-            if let Some(i) = line.find("ADDR ") {
-                break line[i + 5..].trim().to_string();
-            }
-        };
-        let _ = started_tx.send(());
-        ChildPrefill { child, addr }
-    }
-
-    fn send(&mut self, cmd: &str) {
-        let stdin = self.child.stdin.as_mut().unwrap();
-        writeln!(stdin, "{cmd}").unwrap();
-        stdin.flush().unwrap();
-    }
-}
-
-impl Drop for ChildPrefill {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn wait_terminal(e: &Engine, room: u64, limit: Duration) -> State {
-    let t = Instant::now();
-    loop {
-        let s = e.room_poll(room).unwrap();
-        if s.is_terminal() {
-            return s;
-        }
-        assert!(t.elapsed() < limit, "room {room} stuck in {s}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    common::child_prefill_main();
 }
 
 #[test]

@@ -1,0 +1,177 @@
+//! Shared by the multi-process integration tests: the prefill child process (the test
+//! binary runs itself), its plan of rooms, and helpers.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvxfer::log::{Level, Logger};
+use kvxfer::{BufferDesc, Config, Engine, RoomPeers, State};
+
+pub const BUFS: usize = 8;
+pub const PAGES: usize = 256;
+pub const ITEM: usize = 4096;
+
+pub fn pattern(b: usize, page: usize, i: usize) -> u8 {
+    (b * 131 + page * 17 + i * 3) as u8
+}
+
+pub fn engine(role: &str, mem: &mut [Vec<u8>], extra: &[(&str, &str)]) -> Engine {
+    let mut c = Config::default();
+    c.set("role", role).unwrap();
+    for (k, v) in extra {
+        c.set(k, v).unwrap();
+    }
+    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
+    e.register_kv(
+        mem.iter_mut()
+            .map(|b| BufferDesc {
+                base: b.as_mut_ptr() as usize,
+                len: b.len(),
+                item_len: ITEM,
+            })
+            .collect(),
+    )
+    .unwrap();
+    e
+}
+
+/// Source pages of room `r`: 4..20 pages spread over the buffer, in 1..4 chunks.
+pub fn plan(r: u64) -> (Vec<u32>, usize) {
+    let n = 4 + (r as usize * 7) % 17;
+    let start = (r as usize * 13) % (PAGES - n);
+    (
+        (start..start + n).map(|p| p as u32).collect(),
+        1 + r as usize % 4,
+    )
+}
+
+/// The prefill process: reads commands from stdin, one per line:
+/// `room R` creates room R and enqueues its chunks; `quit` exits. Listens on
+/// KVXFER_LISTEN if set. Each test binary calls this from its `child_prefill` test.
+pub fn child_prefill_main() {
+    if std::env::var_os("KVXFER_CHILD").is_none() {
+        return;
+    }
+    let mut mem: Vec<Vec<u8>> = (0..BUFS)
+        .map(|b| {
+            (0..PAGES * ITEM)
+                .map(|i| pattern(b, i / ITEM, i % ITEM))
+                .collect()
+        })
+        .collect();
+    let listen = std::env::var("KVXFER_LISTEN").unwrap_or_else(|_| "127.0.0.1:0".into());
+    let p = engine(
+        "prefill",
+        &mut mem,
+        &[("heartbeat_interval_ms", "100"), ("listen", &listen)],
+    );
+    println!("ADDR {}", p.address());
+    std::io::stdout().flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let mut w = line.split_whitespace();
+        match (w.next(), w.next().and_then(|x| x.parse::<u64>().ok())) {
+            (Some("room"), Some(r)) => {
+                p.room_create(r, RoomPeers::Decoders(1)).unwrap();
+                let (src, chunks) = plan(r);
+                let per = src.len().div_ceil(chunks);
+                let parts: Vec<&[u32]> = src.chunks(per).collect();
+                for (i, part) in parts.iter().enumerate() {
+                    p.enqueue_chunk(r, part, i + 1 == parts.len(), None)
+                        .unwrap();
+                }
+            }
+            (Some("quit"), _) => return,
+            _ => panic!("bad command {line}"),
+        }
+    }
+}
+
+pub struct ChildPrefill {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl ChildPrefill {
+    /// Starts this test binary's `child_prefill` test as the prefill process.
+    pub fn start() -> ChildPrefill {
+        Self::start_with(&[], None)
+    }
+
+    /// As `start`, run through `wrapper` (such as `ip netns exec NS`), listening on
+    /// `listen`.
+    pub fn start_with(wrapper: &[&str], listen: Option<&str>) -> ChildPrefill {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
+        if let Some(l) = listen {
+            cmd.env("KVXFER_LISTEN", l);
+        }
+        let mut child = cmd
+            .args([
+                "--exact",
+                "child_prefill",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("KVXFER_CHILD", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // If the child never says where it listens, kill it so the test fails instead of
+        // hanging.
+        let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+        let pid = child.id().to_string();
+        std::thread::spawn(move || {
+            if started_rx.recv_timeout(Duration::from_secs(60)).is_err() {
+                let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            }
+        });
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        let addr = loop {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "child exited early");
+            // libtest may print "test child_prefill ... " on the same line first.
+            if let Some(i) = line.find("ADDR ") {
+                break line[i + 5..].trim().to_string();
+            }
+        };
+        let _ = started_tx.send(());
+        ChildPrefill { child, addr }
+    }
+
+    pub fn send(&mut self, cmd: &str) {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
+    }
+}
+
+impl Drop for ChildPrefill {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn wait_terminal(e: &Engine, room: u64, limit: Duration) -> State {
+    let t = Instant::now();
+    loop {
+        let s = e.room_poll(room).unwrap();
+        if s.is_terminal() {
+            return s;
+        }
+        assert!(t.elapsed() < limit, "room {room} stuck in {s}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
