@@ -97,17 +97,6 @@ impl Drop for Host {
     }
 }
 
-fn wait_state(e: &kvxfer::Engine, room: u64, want: State) {
-    let t = Instant::now();
-    while e.room_poll(room).unwrap() != want {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "room {room} never reached {want}"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
 #[test]
 #[ignore = "needs root and iproute2: run by make test (cargo test --test netns -- --ignored)"]
 fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {

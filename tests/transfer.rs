@@ -6,6 +6,14 @@ use std::time::{Duration, Instant};
 use kvxfer::log::{Level, Logger};
 use kvxfer::{BufferDesc, Cause, Config, Engine, RoomPeers, State};
 
+mod common;
+
+use common::wait_state;
+
+fn wait_terminal(e: &Engine, room: u64) -> State {
+    common::wait_terminal(e, room, Duration::from_secs(20))
+}
+
 const LAYERS: usize = 4;
 const PAGES: usize = 64;
 const ITEM: usize = 1024;
@@ -68,32 +76,6 @@ fn src_pattern(b: usize, i: usize) -> u8 {
     (b * 31 + i * 7 + i / ITEM) as u8
 }
 const POISON: u8 = 0xEE;
-
-fn wait_terminal(e: &Engine, room: u64) -> State {
-    let t = Instant::now();
-    loop {
-        let s = e.room_poll(room).unwrap();
-        if s.is_terminal() {
-            return s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "room {room} stuck in {s}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-fn wait_state(e: &Engine, room: u64, want: State) {
-    let t = Instant::now();
-    while e.room_poll(room).unwrap() != want {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "room {room} never reached {want}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
 
 struct Pair {
     pmem: Box<Mem>,

@@ -2,41 +2,34 @@
 //! close the connection and fail that peer's rooms with a reason; the process lives on
 //! and no byte lands outside the grant.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use kvxfer::log::{Level, Logger};
 use kvxfer::proto::{
     self, BufferInfo, ConnKind, DataHeader, Layout, Limits, Message, Registration, Role, Target,
     PROTO_VERSION,
 };
-use kvxfer::{BufferDesc, Cause, Config, Engine, RoomPeers, State};
+use kvxfer::{Cause, Engine, RoomPeers, State};
+
+use common::wait_state;
 
 const ITEM: usize = 256;
-const PAGES: usize = 16;
-const POISON: u8 = 0xEE;
 
 fn engine(role: &str, mem: &mut [Vec<u8>], extra: &[(&str, &str)]) -> Engine {
-    let mut c = Config::default();
-    c.set("role", role).unwrap();
-    c.set("connections_per_peer", "1").unwrap();
-    for (k, v) in extra {
-        c.set(k, v).unwrap();
-    }
-    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
-    e.register_kv(
-        mem.iter_mut()
-            .map(|b| BufferDesc {
-                base: b.as_mut_ptr() as usize,
-                len: b.len(),
-                item_len: ITEM,
-            })
-            .collect(),
-    )
-    .unwrap();
-    e
+    let mut with = vec![("connections_per_peer", "1")];
+    with.extend_from_slice(extra);
+    common::engine_paged(role, mem, ITEM, &with)
 }
+
+fn wait_terminal(e: &Engine, room: u64) -> State {
+    common::wait_terminal(e, room, Duration::from_secs(20))
+}
+
+const PAGES: usize = 16;
+const POISON: u8 = 0xEE;
 
 fn registration(n: usize) -> Registration {
     Registration {
@@ -91,21 +84,6 @@ fn fake_decode(addr: &str, id: u64) -> TcpStream {
     assert!(matches!(recv(&mut s), Message::Registration(_)));
     send(&mut s, &Message::Registration(registration(2)));
     s
-}
-
-fn wait_terminal(e: &Engine, room: u64) -> State {
-    let t = Instant::now();
-    loop {
-        let s = e.room_poll(room).unwrap();
-        if s.is_terminal() {
-            return s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "room {room} stuck in {s}"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 /// The engine closes the connection: reads end in EOF or a reset within the timeout.
@@ -436,17 +414,6 @@ fn done_before_every_page_arrived_fails_the_room() {
     let why = d.room_failure(15).unwrap();
     assert_eq!(why.cause, Cause::Mismatch);
     assert!(why.message.contains("2 of 4 page writes"), "{why}");
-}
-
-fn wait_state(e: &Engine, room: u64, want: State) {
-    let t = Instant::now();
-    while e.room_poll(room).unwrap() != want {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "room {room} never reached {want}"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 #[test]

@@ -17,7 +17,19 @@ pub fn pattern(b: usize, page: usize, i: usize) -> u8 {
     (b * 131 + page * 17 + i * 3) as u8
 }
 
+/// An engine of `role` with `extra` config keys, its KV buffers registered over `mem`
+/// with pages of `ITEM` bytes.
 pub fn engine(role: &str, mem: &mut [Vec<u8>], extra: &[(&str, &str)]) -> Engine {
+    engine_paged(role, mem, ITEM, extra)
+}
+
+/// As `engine`, with pages of `item_len` bytes.
+pub fn engine_paged(
+    role: &str,
+    mem: &mut [Vec<u8>],
+    item_len: usize,
+    extra: &[(&str, &str)],
+) -> Engine {
     let mut c = Config::default();
     c.set("role", role).unwrap();
     for (k, v) in extra {
@@ -29,7 +41,7 @@ pub fn engine(role: &str, mem: &mut [Vec<u8>], extra: &[(&str, &str)]) -> Engine
             .map(|b| BufferDesc {
                 base: b.as_mut_ptr() as usize,
                 len: b.len(),
-                item_len: ITEM,
+                item_len,
             })
             .collect(),
     )
@@ -172,6 +184,18 @@ pub fn wait_terminal(e: &Engine, room: u64, limit: Duration) -> State {
             return s;
         }
         assert!(t.elapsed() < limit, "room {room} stuck in {s}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Waits (up to 10 s) until room `room` is in state `want`.
+pub fn wait_state(e: &Engine, room: u64, want: State) {
+    let t = Instant::now();
+    while e.room_poll(room).unwrap() != want {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "room {room} never reached {want}"
+        );
         std::thread::sleep(Duration::from_millis(2));
     }
 }
