@@ -26,17 +26,20 @@ MODEL SHAPE (override the preset)
   --dtype-bytes N  --page-tokens N  --aux-bytes N (one aux row per room; 0 = none)
 
 TRAFFIC
-  --prompt N | A-B          prompt tokens: fixed, or uniform in A..=B
-  --chunk-tokens N          chunked prefill size (a multiple of the page size)
-  --concurrency N           rooms in flight
-  --rooms N                 rooms per kvxfer phase  |  --duration SECS  phase length instead
+  --prompt N | A-B          prompt tokens: fixed, or uniform in A..=B [4096; single-page 16;
+                            quick 1024]
+  --chunk-tokens N          chunked prefill size, a multiple of the page size [2048]
+  --concurrency N           rooms in flight [4; single-page 64; model presets quick 2]
+  --rooms N                 rooms per kvxfer phase [16; single-page 30000; quick 8 / 5000]
+  --duration SECS           run each kvxfer phase this long instead of --rooms
   --repeat N                kvxfer phases, each between two rounds of baselines [3; quick 1]
   --abort-rate F            fraction of rooms aborted on purpose (counted as expected failures)
   --dst-order contiguous|shuffled   destination pages in order, or scattered inside a slot
   --seed N                  room plan seed
 
 ENGINE
-  --transport tcp|rdma|auto  --workers N  --conns N (connections per peer)
+  --transport tcp|rdma|auto [tcp]  --workers N [engine default]
+  --conns N                 data connections per peer (also the TCP baseline's) [2]
   --log-level error|warn|info|debug|trace
 
 MEASUREMENT

@@ -1,8 +1,8 @@
 //! `kvxfer-bench table`: the room table under the calls a scheduler makes.
 //!
 //! - `room_poll` latency through `Engine::room_poll` on a decode engine whose rooms are
-//!   live (connected to a prefill engine in this process, waiting for input), at 1, 1,000
-//!   and 100,000 live rooms; and the bare `RoomTable::state` under the same ids. Polls run
+//!   live (connected to a prefill engine in this process, waiting for input), at 1, 1,000,
+//!   10,000 and 100,000 live rooms; and the bare `RoomTable::state` under the same ids. Polls run
 //!   in batches of 1,000 timed together; the figure is the median batch time / 1,000.
 //!   Three access orders: `hot` (one room again and again), `sweep` (every live room in
 //!   creation order, as a scheduler polls its in-flight list), `random` (every live room
@@ -103,7 +103,12 @@ pub fn run(p: &Params) -> Result<(String, bool), String> {
     let table = RoomTable::<()>::new();
     let mut rows = Vec::new();
     let mut live = 0usize;
-    for n in [1usize, 1000, big] {
+    let sizes: Vec<usize> = if p.quick {
+        vec![1, 1000, big]
+    } else {
+        vec![1, 1000, 10_000, big]
+    };
+    for n in sizes {
         eprintln!("kvxfer-bench [table]: room_poll with {n} live rooms");
         while live < n {
             de.room_create(id(live), peers.clone())
