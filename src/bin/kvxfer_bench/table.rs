@@ -204,7 +204,7 @@ pub fn run(p: &Params) -> Result<(String, bool), String> {
                     .map_err(|e| e.to_string())?;
             }
             let before = pe.metrics().rooms_failed[0];
-            let barrier = Arc::new(Barrier::new(threads + 1));
+            let barrier = Arc::new(Barrier::new(threads));
             let calls = if same { r * threads } else { r };
             let (wall, cpu_ns) = std::thread::scope(|s| {
                 let hs: Vec<_> = (0..threads)
@@ -218,18 +218,24 @@ pub fn run(p: &Params) -> Result<(String, bool), String> {
                             };
                             let reason = format!("thread {k}");
                             barrier.wait();
-                            let c = thread_cpu_ns();
+                            let (t, c) = (Instant::now(), thread_cpu_ns());
                             for x in mine {
                                 let _ = pe.room_abort(x, &reason);
                             }
-                            thread_cpu_ns() - c
+                            (t, Instant::now(), thread_cpu_ns() - c)
                         })
                     })
                     .collect();
-                barrier.wait();
-                let t = Instant::now();
-                let cpu: u64 = hs.into_iter().map(|h| h.join().unwrap_or(0)).sum();
-                (t.elapsed().as_secs_f64(), cpu)
+                let done: Vec<(Instant, Instant, u64)> =
+                    hs.into_iter().filter_map(|h| h.join().ok()).collect();
+                // Wall time: from the first thread starting to the last one finishing.
+                let first = done.iter().map(|d| d.0).min();
+                let last = done.iter().map(|d| d.1).max();
+                let wall = match (first, last) {
+                    (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
+                    _ => f64::NAN,
+                };
+                (wall, done.iter().map(|d| d.2).sum::<u64>())
             });
             let after = pe.metrics().rooms_failed[0];
             assert_eq!(Cause::ALL[0], Cause::Aborted);
