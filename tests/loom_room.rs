@@ -1,6 +1,6 @@
 //! Model checking one room's state machine with loom: every interleaving of the threads
 //! that touch one room, first under the real rule (the library's own
-//! [`transition`]/[`StateWord::apply`], running over loom's atomic byte), then under the
+//! `transition` and `StateWord::apply`, running over loom's atomic byte), then under the
 //! reference design's rule (status = max(current, new) as a plain load then store,
 //! abort dropping the transfer metadata, a worker skipping a chunk whose metadata is
 //! gone without writing any state). The real rule must pass every check in every
@@ -36,10 +36,11 @@ use loom::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize as LoomUsize};
 use loom::sync::Arc;
 use loom::thread;
 
-/// Preemptions per execution. Every violation of the reference rule needs at most two
-/// (one for the worker's read-modify-write window, one around the abort); three covers
-/// every interleaving those need plus one more switch anywhere. Override with
-/// `KVXFER_LOOM_PREEMPTIONS`.
+/// Preemptions per execution. The silent pin of the reference rule needs three: the
+/// worker between its metadata check and its status write, the control thread between
+/// dispatching the worker and its own abort, the scheduler between its abort and its
+/// poll; with two the checker finds resurrections but no pin. Both rules are checked at
+/// the same bound. Override with `KVXFER_LOOM_PREEMPTIONS`.
 const PREEMPTION_BOUND: usize = 3;
 
 // ---------------------------------------------------------------------------------------
@@ -111,9 +112,13 @@ impl Traced {
         TRACE.with(|t| t.borrow_mut().writes.push((self.id, v)));
     }
 
-    /// A plain store (the reference design's dict assignment).
+    /// A plain store (the reference design's dict assignment), made as a swap: loom
+    /// treats SeqCst as AcqRel and may order two plain stores of different threads
+    /// against the order they ran in, which no sequentially consistent execution (the
+    /// reference runs under Python's GIL) can do. Writes that are read-modify-writes are
+    /// totally ordered in loom, so the log below is the modification order.
     fn store(&self, v: u8) {
-        self.byte.store(v, Ordering::SeqCst);
+        self.byte.swap(v, Ordering::SeqCst);
         self.logged(v);
     }
 }
@@ -209,6 +214,8 @@ impl Findings {
                     for (i, st) in t.steps.iter().enumerate() {
                         let _ = writeln!(s, "      {:2}. {st}", i + 1);
                     }
+                    let writes: Vec<&str> = t.writes.iter().map(|&(_, v)| name(v)).collect();
+                    let _ = writeln!(s, "      writes, in order: {}", writes.join(", "));
                     let _ = writeln!(s, "      => {v}");
                     s
                 });
@@ -410,7 +417,7 @@ fn real_rule_execution() {
             // room_clear: fail if live, then remove the room.
             if let Some(r) = table.lookup() {
                 r.fail("scheduler", "cleared while live");
-                table.present.store(false, Ordering::SeqCst);
+                table.present.swap(false, Ordering::SeqCst);
                 step("scheduler", "cleared", None);
             }
         })
@@ -508,7 +515,7 @@ impl Reference {
 
     fn abort(&self, who: &'static str) {
         self.update_status(who, State::Failed);
-        self.meta.store(false, Ordering::SeqCst);
+        self.meta.swap(false, Ordering::SeqCst);
         step(who, "abort: metadata dropped", None);
     }
 }
@@ -563,7 +570,7 @@ fn reference_rule_execution() {
     let control = {
         let r = r.clone();
         thread::spawn(move || {
-            r.meta.store(true, Ordering::SeqCst);
+            r.meta.swap(true, Ordering::SeqCst);
             r.update_status("control", State::WaitingForInput);
             let worker = {
                 let r = r.clone();

@@ -1,0 +1,673 @@
+//! The silent pin, reproduced step by step on real threads and sockets, and its
+//! neighbours (DESIGN.md section 1).
+//!
+//! The reported sequence: a two-chunk room, the worker stopped inside chunk 0's write
+//! window (one data frame written, the next not yet) with chunk 1 queued behind it, an
+//! abort arrives (from the prefill's own scheduler, or from the decode side), the worker
+//! resumes. The reference design resurrected the room to TRANSFERRING and skipped the last
+//! chunk without a terminal write; here both rooms must end FAILED with the abort's
+//! reason, no further byte may be sent or land, and the inflight gauges must drain.
+//!
+//! The worker is held with the test-only pause point `worker.mid_chunk`
+//! (src/testing.rs), so this file exists only with `--features test-hooks`:
+//! `cargo test --features test-hooks --test pin_regression`.
+
+#![cfg(feature = "test-hooks")]
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use kvxfer::log::{Level, Logger};
+use kvxfer::proto::{
+    self, BufferInfo, ConnKind, Kind, Layout, Limits, Message, ReadError, Registration, Role,
+    PROTO_VERSION,
+};
+use kvxfer::testing;
+use kvxfer::{BufferDesc, Cause, Config, Engine, ErrorKind, RoomPeers, State};
+
+const BUFS: usize = 2;
+const PAGES: usize = 1024;
+const ITEM: usize = 1024;
+const POISON: u8 = 0xEE;
+const MID: &str = "worker.mid_chunk";
+const LIMIT: Duration = Duration::from_secs(20);
+
+/// Registered memory that the test reads and writes only through raw pointers, so that
+/// the engine writing into it from its own threads never aliases a Rust reference.
+struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the region is plain bytes; the engine and the test touch it only through raw
+// pointers, and the checks below run when no write may be landing (that is the claim
+// under test).
+unsafe impl Send for Region {}
+unsafe impl Sync for Region {}
+
+impl Region {
+    fn new(fill: impl Fn(usize) -> u8) -> Region {
+        let bytes: Box<[u8]> = (0..PAGES * ITEM).map(fill).collect();
+        let len = bytes.len();
+        Region {
+            ptr: Box::into_raw(bytes).cast::<u8>(),
+            len,
+        }
+    }
+
+    fn desc(&self) -> BufferDesc {
+        BufferDesc {
+            base: self.ptr as usize,
+            len: self.len,
+            item_len: ITEM,
+        }
+    }
+
+    fn page(&self, p: u32) -> Vec<u8> {
+        let mut out = vec![0u8; ITEM];
+        // SAFETY: `p < PAGES`, so the ITEM bytes at `p * ITEM` are inside the allocation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.add(p as usize * ITEM), out.as_mut_ptr(), ITEM)
+        };
+        out
+    }
+
+    fn poison(&self, p: u32) {
+        // SAFETY: as in `page`.
+        unsafe { std::ptr::write_bytes(self.ptr.add(p as usize * ITEM), POISON, ITEM) };
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` came from `Box::into_raw` of a boxed slice of `len` bytes.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+    }
+}
+
+fn src_byte(b: usize, i: usize) -> u8 {
+    (b * 31 + i * 7 + i / ITEM * 13) as u8 | 1
+}
+
+fn engine(role: &str, mem: &[Region], extra: &[(&str, &str)]) -> Engine {
+    let mut c = Config::default();
+    c.set("role", role).unwrap();
+    c.set("transport", "tcp").unwrap();
+    // One worker and one data connection: a room's chunks and every other room's queue
+    // behind each other, so a room used as a marker tells when the worker is done.
+    c.set("workers", "1").unwrap();
+    c.set("connections_per_peer", "1").unwrap();
+    for (k, v) in extra {
+        c.set(k, v).unwrap();
+    }
+    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
+    e.register_kv(mem.iter().map(Region::desc).collect())
+        .unwrap();
+    e
+}
+
+/// A prefill and a decode engine in this process. Engines are declared first so they
+/// stop (and join their threads) before the memory they write is freed.
+struct Pair {
+    p: Engine,
+    d: Engine,
+    pmem: Vec<Region>,
+    dmem: Vec<Region>,
+}
+
+impl Pair {
+    fn new() -> Pair {
+        Pair::with(&[])
+    }
+
+    fn with(p_extra: &[(&str, &str)]) -> Pair {
+        let pmem: Vec<Region> = (0..BUFS)
+            .map(|b| Region::new(move |i| src_byte(b, i)))
+            .collect();
+        let dmem: Vec<Region> = (0..BUFS).map(|_| Region::new(|_| POISON)).collect();
+        let p = engine("prefill", &pmem, p_extra);
+        let d = engine("decode", &dmem, &[]);
+        Pair { p, d, pmem, dmem }
+    }
+
+    fn create(&self, room: u64) {
+        self.p.room_create(room, RoomPeers::Decoders(1)).unwrap();
+        self.d
+            .room_create(
+                room,
+                RoomPeers::Prefills(vec![self.p.address().to_string()]),
+            )
+            .unwrap();
+    }
+
+    /// Creates `room` on both sides and waits until the prefill has its destination.
+    fn ready(&self, room: u64, dst: &[u32]) {
+        self.create(room);
+        self.d.room_set_destination(room, dst, None).unwrap();
+        wait_state(&self.p, room, State::WaitingForInput);
+    }
+
+    fn poisoned(&self, dst: &[u32]) -> bool {
+        dst.iter().all(|&p| {
+            self.dmem
+                .iter()
+                .all(|m| m.page(p).iter().all(|&x| x == POISON))
+        })
+    }
+
+    fn delivered(&self, src: &[u32], dst: &[u32]) -> bool {
+        src.iter().zip(dst).all(|(&s, &d)| {
+            self.pmem
+                .iter()
+                .zip(&self.dmem)
+                .all(|(pm, dm)| pm.page(s) == dm.page(d))
+        })
+    }
+
+    fn repoison(&self, dst: &[u32]) {
+        for &p in dst {
+            for m in &self.dmem {
+                m.poison(p);
+            }
+        }
+    }
+
+    /// Runs a one-chunk room to SUCCESS on both sides. With one worker, once it is done
+    /// every chunk queued before it has been handled.
+    fn marker(&self, room: u64, src: &[u32], dst: &[u32]) {
+        self.ready(room, dst);
+        self.p.enqueue_chunk(room, src, true, None).unwrap();
+        assert_eq!(wait_terminal(&self.p, room), State::Success, "marker");
+        assert_eq!(wait_terminal(&self.d, room), State::Success, "marker");
+        assert!(self.delivered(src, dst));
+    }
+
+    fn side(&self, from_decode: bool) -> &Engine {
+        if from_decode {
+            &self.d
+        } else {
+            &self.p
+        }
+    }
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < LIMIT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn wait_state(e: &Engine, room: u64, want: State) {
+    wait_until(&format!("room {room} to be {want}"), || {
+        e.room_poll(room).unwrap() == want
+    });
+}
+
+fn wait_terminal(e: &Engine, room: u64) -> State {
+    let t = Instant::now();
+    loop {
+        let s = e.room_poll(room).unwrap();
+        if s.is_terminal() {
+            return s;
+        }
+        assert!(t.elapsed() < LIMIT, "room {room} stuck in {s}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn pages(from: u32, n: u32) -> Vec<u32> {
+    (from..from + n).collect()
+}
+
+/// Both rooms failed with the abort's reason, first-hand on the aborting side and
+/// from the peer on the other.
+fn assert_aborted(t: &Pair, room: u64, from_decode: bool, reason: &str) {
+    for (e, local) in [(&t.p, !from_decode), (&t.d, from_decode)] {
+        assert_eq!(e.room_poll(room).unwrap(), State::Failed);
+        let why = e.room_failure(room).unwrap();
+        assert_eq!(why.cause, Cause::Aborted, "{why}");
+        assert_eq!(why.from_peer, !local, "{why}");
+        assert!(why.message.contains(reason), "{why}");
+    }
+}
+
+fn reported_sequence(from_decode: bool) {
+    let t = Pair::new();
+    let room = 7;
+    let (src, dst) = (pages(100, 8), pages(200, 8));
+    t.ready(room, &dst);
+
+    testing::pause_at(MID, room);
+    t.p.enqueue_chunk(room, &src[..4], false, None).unwrap();
+    t.p.enqueue_chunk(room, &src[4..], true, None).unwrap();
+    assert!(
+        testing::wait_paused(MID, room, LIMIT),
+        "worker never paused"
+    );
+    // Inside chunk 0's write window: buffer 0's frame is out, buffer 1's is not.
+    let frame = (4 * ITEM) as u64;
+    assert_eq!(t.p.metrics().bytes_sent, frame);
+    wait_until("the first frame to land", || {
+        t.d.metrics().bytes_received == frame
+    });
+    assert_eq!(t.p.room_poll(room).unwrap(), State::Transferring);
+    assert_eq!(t.d.room_poll(room).unwrap(), State::Transferring);
+
+    // The abort arrives while the worker is stopped, and reaches the other side.
+    let reason = "client went away mid-chunk";
+    t.side(from_decode).room_abort(room, reason).unwrap();
+    assert_eq!(wait_terminal(&t.p, room), State::Failed);
+    assert_eq!(wait_terminal(&t.d, room), State::Failed);
+    wait_until("the decode room to drain", || {
+        t.d.room_drained(room).unwrap()
+    });
+    // From here on no byte may land in the room's pages: poison them all again.
+    t.repoison(&dst);
+
+    // The worker resumes with chunk 1 queued behind it.
+    testing::release(MID, room);
+    t.marker(room + 1, &pages(0, 4), &pages(300, 4));
+
+    assert_aborted(&t, room, from_decode, reason);
+    let marker_bytes = (4 * ITEM * BUFS) as u64;
+    assert_eq!(
+        t.p.metrics().bytes_sent,
+        frame + marker_bytes,
+        "the worker sent more of the aborted room"
+    );
+    assert_eq!(t.d.metrics().bytes_received, frame + marker_bytes);
+    assert!(t.poisoned(&dst), "a byte landed after the room drained");
+    for e in [&t.p, &t.d] {
+        let m = e.metrics();
+        assert_eq!(m.inflight, 0, "{m:?}");
+        assert_eq!(m.rooms_failed_total(), 1, "{m:?}");
+        assert_eq!(m.rooms_succeeded, 1, "{m:?}");
+    }
+    // The aborted room is dead for good: no chunk is taken, clear leaves nothing.
+    assert_eq!(
+        t.p.enqueue_chunk(room, &src[..1], true, None)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::WrongState
+    );
+    for r in [room, room + 1] {
+        t.p.room_clear(r).unwrap();
+        t.d.room_clear(r).unwrap();
+    }
+    assert_eq!(t.p.room_count() + t.d.room_count(), 0);
+}
+
+#[test]
+fn the_reported_sequence_with_the_abort_from_the_prefill_scheduler_ends_failed() {
+    reported_sequence(false);
+}
+
+#[test]
+fn the_reported_sequence_with_the_abort_from_the_decode_side_ends_failed() {
+    reported_sequence(true);
+}
+
+#[test]
+fn an_abort_between_chunks_with_the_last_chunk_queued_ends_failed() {
+    for from_decode in [false, true] {
+        let t = Pair::new();
+        let (room, busy) = (10, 11);
+        let (src, dst) = (pages(100, 8), pages(200, 8));
+        t.ready(room, &dst);
+        t.ready(busy, &pages(400, 4));
+        t.p.enqueue_chunk(room, &src[..4], false, None).unwrap();
+        let chunk = (4 * ITEM * BUFS) as u64;
+        wait_until("chunk 0 to be sent", || t.p.metrics().chunks == 1);
+        wait_until("chunk 0 to land", || t.d.metrics().bytes_received == chunk);
+        // Hold the worker in another room so that the last chunk waits in its queue.
+        testing::pause_at(MID, busy);
+        t.p.enqueue_chunk(busy, &pages(0, 4), true, None).unwrap();
+        assert!(testing::wait_paused(MID, busy, LIMIT));
+        t.p.enqueue_chunk(room, &src[4..], true, None).unwrap();
+
+        let reason = "aborted between chunks";
+        t.side(from_decode).room_abort(room, reason).unwrap();
+        assert_eq!(wait_terminal(&t.p, room), State::Failed);
+        assert_eq!(wait_terminal(&t.d, room), State::Failed);
+        wait_until("drain", || t.d.room_drained(room).unwrap());
+        assert!(t.delivered(&src[..4], &dst[..4]));
+        t.repoison(&dst);
+        testing::release(MID, busy);
+        assert_eq!(wait_terminal(&t.p, busy), State::Success);
+        assert_eq!(wait_terminal(&t.d, busy), State::Success);
+        // The busy room then the queued last chunk: make sure the worker got past it.
+        t.marker(12, &pages(8, 1), &pages(500, 1));
+
+        assert_aborted(&t, room, from_decode, reason);
+        assert!(t.poisoned(&dst), "the last chunk landed");
+        assert_eq!(
+            t.p.metrics().bytes_sent,
+            chunk + chunk + (ITEM * BUFS) as u64
+        );
+        for e in [&t.p, &t.d] {
+            assert_eq!(e.metrics().inflight, 0);
+        }
+    }
+}
+
+/// The last chunk races an abort from a random side at a random moment. Allowed
+/// outcomes: both SUCCESS, both FAILED, or prefill SUCCESS with decode FAILED when the
+/// abort came from the decode side after the prefill had finished.
+#[test]
+fn an_abort_racing_the_last_chunk_ends_in_an_allowed_pair_of_states() {
+    const ROOMS: u64 = 150;
+    let t = Pair::new();
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut outcomes = std::collections::BTreeMap::<(&str, &str, &str), u32>::new();
+    let mut failed_dst = Vec::new();
+    for i in 0..ROOMS {
+        let room = 1000 + i;
+        let (src, dst) = (pages((i as u32 * 3) % 900, 4), pages(i as u32 * 4 + 100, 4));
+        t.ready(room, &dst);
+        let from_decode = next() % 2 == 0;
+        let spins = next() % 40_000;
+        t.p.enqueue_chunk(room, &src, true, None).unwrap();
+        for _ in 0..spins {
+            std::hint::spin_loop();
+        }
+        t.side(from_decode).room_abort(room, "racing").unwrap();
+        let (ps, ds) = (wait_terminal(&t.p, room), wait_terminal(&t.d, room));
+        let from = if from_decode { "decode" } else { "prefill" };
+        *outcomes.entry((ps.name(), ds.name(), from)).or_default() += 1;
+        let allowed = ps == ds || (ps == State::Success && ds == State::Failed && from_decode);
+        // Known bug, reproduced deterministically (and ignored) by
+        // `the_prefill_writes_no_done_frame_for_a_room_that_failed_first`: a prefill-side
+        // abort landing after the worker wrote Done but before it made the room SUCCESS.
+        let known_bug = ps == State::Failed && ds == State::Success && !from_decode;
+        assert!(
+            allowed || known_bug,
+            "room {room}: prefill {ps}, decode {ds}, abort from {from}; so far {outcomes:?}"
+        );
+        match ds {
+            State::Success => assert!(t.delivered(&src, &dst), "room {room}"),
+            _ => {
+                wait_until("drain", || t.d.room_drained(room).unwrap());
+                t.repoison(&dst);
+                failed_dst.extend_from_slice(&dst);
+            }
+        }
+        for e in [&t.p, &t.d] {
+            if e.room_poll(room).unwrap() == State::Failed {
+                assert!(!e.room_failure(room).unwrap().message.is_empty());
+            }
+        }
+    }
+    // Every worker is idle: a last room through the same worker.
+    t.marker(5000, &pages(0, 1), &pages(50, 1));
+    assert!(
+        t.poisoned(&failed_dst),
+        "a byte landed after a room drained"
+    );
+    for e in [&t.p, &t.d] {
+        assert_eq!(e.metrics().inflight, 0);
+    }
+    println!("abort racing the last chunk, {ROOMS} rooms: {outcomes:?}");
+    // The race must actually be a race: both ends of it were seen.
+    let successes: u32 = outcomes
+        .iter()
+        .filter(|((p, _, _), _)| *p == "success")
+        .map(|(_, n)| n)
+        .sum();
+    assert!(successes > 0 && successes < ROOMS as u32, "{outcomes:?}");
+}
+
+#[test]
+fn clearing_a_room_while_its_worker_is_mid_chunk_leaves_nothing_behind() {
+    let t = Pair::new();
+    let room = 20;
+    let (src, dst) = (pages(100, 8), pages(200, 8));
+    t.ready(room, &dst);
+    testing::pause_at(MID, room);
+    t.p.enqueue_chunk(room, &src[..4], false, None).unwrap();
+    t.p.enqueue_chunk(room, &src[4..], true, None).unwrap();
+    assert!(testing::wait_paused(MID, room, LIMIT));
+    let sent = t.p.metrics().bytes_sent;
+
+    t.p.room_clear(room).unwrap();
+    assert_eq!(t.p.room_poll(room).unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(wait_terminal(&t.d, room), State::Failed);
+    let why = t.d.room_failure(room).unwrap();
+    assert!(
+        why.from_peer && why.message.contains("cleared while live"),
+        "{why}"
+    );
+    wait_until("drain", || t.d.room_drained(room).unwrap());
+    t.repoison(&dst);
+    testing::release(MID, room);
+    t.marker(21, &pages(0, 2), &pages(300, 2));
+    assert_eq!(
+        t.p.metrics().bytes_sent,
+        sent + (2 * ITEM * BUFS) as u64,
+        "the worker sent more of the cleared room"
+    );
+    assert!(t.poisoned(&dst));
+    assert_eq!(t.p.metrics().inflight, 0);
+    assert_eq!(t.d.metrics().inflight, 0);
+    // The id is free on both sides once decode clears too, and a new use works.
+    t.d.room_clear(room).unwrap();
+    t.p.room_clear(21).unwrap();
+    t.d.room_clear(21).unwrap();
+    assert_eq!(t.p.room_count() + t.d.room_count(), 0);
+    t.marker(room, &src, &dst);
+}
+
+/// Clears from a random side at random moments while chunks move: the cleared side
+/// forgets the room at once, the other side ends terminal, and once both cleared no
+/// room, gauge or late byte is left.
+#[test]
+fn clears_racing_workers_leave_no_room_gauge_or_late_byte() {
+    const ROOMS: u64 = 120;
+    let t = Pair::new();
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut cleared_dst = Vec::new();
+    for i in 0..ROOMS {
+        let room = 2000 + i;
+        let (src, dst) = (pages((i as u32 * 5) % 900, 6), pages(i as u32 * 6 + 100, 6));
+        t.ready(room, &dst);
+        t.p.enqueue_chunk(room, &src[..3], false, None).unwrap();
+        t.p.enqueue_chunk(room, &src[3..], true, None).unwrap();
+        for _ in 0..next() % 40_000 {
+            std::hint::spin_loop();
+        }
+        let (first, other) = if next() % 2 == 0 {
+            (&t.d, &t.p)
+        } else {
+            (&t.p, &t.d)
+        };
+        first.room_clear(room).unwrap();
+        assert_eq!(
+            first.room_poll(room).unwrap_err().kind(),
+            ErrorKind::NotFound
+        );
+        let s = wait_terminal(other, room);
+        if s == State::Failed {
+            assert!(!other.room_failure(room).unwrap().message.is_empty());
+        }
+        other.room_clear(room).unwrap();
+        cleared_dst.extend_from_slice(&dst);
+    }
+    t.marker(6000, &pages(0, 1), &pages(10, 1));
+    // Decode pages of cleared rooms: poison now, then nothing may land.
+    t.repoison(&cleared_dst);
+    t.marker(6001, &pages(1, 1), &pages(11, 1));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(t.poisoned(&cleared_dst));
+    for r in [6000, 6001] {
+        t.p.room_clear(r).unwrap();
+        t.d.room_clear(r).unwrap();
+    }
+    for e in [&t.p, &t.d] {
+        assert_eq!(e.room_count(), 0);
+        assert_eq!(e.metrics().inflight, 0);
+    }
+}
+
+#[test]
+fn a_destination_arriving_after_the_prefill_aborted_fails_the_decode_room() {
+    let t = Pair::new();
+    // Aborted, still present.
+    t.p.room_create(30, RoomPeers::Decoders(1)).unwrap();
+    t.p.room_abort(30, "preempted before the destination")
+        .unwrap();
+    t.d.room_create(30, RoomPeers::Prefills(vec![t.p.address().to_string()]))
+        .unwrap();
+    t.d.room_set_destination(30, &pages(10, 2), None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 30), State::Failed);
+    let why = t.d.room_failure(30).unwrap();
+    assert!(
+        why.from_peer && why.message.contains("preempted before the destination"),
+        "{why}"
+    );
+    // The prefill keeps its own first reason and takes no chunk.
+    let p_why = t.p.room_failure(30).unwrap();
+    assert!(!p_why.from_peer && p_why.message.contains("preempted"));
+    assert_eq!(
+        t.p.enqueue_chunk(30, &[1], true, None).unwrap_err().kind(),
+        ErrorKind::WrongState
+    );
+
+    // Aborted and cleared: the destination must not re-create the room.
+    t.p.room_create(31, RoomPeers::Decoders(1)).unwrap();
+    t.p.room_abort(31, "cancelled then released").unwrap();
+    t.p.room_clear(31).unwrap();
+    t.d.room_create(31, RoomPeers::Prefills(vec![t.p.address().to_string()]))
+        .unwrap();
+    t.d.room_set_destination(31, &pages(20, 2), None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 31), State::Failed);
+    assert!(t.d.room_failure(31).unwrap().from_peer);
+    assert_eq!(t.p.room_poll(31).unwrap_err().kind(), ErrorKind::NotFound);
+
+    assert_eq!(t.p.metrics().bytes_sent, 0);
+    assert!(t.poisoned(&pages(10, 20)));
+    t.p.room_clear(30).unwrap();
+    for r in [30, 31] {
+        t.d.room_clear(r).unwrap();
+    }
+    assert_eq!(t.p.room_count() + t.d.room_count(), 0);
+    assert_eq!(t.p.metrics().inflight + t.d.metrics().inflight, 0);
+}
+
+fn send_msg(s: &mut TcpStream, m: &Message) {
+    let mut f = Vec::new();
+    m.encode(&mut f).unwrap();
+    s.write_all(&f).unwrap();
+}
+
+fn recv_msg(s: &mut TcpStream) -> Message {
+    let l = Limits::default();
+    let h = proto::read_frame_header(s, &l).unwrap();
+    proto::read_control(s, &h, &l).unwrap()
+}
+
+fn hello(conn: ConnKind, id: u64) -> Message {
+    Message::Hello {
+        proto_version: PROTO_VERSION,
+        role: Role::Decode,
+        engine_id: id,
+        conn,
+        conn_index: 0,
+    }
+}
+
+/// DESIGN.md section 2: a prefill room reaches SUCCESS when its last chunk is written
+/// and completion delivered; an abort before that makes it FAILED and the decode side is
+/// told. A Done frame written for a room that is already FAILED lets the decode engine,
+/// which reads Done and Abort from two different connections, complete the room the
+/// prefill reports as failed (prefill FAILED / decode SUCCESS, seen by
+/// `an_abort_racing_the_last_chunk_ends_in_an_allowed_pair_of_states`).
+///
+/// Deterministic here with a fake decode engine on raw sockets: the worker is held right
+/// after the last data frame of a one-frame room, the prefill scheduler aborts the room,
+/// the worker resumes, and the data connection must carry no Done.
+#[test]
+#[ignore = "bug: prefill send_chunk writes Done without checking the room's state and \
+            applies Complete only after it (src/engine/prefill.rs), so a local abort in \
+            between leaves prefill FAILED and decode SUCCESS"]
+fn the_prefill_writes_no_done_frame_for_a_room_that_failed_first() {
+    // One KV buffer: the room's one page is one data frame, and the pause point after it
+    // is the gap between the last data frame and Done.
+    let pmem = vec![Region::new(|i| src_byte(0, i))];
+    let p = engine("prefill", &pmem, &[]);
+    let id = 0xD0_0D;
+    let mut ctrl = TcpStream::connect(p.address()).unwrap();
+    ctrl.set_read_timeout(Some(LIMIT)).unwrap();
+    send_msg(&mut ctrl, &hello(ConnKind::Control, id));
+    assert!(matches!(recv_msg(&mut ctrl), Message::Hello { .. }));
+    assert!(matches!(recv_msg(&mut ctrl), Message::Registration(_)));
+    let reg = Registration {
+        kv: vec![BufferInfo {
+            len: (PAGES * ITEM) as u64,
+            item_len: ITEM as u64,
+            layer_id: BufferInfo::NO_LAYER,
+            addr: 0,
+            rkey: 0,
+        }],
+        aux: vec![],
+        layout: Layout::default(),
+    };
+    send_msg(&mut ctrl, &Message::Registration(reg));
+    let mut data = TcpStream::connect(p.address()).unwrap();
+    data.set_read_timeout(Some(LIMIT)).unwrap();
+    send_msg(&mut data, &hello(ConnKind::Data, id));
+    assert!(matches!(recv_msg(&mut data), Message::Hello { .. }));
+
+    let room = 40;
+    p.room_create(room, RoomPeers::Decoders(1)).unwrap();
+    send_msg(
+        &mut ctrl,
+        &Message::Destination {
+            room,
+            generation: 1,
+            pages: vec![5],
+            aux_slot: None,
+        },
+    );
+    wait_state(&p, room, State::WaitingForInput);
+    testing::pause_at(MID, room);
+    p.enqueue_chunk(room, &[3], true, None).unwrap();
+    assert!(testing::wait_paused(MID, room, LIMIT));
+    let l = Limits::default();
+    let h = proto::read_frame_header(&mut data, &l).unwrap();
+    let dh = proto::read_data_header(&mut data, &h, &l).unwrap();
+    assert_eq!((dh.room, dh.first_page, dh.n_pages), (room, 5, 1));
+    let mut page = vec![0u8; ITEM];
+    std::io::Read::read_exact(&mut data, &mut page).unwrap();
+
+    p.room_abort(room, "cancelled after the last frame")
+        .unwrap();
+    assert_eq!(p.room_poll(room).unwrap(), State::Failed);
+    testing::release(MID, room);
+
+    data.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    match proto::read_frame_header(&mut data, &l) {
+        Err(ReadError::Idle(_)) => {}
+        Ok(h) if h.kind == Kind::Done => {
+            let done = proto::read_control(&mut data, &h, &l).unwrap();
+            panic!("prefill room {room} is FAILED, yet its worker sent {done:?}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(p.room_poll(room).unwrap(), State::Failed);
+    drop(p);
+}
