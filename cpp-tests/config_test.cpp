@@ -102,11 +102,11 @@ TEST(Config, UnknownKeyIsUnknownKeyAndNamesTheKey) {
 TEST(Config, RejectedValueLeavesTheConfigUnchanged) {
     ConfigPtr c = config("decode");
     EXPECT_TRUE(fails_with(KVXFER_ERR_BAD_VALUE, kvxfer_config_set(c.get(), "role", "both")));
-    // Still a decode engine: room_drained is decode-only, so an unknown room gives
-    // NOT_FOUND here and WRONG_ROLE on a prefill engine.
+    // Still a decode engine: kvxfer_enqueue_chunk is prefill-only, so it is WRONG_ROLE.
     EnginePtr e = new_engine(c.get());
-    bool drained = false;
-    EXPECT_TRUE(fails_with(KVXFER_ERR_NOT_FOUND, kvxfer_room_drained(e.get(), 1, &drained)));
+    uint32_t page = 0;
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_ROLE,
+                           kvxfer_enqueue_chunk(e.get(), 1, &page, 1, true, -1)));
 }
 
 TEST(Config, NullArgumentsAreNullPointerErrorsNamingTheArgument) {

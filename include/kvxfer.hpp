@@ -280,7 +280,8 @@ class Engine {
         return static_cast<FailureCause>(c);
     }
 
-    /// Decode engine: whether no write into the room's pages can still land.
+    /// Whether the room is terminal and its memory may be reused (decode: no write can
+    /// still land; prefill: no read of its source pages is in progress).
     bool drained(uint64_t room) const {
         bool d = false;
         check(kvxfer_room_drained(handle_.get(), room, &d));

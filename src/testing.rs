@@ -11,6 +11,8 @@
 //! - `"worker.mid_chunk"` (src/engine/prefill.rs, `send_chunk`): a prefill worker has
 //!   just written one data frame of a chunk and not yet the next one (nor the chunk's
 //!   Done, nor its state change).
+//! - `"worker.before_complete"` (same function): every byte of the room's last chunk is
+//!   written; the worker has not yet claimed SUCCESS nor sent Done.
 //!
 //! A parked thread gives up after [`PARK_LIMIT`] so that a test that fails before
 //! releasing cannot hang the engine's shutdown.

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -23,11 +23,6 @@ pub(crate) struct DecodeRoom {
     /// The prefill engines the room pulls from.
     pub peers: Vec<Arc<Peer>>,
     inner: Mutex<DecodeState>,
-    /// Receivers currently inside a write into this room's pages. A room is drained when
-    /// it is terminal and this is zero: every receiver increments it before re-checking
-    /// the state and writing, so once the state is terminal and this reads zero, no later
-    /// write can start.
-    writes: AtomicU32,
 }
 
 #[derive(Default)]
@@ -62,12 +57,7 @@ impl DecodeRoom {
                 progress: vec![Progress::default(); n],
                 ..Default::default()
             }),
-            writes: AtomicU32::new(0),
         }
-    }
-
-    pub fn writes_in_flight(&self) -> u32 {
-        self.writes.load(Ordering::SeqCst)
     }
 }
 
@@ -257,7 +247,7 @@ impl Shared {
             Target::Aux => self.aux.get(),
         }
         .expect("checked");
-        d.writes.fetch_add(1, Ordering::SeqCst);
+        let io = room.begin_io();
         let r = (|| -> std::io::Result<bool> {
             let dst = mem
                 .pages_mut(buffer as usize, h.first_page, h.n_pages)
@@ -275,7 +265,7 @@ impl Shared {
             }
             Ok(true)
         })();
-        d.writes.fetch_sub(1, Ordering::SeqCst);
+        drop(io);
         let written = r.map_err(|e| format!("data read failed: {e}"))?;
         self.metrics
             .bytes_received

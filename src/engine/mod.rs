@@ -567,15 +567,11 @@ impl Engine {
         })
     }
 
-    /// Decode only: whether no write into room `id`'s pages can still land: the room is
-    /// terminal and no receiver is inside a write to its pages.
+    /// Whether room `id`'s memory may be reused: the room is terminal and no transport
+    /// operation can still touch it (decode: no write into its pages can still land;
+    /// prefill: no read of its source pages is still in progress).
     pub fn room_drained(&self, id: u64) -> Result<bool> {
-        self.require_role(Role::Decode, "kvxfer_room_drained")?;
-        let room = self.shared.room(id)?;
-        Ok(match &room.ext {
-            RoomExt::Decode(d) => room.state().is_terminal() && d.writes_in_flight() == 0,
-            RoomExt::Prefill(_) => false,
-        })
+        Ok(self.shared.room(id)?.drained())
     }
 
     /// Releases room `id` (aborting it first if live). A second clear finds no room.

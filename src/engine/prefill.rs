@@ -27,7 +27,8 @@ pub(crate) struct Chunk {
 }
 
 /// Writes one data frame of a room, or says why the room must fail.
-type SendFn<'a> = dyn Fn(DataHeader, &[u8]) -> std::result::Result<(), FailureReason> + 'a;
+/// (frame header, memory to read, first source page).
+type SendFn<'a> = dyn Fn(DataHeader, &Memory, u32) -> std::result::Result<(), FailureReason> + 'a;
 
 /// Where one decode engine wants the room's pages.
 #[derive(Clone)]
@@ -489,6 +490,7 @@ impl Shared {
             .kv
             .get()
             .expect("rooms exist only after KV registration");
+        let mut finishes = Vec::new();
         for Dest {
             peer,
             generation,
@@ -530,13 +532,24 @@ impl Shared {
                 }
                 data[worker % data.len()].clone()
             };
-            let send = |hdr: DataHeader, bytes: &[u8]| -> std::result::Result<(), FailureReason> {
+            // Reads the source pages and writes one frame; refuses once the room is
+            // terminal. The read is counted (begin_io) before the state check, so a
+            // scheduler that waits for kvxfer_room_drained never reuses pages we still read.
+            let send = |hdr: DataHeader,
+                        mem: &Memory,
+                        src: u32|
+             -> std::result::Result<(), FailureReason> {
+                let _io = room.begin_io();
                 if room.state().is_terminal() {
                     return Err(FailureReason::local(
                         Cause::Aborted,
                         "room ended while sending",
                     ));
                 }
+                let buffer = hdr.buffer as usize;
+                let bytes = mem
+                    .pages(buffer, src, hdr.n_pages)
+                    .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
                 conn.write_run(&hdr, bytes).map_err(|e| {
                     FailureReason::local(
                         Cause::Transfer,
@@ -555,9 +568,6 @@ impl Shared {
                     let mut off = 0;
                     while off < run.len {
                         let k = per.min(run.len - off);
-                        let bytes = kv
-                            .pages(b, run.src + off, k)
-                            .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
                         let hdr = DataHeader {
                             room: room.id(),
                             generation: *generation,
@@ -565,9 +575,9 @@ impl Shared {
                             buffer: b as u32,
                             first_page: run.dst + off,
                             n_pages: k,
-                            byte_len: bytes.len() as u32,
+                            byte_len: (k as usize * desc.item_len) as u32,
                         };
-                        send(hdr, bytes)?;
+                        send(hdr, kv, run.src + off)?;
                         #[cfg(feature = "test-hooks")]
                         crate::testing::pause_point("worker.mid_chunk", room.id());
                         off += k;
@@ -585,19 +595,34 @@ impl Shared {
                 }
                 .encode(&mut frame)
                 .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
-                conn.finish(&frame).map_err(|e| {
-                    FailureReason::local(
-                        Cause::Transfer,
-                        format!("room {}: writing to {} failed: {e}", room.id(), peer.name),
-                    )
-                })?;
+                finishes.push((conn.clone(), frame, peer.clone()));
             }
         }
         ext(room).lock().cursor = start + n;
         self.metrics.chunks.fetch_add(1, Ordering::Relaxed);
-        if chunk.is_last && room.advance(Event::Complete).is_ok() {
-            self.metrics.succeeded();
-            crate::log!(self.log, Debug, "room {} sent", room.id());
+        if !chunk.is_last {
+            return Ok(());
+        }
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("worker.before_complete", room.id());
+        // Every byte is with the transport. Claim completion before telling the decode
+        // engines: an abort that comes after the claim finds the room SUCCESS and changes
+        // nothing, and one that came before it means no Done is sent, so the two sides
+        // never disagree about a prefill-side abort racing the last chunk.
+        if room.advance(Event::Complete).is_err() {
+            return Ok(()); // aborted meanwhile: already FAILED, and no Done goes out
+        }
+        self.metrics.succeeded();
+        crate::log!(self.log, Debug, "room {} sent", room.id());
+        for (conn, frame, peer) in finishes {
+            if let Err(e) = conn.finish(&frame) {
+                // The room is SUCCESS here (every byte was handed over); the decode side
+                // learns of the broken link as a lost peer.
+                self.lose_peer(
+                    &peer,
+                    format!("writing Done of room {} failed: {e}", room.id()),
+                );
+            }
         }
         Ok(())
     }
@@ -615,9 +640,7 @@ impl Shared {
         let (Some(src), Some(dst), Some(aux)) = (src, dst, self.aux.get()) else {
             return Ok(false);
         };
-        for b in 0..aux.buffers().len() {
-            let bytes = Memory::pages(aux, b, src, 1)
-                .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
+        for (b, desc) in aux.buffers().iter().enumerate() {
             let hdr = DataHeader {
                 room: id,
                 generation,
@@ -625,9 +648,9 @@ impl Shared {
                 buffer: b as u32,
                 first_page: dst,
                 n_pages: 1,
-                byte_len: bytes.len() as u32,
+                byte_len: desc.item_len as u32,
             };
-            send(hdr, bytes)?;
+            send(hdr, aux, src)?;
         }
         Ok(true)
     }

@@ -308,13 +308,14 @@ pub unsafe extern "C" fn kvxfer_room_failure_cause(
     })
 }
 
-/// Decode engine only: stores in `*drained` whether no write into room `room`'s pages
-/// can still land, so the pages may be reused: the room is terminal and no receiver is
-/// inside a write to its pages. Over TCP the receiver refuses every byte for a terminal
-/// room, so this becomes true as soon as any in-progress slice (at most 256 KiB) ends.
+/// Stores in `*drained` whether room `room`'s memory may be reused: the room is terminal
+/// and no transport operation can still touch its pages. Decode engine: no write into its
+/// destination pages can still land (over TCP the receiver refuses every byte for a
+/// terminal room, so this becomes true as soon as an in-progress slice of at most 256 KiB
+/// ends). Prefill engine: no worker is still reading its source pages. A live room is
+/// never drained.
 ///
-/// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
-/// `KVXFER_ERR_NULL_POINTER`.
+/// Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
 #[no_mangle]
 #[must_use]
 pub unsafe extern "C" fn kvxfer_room_drained(

@@ -9,7 +9,7 @@ pub mod state;
 mod table;
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 pub use state::{Event, Refusal, State, StateWord};
@@ -115,6 +115,16 @@ impl fmt::Display for FailureReason {
     }
 }
 
+/// A transport operation on a room's memory; counted out when dropped.
+#[derive(Debug)]
+pub struct IoGuard<'a>(&'a AtomicU32);
+
+impl Drop for IoGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// No deadline armed.
 pub const NO_DEADLINE: u64 = u64::MAX;
 
@@ -132,6 +142,12 @@ pub struct Room<T = ()> {
     /// when none. Relaxed: the watchdog re-checks the state before acting, and a stale
     /// value only delays or advances a check by one scan.
     deadline_ms: AtomicU64,
+    /// Transport operations on the room's memory in progress (decode: writes into its
+    /// pages; prefill: reads of its source pages). SeqCst, like the state word: an
+    /// operation counts itself in and then re-checks the state, and "drained" makes the
+    /// state terminal and then reads this, so drained is never true while an operation
+    /// that saw the room live can still touch its memory.
+    io: AtomicU32,
     /// The engine's per-room data (destinations, progress); never the state.
     pub ext: T,
 }
@@ -146,6 +162,7 @@ impl<T> Room<T> {
             state: StateWord::new(State::Bootstrapping),
             reason: OnceLock::new(),
             deadline_ms: AtomicU64::new(deadline_ms),
+            io: AtomicU32::new(0),
             ext,
         }
     }
@@ -203,6 +220,19 @@ impl<T> Room<T> {
     /// The armed deadline in engine-clock ms, or [`NO_DEADLINE`].
     pub fn deadline_ms(&self) -> u64 {
         self.deadline_ms.load(Ordering::Relaxed)
+    }
+
+    /// Counts a transport operation on the room's memory in until the guard drops. The
+    /// caller must check the room is live after this and before touching the memory.
+    pub fn begin_io(&self) -> IoGuard<'_> {
+        self.io.fetch_add(1, Ordering::SeqCst);
+        IoGuard(&self.io)
+    }
+
+    /// Whether the room is terminal and no transport operation can still touch its
+    /// memory: its pages may be reused.
+    pub fn drained(&self) -> bool {
+        self.state().is_terminal() && self.io.load(Ordering::SeqCst) == 0
     }
 
     /// Arms (or re-arms, on progress) the deadline.
