@@ -21,7 +21,7 @@ DEBS := cmake ninja-build g++ libgtest-dev pkg-config iproute2
 CMAKE_CONFIGURE := cmake -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
 DEMO_PREFIX := $(CURDIR)/build/demo-prefix
 
-.PHONY: deps build test demo header clean rust-checks ctest asan install-test
+.PHONY: deps build test demo header clean rust-checks ctest asan install-test bench-smoke
 
 deps:
 	@missing=""; \
@@ -65,12 +65,18 @@ install-test: build
 
 test: deps
 	@start=$$(date +%s); times=""; \
-	for stage in rust-checks ctest asan install-test; do \
+	for stage in rust-checks ctest asan install-test bench-smoke; do \
 	  t=$$(date +%s); \
 	  $(MAKE) --no-print-directory $$stage; \
 	  times="$$times $$stage=$$(( $$(date +%s) - t ))s"; \
 	done; \
 	echo "make test: everything passed in $$(( $$(date +%s) - start )) s ($${times# })"
+
+# The benchmark tool end to end at --quick size: it exits nonzero on any unexpected
+# failure or a room whose two sides disagree. Behaviour only; timings are for make bench.
+bench-smoke: bench-build
+	$(BENCH_BIN) --preset single-page --quick --json | tail -n 1
+	$(BENCH_BIN) --preset llama3-8b --quick --abort-rate 0.2 --json | tail -n 1
 
 demo: build
 	rm -rf "$(DEMO_PREFIX)" build/demo-example
@@ -85,3 +91,5 @@ header:
 clean:
 	rm -rf build build-asan
 	cargo clean
+
+include Makefile.bench
