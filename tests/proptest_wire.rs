@@ -1,0 +1,546 @@
+//! Random, truncated and mutated frames, thrown at the frame decoders and at a live
+//! prefill engine's socket (DESIGN.md invariant 8).
+//!
+//! Decoders: never a panic, only errors; a frame that decodes re-encodes to the bytes
+//! it came from; and no allocation beyond the frame bound. The last is measured: this
+//! test binary's global allocator records the largest single allocation made by the
+//! current thread while a decode runs.
+//!
+//! Live socket: after a valid handshake as a fake decode engine with one room attached,
+//! any frame the decoder rejects makes the engine close the connection and fail the
+//! peer's room with a reason, and the engine then serves a fresh peer through a real
+//! transfer.
+
+use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
+use std::cell::Cell;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::time::{Duration, Instant};
+
+use kvxfer::log::{Level, Logger};
+use kvxfer::proto::{
+    self, BufferInfo, ConnKind, DataHeader, Kind, Layout, Limits, Message, ReadError, Registration,
+    Role, Target, DATA_FRAME_PREFIX_LEN, DATA_HEADER_LEN, FRAME_HEADER_LEN, PROTO_VERSION,
+};
+use kvxfer::{BufferDesc, Cause, Config, Engine, RoomPeers, State};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as PropConfig, TestRunner};
+
+// ---------------------------------------------------------------------------------------
+// The largest allocation of the current thread while tracking is on.
+
+struct Tracking;
+
+thread_local! {
+    static TRACK: Cell<bool> = const { Cell::new(false) };
+    static LARGEST: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note(size: usize) {
+    // try_with: the allocator also runs while thread-locals are torn down.
+    let _ = TRACK.try_with(|t| {
+        if t.get() {
+            let _ = LARGEST.try_with(|m| m.set(m.get().max(size)));
+        }
+    });
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator; the bookkeeping
+// only touches const-initialised thread-local cells and never allocates.
+unsafe impl GlobalAlloc for Tracking {
+    unsafe fn alloc(&self, layout: AllocLayout) -> *mut u8 {
+        note(layout.size());
+        // SAFETY: forwarded with the caller's layout, under the caller's contract.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: AllocLayout) -> *mut u8 {
+        note(layout.size());
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: AllocLayout) {
+        // SAFETY: `ptr` came from this allocator, that is from System, with `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: AllocLayout, new_size: usize) -> *mut u8 {
+        note(new_size);
+        // SAFETY: as for dealloc.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Tracking = Tracking;
+
+/// Runs `f` and returns its result with the largest allocation it made on this thread.
+fn largest_alloc<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    LARGEST.with(|m| m.set(0));
+    TRACK.with(|t| t.set(true));
+    let r = f();
+    TRACK.with(|t| t.set(false));
+    (r, LARGEST.with(Cell::get))
+}
+
+// ---------------------------------------------------------------------------------------
+// Frames.
+
+fn encode(m: &Message) -> Vec<u8> {
+    let mut out = Vec::new();
+    m.encode(&mut out).unwrap();
+    out
+}
+
+fn data_frame(h: DataHeader) -> Vec<u8> {
+    let mut prefix = [0u8; DATA_FRAME_PREFIX_LEN];
+    h.encode_frame(&mut prefix).unwrap();
+    let mut f = prefix.to_vec();
+    f.extend((0..h.byte_len).map(|i| i as u8));
+    f
+}
+
+fn buffer(len: u64, item_len: u64) -> BufferInfo {
+    BufferInfo {
+        len,
+        item_len,
+        layer_id: BufferInfo::NO_LAYER,
+        addr: 0,
+        rkey: 0,
+    }
+}
+
+/// One valid frame of every kind, the seeds of every mutation.
+fn seeds() -> Vec<Vec<u8>> {
+    vec![
+        encode(&Message::Hello {
+            proto_version: PROTO_VERSION,
+            role: Role::Decode,
+            engine_id: 7,
+            conn: ConnKind::Control,
+            conn_index: 0,
+        }),
+        encode(&Message::Registration(Registration {
+            kv: vec![buffer(4096, 1024), buffer(8192, 1024)],
+            aux: vec![buffer(64, 64)],
+            layout: Layout::default(),
+        })),
+        encode(&Message::Destination {
+            room: 1,
+            generation: 2,
+            pages: vec![3, 4, 5, 9],
+            aux_slot: Some(1),
+        }),
+        encode(&Message::Done {
+            room: 1,
+            generation: 2,
+            pages_sent: 4,
+            aux_sent: true,
+        }),
+        encode(&Message::Abort {
+            room: 1,
+            generation: 2,
+            reason: "client went away".into(),
+        }),
+        encode(&Message::AbortAck {
+            room: 1,
+            generation: 2,
+        }),
+        encode(&Message::Heartbeat { seq: 99 }),
+        data_frame(DataHeader {
+            room: 1,
+            generation: 2,
+            target: Target::Kv,
+            buffer: 1,
+            first_page: 3,
+            n_pages: 2,
+            byte_len: 32,
+        }),
+    ]
+}
+
+/// How to damage a frame.
+#[derive(Debug, Clone)]
+enum Edit {
+    /// XOR one bit.
+    Flip(usize, u8),
+    /// Overwrite one byte.
+    Set(usize, u8),
+    /// Overwrite four bytes with a little-endian u32 (lengths and counts).
+    SetU32(usize, u32),
+    /// Insert a byte.
+    Insert(usize, u8),
+    /// Remove a byte.
+    Remove(usize),
+    /// Cut the frame.
+    Truncate(usize),
+}
+
+fn edit() -> impl Strategy<Value = Edit> {
+    prop_oneof![
+        (any::<usize>(), 0u8..8).prop_map(|(i, b)| Edit::Flip(i, b)),
+        (any::<usize>(), any::<u8>()).prop_map(|(i, v)| Edit::Set(i, v)),
+        (
+            any::<usize>(),
+            prop_oneof![
+                Just(0u32),
+                Just(1),
+                Just(u32::MAX),
+                Just(1 << 20),
+                Just(1 << 31),
+                any::<u32>()
+            ]
+        )
+            .prop_map(|(i, v)| Edit::SetU32(i, v)),
+        (any::<usize>(), any::<u8>()).prop_map(|(i, v)| Edit::Insert(i, v)),
+        any::<usize>().prop_map(Edit::Remove),
+        any::<usize>().prop_map(Edit::Truncate),
+    ]
+}
+
+fn apply(frame: &mut Vec<u8>, e: &Edit) {
+    let n = frame.len().max(1);
+    match *e {
+        Edit::Flip(i, b) if !frame.is_empty() => frame[i % n] ^= 1 << b,
+        Edit::Set(i, v) if !frame.is_empty() => frame[i % n] = v,
+        Edit::SetU32(i, v) if frame.len() >= 4 => {
+            let at = i % (frame.len() - 3);
+            frame[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        Edit::Insert(i, v) => frame.insert(i % (frame.len() + 1), v),
+        Edit::Remove(i) if !frame.is_empty() => {
+            frame.remove(i % n);
+        }
+        Edit::Truncate(i) => frame.truncate(i % (frame.len() + 1)),
+        _ => {}
+    }
+}
+
+/// A seed frame with edits applied, or random bytes.
+fn damaged() -> impl Strategy<Value = Vec<u8>> {
+    let n = seeds().len();
+    prop_oneof![
+        4 => (0..n, prop::collection::vec(edit(), 1..5)).prop_map(|(i, edits)| {
+            let mut f = seeds()[i].clone();
+            for e in &edits {
+                apply(&mut f, e);
+            }
+            f
+        }),
+        1 => prop::collection::vec(any::<u8>(), 0..96),
+    ]
+}
+
+/// Small limits, so that the bound on allocations is tight and reachable.
+fn small_limits() -> Limits {
+    Limits {
+        max_control_payload: 256,
+        max_pages: 16,
+        max_buffers: 4,
+        max_reason_len: 32,
+        max_data_bytes: 64,
+    }
+}
+
+/// What a receive loop does with one frame: header, then control payload or data
+/// header and data bytes.
+fn read_frame(r: &mut &[u8], limits: &Limits) -> Result<Vec<u8>, ReadError> {
+    let hdr = proto::read_frame_header(r, limits)?;
+    if hdr.kind.is_control() {
+        let m = proto::read_control(r, &hdr, limits)?;
+        return Ok(encode(&m));
+    }
+    let d = proto::read_data_header(r, &hdr, limits)?;
+    let mut bytes = vec![0u8; d.byte_len as usize];
+    r.read_exact(&mut bytes).map_err(ReadError::Io)?;
+    let mut prefix = [0u8; DATA_FRAME_PREFIX_LEN];
+    d.encode_frame(&mut prefix).unwrap();
+    let mut out = prefix.to_vec();
+    out.extend(bytes);
+    Ok(out)
+}
+
+/// Whether the decoder accepts `frame` as one whole control frame (the engine's
+/// control reader would then act on it instead of closing the connection).
+fn is_valid_control_frame(frame: &[u8], limits: &Limits) -> bool {
+    let mut r = frame;
+    match proto::read_frame_header(&mut r, limits) {
+        Ok(h) if h.kind.is_control() => {
+            proto::read_control(&mut r, &h, limits).is_ok() && r.is_empty()
+        }
+        _ => false,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decoders.
+
+proptest! {
+    #![proptest_config(PropConfig { cases: 6000, failure_persistence: None, ..PropConfig::default() })]
+
+    /// A damaged frame read the way a receive loop reads it: an error or a frame that
+    /// re-encodes to exactly the bytes consumed, and no allocation beyond the bound.
+    #[test]
+    fn damaged_frames_decode_to_errors_or_canonical_frames(frame in damaged(), small in any::<bool>()) {
+        let limits = if small { small_limits() } else { Limits::default() };
+        let mut r = frame.as_slice();
+        let (res, largest) = largest_alloc(|| read_frame(&mut r, &limits));
+        match res {
+            Ok(bytes) => {
+                let consumed = frame.len() - r.len();
+                prop_assert_eq!(&bytes[..], &frame[..consumed]);
+            }
+            Err(e) => prop_assert!(!e.to_string().is_empty()),
+        }
+        // The bound: one payload buffer of at most max_control_payload, or a data frame's
+        // bytes (at most max_data_bytes), plus the re-encoding of what was accepted.
+        let bound = limits.max_control_payload.max(limits.max_data_bytes) as usize
+            + DATA_FRAME_PREFIX_LEN;
+        prop_assert!(largest <= bound.max(2 * frame.len() + 64), "allocated {} bytes", largest);
+    }
+
+    /// Message::decode on random payloads of every kind allocates at most the payload's
+    /// length (every count is checked against the bytes that remain before allocating).
+    #[test]
+    fn random_payloads_allocate_no_more_than_their_length(
+        payload in prop::collection::vec(any::<u8>(), 0..200),
+        count in prop_oneof![Just(u32::MAX), Just(1u32 << 20), any::<u32>()],
+        at in 0usize..64,
+    ) {
+        let mut payload = payload;
+        // Plant a large count somewhere, where lengths and counts live.
+        if payload.len() >= at + 4 {
+            payload[at..at + 4].copy_from_slice(&count.to_le_bytes());
+        }
+        for kind in Kind::ALL {
+            let (res, largest) = largest_alloc(|| Message::decode(kind, &payload, &Limits::default()));
+            if res.is_err() {
+                prop_assert!(largest <= payload.len(), "{kind:?}: {largest} bytes for a {} byte payload", payload.len());
+            }
+            let mut dh = [0u8; DATA_HEADER_LEN];
+            for (i, b) in payload.iter().take(DATA_HEADER_LEN).enumerate() {
+                dh[i] = *b;
+            }
+            let (_, largest) = largest_alloc(|| DataHeader::decode(&dh, count, &Limits::default()));
+            prop_assert_eq!(largest, 0);
+        }
+    }
+}
+
+#[test]
+fn a_frame_claiming_a_huge_count_fails_before_allocating() {
+    let limits = Limits::default();
+    // The tracking sees allocations: a valid Destination allocates its page list.
+    let ok = encode(&Message::Destination {
+        room: 1,
+        generation: 2,
+        pages: (0..64).collect(),
+        aux_slot: None,
+    });
+    let (r, largest) = largest_alloc(|| Message::decode(Kind::Destination, &ok[16..], &limits));
+    assert!(r.is_ok());
+    assert!(largest >= 64 * 4, "{largest}");
+    // Destination claiming 2^20 pages (the limit) with four bytes of them.
+    let mut p = Vec::new();
+    p.extend(1u64.to_le_bytes());
+    p.extend(2u64.to_le_bytes());
+    p.extend((-1i64).to_le_bytes());
+    p.extend((1u32 << 20).to_le_bytes());
+    p.extend(7u32.to_le_bytes());
+    let (r, largest) = largest_alloc(|| Message::decode(Kind::Destination, &p, &limits));
+    assert!(r.unwrap_err().to_string().contains("Destination.pages"));
+    assert_eq!(largest, 0, "allocated before checking the count");
+    // Registration claiming u32::MAX kv buffers.
+    let mut p = vec![0u8; 16];
+    p.extend(u32::MAX.to_le_bytes());
+    let (r, largest) = largest_alloc(|| Message::decode(Kind::Registration, &p, &limits));
+    assert!(r.is_err());
+    assert_eq!(largest, 0);
+    // An Abort claiming a reason of u32::MAX bytes.
+    let mut p = vec![0u8; 16];
+    p.extend(u32::MAX.to_le_bytes());
+    let (r, largest) = largest_alloc(|| Message::decode(Kind::Abort, &p, &limits));
+    assert!(r.is_err());
+    assert_eq!(largest, 0);
+    // A frame header claiming a payload over the bound is refused before the payload
+    // buffer exists.
+    let mut f = encode(&Message::Heartbeat { seq: 1 });
+    f[8..12].copy_from_slice(&(limits.max_control_payload + 1).to_le_bytes());
+    let (r, largest) = largest_alloc(|| proto::read_frame_header(&mut f.as_slice(), &limits));
+    assert!(r.is_err());
+    assert_eq!(largest, 0);
+    // Within the bound, a control payload buffer is sized by the header: at most
+    // max_control_payload, even when the stream then ends.
+    let small = small_limits();
+    f[8..12].copy_from_slice(&small.max_control_payload.to_le_bytes());
+    let mut r = f.as_slice();
+    let h = proto::read_frame_header(&mut r, &small).unwrap();
+    let (res, largest) = largest_alloc(|| proto::read_control(&mut r, &h, &small));
+    assert!(res.is_err());
+    assert!(largest <= small.max_control_payload as usize, "{largest}");
+    let _ = FRAME_HEADER_LEN;
+}
+
+// ---------------------------------------------------------------------------------------
+// A live prefill engine.
+
+const ITEM: usize = 256;
+const PAGES: usize = 16;
+
+fn registration() -> Registration {
+    Registration {
+        kv: vec![buffer((PAGES * ITEM) as u64, ITEM as u64)],
+        aux: vec![],
+        layout: Layout::default(),
+    }
+}
+
+fn send(s: &mut TcpStream, m: &Message) {
+    s.write_all(&encode(m)).unwrap();
+}
+
+fn recv(s: &mut TcpStream) -> Message {
+    let l = Limits::default();
+    let h = proto::read_frame_header(s, &l).unwrap();
+    proto::read_control(s, &h, &l).unwrap()
+}
+
+/// A fake decode engine's control connection, handshake and registration done.
+fn fake_decode(addr: &str, id: u64) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    send(
+        &mut s,
+        &Message::Hello {
+            proto_version: PROTO_VERSION,
+            role: Role::Decode,
+            engine_id: id,
+            conn: ConnKind::Control,
+            conn_index: 0,
+        },
+    );
+    assert!(matches!(recv(&mut s), Message::Hello { .. }));
+    assert!(matches!(recv(&mut s), Message::Registration(_)));
+    send(&mut s, &Message::Registration(registration()));
+    s
+}
+
+/// The engine closes the connection: reads end in EOF or an error.
+fn closed(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return true,
+            Ok(_) => continue, // heartbeats or aborts still queued
+        }
+    }
+}
+
+fn wait_terminal(e: &Engine, room: u64) -> State {
+    let t = Instant::now();
+    loop {
+        let s = e.room_poll(room).unwrap();
+        if s.is_terminal() {
+            return s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "room {room} stuck in {s}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn engine(role: &str, mem: &mut [Vec<u8>]) -> Engine {
+    let mut c = Config::default();
+    c.set("role", role).unwrap();
+    c.set("connections_per_peer", "1").unwrap();
+    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
+    e.register_kv(
+        mem.iter_mut()
+            .map(|b| BufferDesc {
+                base: b.as_mut_ptr() as usize,
+                len: b.len(),
+                item_len: ITEM,
+            })
+            .collect(),
+    )
+    .unwrap();
+    e
+}
+
+#[test]
+fn damaged_frames_on_a_live_socket_close_it_and_fail_the_peers_room() {
+    let mut pmem = vec![(0..PAGES * ITEM).map(|i| i as u8 | 1).collect::<Vec<u8>>()];
+    let p = engine("prefill", &mut pmem);
+    let limits = Limits::default();
+    let mut runner = TestRunner::new(PropConfig {
+        cases: 96,
+        failure_persistence: None,
+        ..PropConfig::default()
+    });
+    let next_room = std::cell::Cell::new(1000u64);
+    let malformed = std::cell::Cell::new(0u32);
+    runner
+        .run(&damaged(), |frame| {
+            let room = next_room.get() + 1;
+            next_room.set(room);
+            let mut s = fake_decode(p.address(), room);
+            p.room_create(room, RoomPeers::Decoders(1)).unwrap();
+            send(
+                &mut s,
+                &Message::Destination {
+                    room,
+                    generation: 1,
+                    pages: vec![2, 3],
+                    aux_slot: None,
+                },
+            );
+            let t = Instant::now();
+            while p.room_poll(room).unwrap() != State::WaitingForInput {
+                prop_assert!(t.elapsed() < Duration::from_secs(10));
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let errors = p.metrics().protocol_errors;
+            let bad = !is_valid_control_frame(&frame, &limits);
+            // The engine may close the connection before it has read it all (a bad
+            // header): then these fail, as they should.
+            let _ = s.write_all(&frame);
+            // End the stream: a truncated frame then ends mid-frame, a whole one at a
+            // boundary; either way the peer is gone and so is its room.
+            let _ = s.shutdown(Shutdown::Write);
+            prop_assert!(closed(&mut s));
+            prop_assert_eq!(wait_terminal(&p, room), State::Failed);
+            let why = p.room_failure(room).unwrap();
+            prop_assert!(!why.message.is_empty());
+            if bad {
+                malformed.set(malformed.get() + 1);
+                prop_assert_eq!(why.cause, Cause::PeerLost, "{}", why);
+                if !frame.is_empty() {
+                    prop_assert!(
+                        p.metrics().protocol_errors > errors
+                            || why.message.contains("control read failed")
+                            || why.message.contains("closed"),
+                        "{}",
+                        why
+                    );
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    let malformed = malformed.get();
+    assert!(malformed > 10, "only {malformed} malformed frames");
+
+    // The engine lives on and serves a fresh, real decode engine end to end.
+    let mut dmem = vec![vec![0xEEu8; PAGES * ITEM]];
+    let d = engine("decode", &mut dmem);
+    p.room_create(1, RoomPeers::Decoders(1)).unwrap();
+    d.room_create(1, RoomPeers::Prefills(vec![p.address().to_string()]))
+        .unwrap();
+    d.room_set_destination(1, &[5, 6], None).unwrap();
+    p.enqueue_chunk(1, &[1, 2], true, None).unwrap();
+    assert_eq!(wait_terminal(&d, 1), State::Success);
+    assert_eq!(wait_terminal(&p, 1), State::Success);
+    drop(d);
+    assert_eq!(&dmem[0][5 * ITEM..7 * ITEM], &pmem[0][ITEM..3 * ITEM]);
+}
