@@ -600,9 +600,6 @@ fn hello(conn: ConnKind, id: u64) -> Message {
 /// after the last data frame of a one-frame room, the prefill scheduler aborts the room,
 /// the worker resumes, and the data connection must carry no Done.
 #[test]
-#[ignore = "bug: prefill send_chunk writes Done without checking the room's state and \
-            applies Complete only after it (src/engine/prefill.rs), so a local abort in \
-            between leaves prefill FAILED and decode SUCCESS"]
 fn the_prefill_writes_no_done_frame_for_a_room_that_failed_first() {
     // One KV buffer: the room's one page is one data frame, and the pause point after it
     // is the gap between the last data frame and Done.
@@ -713,9 +710,6 @@ fn fake_decode_ctrl(p: &Engine, id: u64) -> TcpStream {
 /// aborts it a random moment later, thousands of times; every room must be answered
 /// with an Abort.
 #[test]
-#[ignore = "bug: prefill attach() checks the state before taking the room lock, so an \
-            abort racing the destination's arrival is never sent to the decode engine \
-            (src/engine/prefill.rs attach)"]
 fn a_destination_racing_a_prefill_abort_is_always_answered() {
     const ROOMS: u64 = 30_000;
     let pmem: Vec<Region> = (0..BUFS)
@@ -799,8 +793,6 @@ fn race(p: &Engine, ctrl: &mut TcpStream, current: &std::sync::atomic::AtomicU64
 /// Deterministic with a fake prefill engine on raw sockets: half of a data frame is
 /// sent, the room is cleared, the pages are poisoned again, the other half is sent.
 #[test]
-#[ignore = "bug: room_clear on a live decode room does not wait for a write in flight \
-            into its pages (src/engine/mod.rs room_clear, src/engine/decode.rs on_data)"]
 fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
     let dmem: Vec<Region> = (0..BUFS).map(|_| Region::new(|_| POISON)).collect();
     let d = engine("decode", &dmem, &[]);

@@ -582,6 +582,7 @@ impl Engine {
             FailureReason::local(Cause::Aborted, format!("room {id} cleared while live")),
             None,
         );
+        self.shared.wait_io_drained(&room);
         self.shared.forget_room(&room);
         if self.shared.role == Role::Prefill {
             self.shared.prefill_on_clear(&room);
@@ -641,6 +642,39 @@ impl Engine {
 }
 
 impl Shared {
+    /// Clear gives the room's memory back, so no transport operation may still touch it
+    /// when clear returns. An operation in progress normally ends within microseconds
+    /// (it re-checks the state every slice); one that does not is stuck on a peer that
+    /// stopped mid-frame, whose connections are then closed, which ends it.
+    fn wait_io_drained(&self, room: &ERoom) {
+        let start = Instant::now();
+        let mut closed = false;
+        while room.io_in_flight() > 0 {
+            if !closed && start.elapsed() > std::time::Duration::from_millis(50) {
+                for (peer, _) in self.room_peers(room) {
+                    self.lose_peer(
+                        &peer,
+                        format!(
+                            "stalled in the middle of a frame of room {}, which was cleared",
+                            room.id()
+                        ),
+                    );
+                }
+                closed = true;
+            }
+            if start.elapsed() > std::time::Duration::from_secs(5) {
+                crate::log!(
+                    self.log,
+                    Error,
+                    "room {} cleared with a transport operation still in flight",
+                    room.id()
+                );
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
+
     /// Drops a cleared room from its peers' room sets.
     fn forget_room(&self, room: &ERoom) {
         for (peer, _) in self.room_peers(room) {

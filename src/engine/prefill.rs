@@ -258,6 +258,16 @@ impl Shared {
             pages: pages.into(),
             aux,
         });
+        // An abort that raced us failed the room after our first check: if it read the
+        // destinations before our push, it told nobody about this one. Checking again
+        // under the lock, after the push, closes that gap (fail_room makes the room
+        // terminal before it takes this lock to read the destinations).
+        if let Some(f) = room.failure() {
+            let why = format!("prefill room {id} already failed: {f}");
+            drop(p);
+            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            return;
+        }
         if peer.is_lost() {
             drop(p);
             self.fail_room(

@@ -235,6 +235,11 @@ impl<T> Room<T> {
         self.state().is_terminal() && self.io.load(Ordering::SeqCst) == 0
     }
 
+    /// Transport operations on the room's memory in progress.
+    pub fn io_in_flight(&self) -> u32 {
+        self.io.load(Ordering::SeqCst)
+    }
+
     /// Arms (or re-arms, on progress) the deadline.
     pub fn set_deadline_ms(&self, at: u64) {
         self.deadline_ms.store(at, Ordering::Relaxed);
