@@ -46,6 +46,9 @@ rust-checks: deps
 	cargo test --locked
 	# Two hosts in network namespaces (root + iproute2), with a link cut and heal.
 	cargo test --locked --test netns -- --ignored
+	# The reported silent-pin interleaving and its neighbours, held open by test-only
+	# pause points (feature test-hooks, never in a release build).
+	cargo test --locked --features test-hooks --test pin_regression --test hooks_complete
 
 ctest: build
 	ctest --test-dir build --output-on-failure -j $(NPROC)
@@ -65,7 +68,7 @@ install-test: build
 
 test: deps
 	@start=$$(date +%s); times=""; \
-	for stage in rust-checks ctest asan install-test bench-smoke; do \
+	for stage in rust-checks loom ctest asan install-test bench-smoke; do \
 	  t=$$(date +%s); \
 	  $(MAKE) --no-print-directory $$stage; \
 	  times="$$times $$stage=$$(( $$(date +%s) - t ))s"; \
@@ -93,3 +96,4 @@ clean:
 	cargo clean
 
 include Makefile.bench
+include Makefile.verify
