@@ -43,6 +43,7 @@ build: deps
 rust-checks: deps
 	cargo fmt --check
 	cargo clippy --all-targets --locked -- -D warnings
+	cargo clippy --all-targets --locked --features test-hooks -- -D warnings
 	cargo test --locked
 	# Two hosts in network namespaces (root + iproute2), with a link cut and heal.
 	cargo test --locked --test netns -- --ignored

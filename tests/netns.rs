@@ -104,6 +104,17 @@ fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {
     let listen = format!("{}:0", host.addr);
     let mut child = ChildPrefill::start_with(&["ip", "netns", "exec", &host.ns], Some(&listen));
     assert!(child.addr.starts_with(&host.addr), "{}", child.addr);
+    // A fresh veth pair takes a moment to carry traffic: wait until a plain TCP connect
+    // to the prefill's address goes through.
+    let start = Instant::now();
+    let sock: std::net::SocketAddr = child.addr.parse().unwrap();
+    while std::net::TcpStream::connect_timeout(&sock, Duration::from_millis(200)).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the veth link never came up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let mut mem: Vec<Vec<u8>> = (0..BUFS).map(|_| vec![0xEEu8; PAGES * ITEM]).collect();
     let d = engine(
         "decode",

@@ -886,9 +886,6 @@ fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
 /// fails and clears it (leaving its cleared record) in between, the destination stays
 /// held: nothing re-checks the cleared record, and no room will adopt it.
 #[test]
-#[ignore = "bug: a destination held while its room is created and cleared stays held until \
-            bootstrap_timeout_ms (src/engine/prefill.rs prefill_on_destination / hold: no \
-            re-check of the cleared-room record after the insert); 4-5 of 40,000 here"]
 fn a_destination_racing_a_create_then_clear_is_answered_at_once() {
     const ROOMS: u64 = 40_000;
     let pmem: Vec<Region> = (0..BUFS)

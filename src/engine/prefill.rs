@@ -116,6 +116,26 @@ pub(crate) struct Cleared {
     expires_ms: u64,
 }
 
+/// Whether a message from `peer` about `id` with decode generation `generation` belongs
+/// to an earlier, cleared use of the id (see [`Cleared`]); if so, with that use's failure
+/// reason.
+fn attribute(
+    h: &mut Holding,
+    peer: &Arc<Peer>,
+    id: u64,
+    generation: u64,
+) -> Option<Option<String>> {
+    let c = h.cleared.get_mut(&id)?;
+    if let Some((_, g)) = c.gens.iter().find(|(p, _)| Arc::ptr_eq(p, peer)) {
+        return (generation <= *g).then(|| c.reason.clone());
+    }
+    if c.complete {
+        return None;
+    }
+    c.gens.push((peer.clone(), generation));
+    Some(c.reason.clone())
+}
+
 fn ext(room: &ERoom) -> &parking_lot::Mutex<PrefillRoom> {
     match &room.ext {
         RoomExt::Prefill(p) => p,
@@ -174,16 +194,43 @@ impl Shared {
     /// belongs to an earlier, cleared use of the id (see [`Cleared`]); if so, with the
     /// old use's failure reason.
     fn earlier_use(&self, peer: &Arc<Peer>, id: u64, generation: u64) -> Option<Option<String>> {
-        let mut h = self.holding.lock();
-        let c = h.cleared.get_mut(&id)?;
-        if let Some((_, g)) = c.gens.iter().find(|(p, _)| Arc::ptr_eq(p, peer)) {
-            return (generation <= *g).then(|| c.reason.clone());
+        attribute(&mut self.holding.lock(), peer, id, generation)
+    }
+
+    /// Answers, and stops holding, the held destinations for `id` that belong to a
+    /// cleared use of it. Called after a clear records the use and after a destination is
+    /// held, so that whichever of the two comes second sees the other.
+    fn answer_held_for_cleared(&self, id: u64) {
+        let answered = {
+            let mut h = self.holding.lock();
+            if !h.cleared.contains_key(&id) {
+                return;
+            }
+            let Some(list) = h.by_room.remove(&id) else {
+                return;
+            };
+            let mut keep = Vec::new();
+            let mut answered = Vec::new();
+            for d in list {
+                match attribute(&mut h, &d.peer, id, d.generation) {
+                    Some(reason) => answered.push((d, reason)),
+                    None => keep.push(d),
+                }
+            }
+            h.count -= answered.len();
+            if !keep.is_empty() {
+                h.by_room.insert(id, keep);
+            }
+            answered
+        };
+        for (d, reason) in answered {
+            let why = match reason {
+                Some(r) => format!("prefill room {id} already failed and was cleared: {r}"),
+                None => format!("prefill room {id} already finished and was cleared"),
+            };
+            d.peer
+                .send(self, &Message::abort(id, d.generation, &why, &self.limits));
         }
-        if c.complete {
-            return None;
-        }
-        c.gens.push((peer.clone(), generation));
-        Some(c.reason.clone())
     }
 
     /// A prefill room is being cleared: remember, for a while, which decode generations
@@ -221,6 +268,8 @@ impl Shared {
         if old.is_none() {
             h.count += 1;
         }
+        drop(h);
+        self.answer_held_for_cleared(room.id());
     }
 
     fn attach(
@@ -309,6 +358,9 @@ impl Shared {
         });
         self.metrics.held.fetch_add(1, Ordering::Relaxed);
         drop(h);
+        // A use of the id may have been created, failed and cleared between our lookup
+        // and the insert: then this destination is its late one and is answered now.
+        self.answer_held_for_cleared(id);
         // The room may have been created between our lookup and the insert.
         if let Some(room) = self.rooms.get(id) {
             self.prefill_adopt_held(&room);
