@@ -14,17 +14,20 @@
 
 #![cfg(feature = "test-hooks")]
 
+mod common;
+
 use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use common::Region;
 use kvxfer::log::{Level, Logger};
 use kvxfer::proto::{
     self, BufferInfo, ConnKind, Kind, Layout, Limits, Message, ReadError, Registration, Role,
     PROTO_VERSION,
 };
 use kvxfer::testing;
-use kvxfer::{BufferDesc, Cause, Config, Engine, ErrorKind, RoomPeers, State};
+use kvxfer::{Cause, Config, Engine, ErrorKind, RoomPeers, State};
 
 const BUFS: usize = 2;
 const PAGES: usize = 1024;
@@ -33,57 +36,8 @@ const POISON: u8 = 0xEE;
 const MID: &str = "worker.mid_chunk";
 const LIMIT: Duration = Duration::from_secs(20);
 
-/// Registered memory that the test reads and writes only through raw pointers, so that
-/// the engine writing into it from its own threads never aliases a Rust reference.
-struct Region {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the region is plain bytes; the engine and the test touch it only through raw
-// pointers, and the checks below run when no write may be landing (that is the claim
-// under test).
-unsafe impl Send for Region {}
-unsafe impl Sync for Region {}
-
-impl Region {
-    fn new(fill: impl Fn(usize) -> u8) -> Region {
-        let bytes: Box<[u8]> = (0..PAGES * ITEM).map(fill).collect();
-        let len = bytes.len();
-        Region {
-            ptr: Box::into_raw(bytes).cast::<u8>(),
-            len,
-        }
-    }
-
-    fn desc(&self) -> BufferDesc {
-        BufferDesc {
-            base: self.ptr as usize,
-            len: self.len,
-            item_len: ITEM,
-        }
-    }
-
-    fn page(&self, p: u32) -> Vec<u8> {
-        let mut out = vec![0u8; ITEM];
-        // SAFETY: `p < PAGES`, so the ITEM bytes at `p * ITEM` are inside the allocation.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.add(p as usize * ITEM), out.as_mut_ptr(), ITEM)
-        };
-        out
-    }
-
-    fn poison(&self, p: u32) {
-        // SAFETY: as in `page`.
-        unsafe { std::ptr::write_bytes(self.ptr.add(p as usize * ITEM), POISON, ITEM) };
-    }
-}
-
-impl Drop for Region {
-    fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` came from `Box::into_raw` of a boxed slice of `len` bytes.
-        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
-    }
+fn region(fill: impl Fn(usize) -> u8) -> Region {
+    Region::new(PAGES, ITEM, fill)
 }
 
 fn src_byte(b: usize, i: usize) -> u8 {
@@ -122,10 +76,8 @@ impl Pair {
     }
 
     fn with(p_extra: &[(&str, &str)]) -> Pair {
-        let pmem: Vec<Region> = (0..BUFS)
-            .map(|b| Region::new(move |i| src_byte(b, i)))
-            .collect();
-        let dmem: Vec<Region> = (0..BUFS).map(|_| Region::new(|_| POISON)).collect();
+        let pmem: Vec<Region> = (0..BUFS).map(|b| region(move |i| src_byte(b, i))).collect();
+        let dmem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
         let p = engine("prefill", &pmem, p_extra);
         let d = engine("decode", &dmem, &[]);
         Pair { p, d, pmem, dmem }
@@ -168,7 +120,7 @@ impl Pair {
     fn repoison(&self, dst: &[u32]) {
         for &p in dst {
             for m in &self.dmem {
-                m.poison(p);
+                m.poison(p, POISON);
             }
         }
     }
@@ -603,7 +555,7 @@ fn hello(conn: ConnKind, id: u64) -> Message {
 fn the_prefill_writes_no_done_frame_for_a_room_that_failed_first() {
     // One KV buffer: the room's one page is one data frame, and the pause point after it
     // is the gap between the last data frame and Done.
-    let pmem = vec![Region::new(|i| src_byte(0, i))];
+    let pmem = vec![region(|i| src_byte(0, i))];
     let p = engine("prefill", &pmem, &[]);
     let id = 0xD0_0D;
     let mut ctrl = TcpStream::connect(p.address()).unwrap();
@@ -712,9 +664,7 @@ fn fake_decode_ctrl(p: &Engine, id: u64) -> TcpStream {
 #[test]
 fn a_destination_racing_a_prefill_abort_is_always_answered() {
     const ROOMS: u64 = 30_000;
-    let pmem: Vec<Region> = (0..BUFS)
-        .map(|b| Region::new(move |i| src_byte(b, i)))
-        .collect();
+    let pmem: Vec<Region> = (0..BUFS).map(|b| region(move |i| src_byte(b, i))).collect();
     let p = engine("prefill", &pmem, &[]);
     let mut ctrl = fake_decode_ctrl(&p, 0xAB0);
     let mut reader = ctrl.try_clone().unwrap();
@@ -794,7 +744,7 @@ fn race(p: &Engine, ctrl: &mut TcpStream, current: &std::sync::atomic::AtomicU64
 /// sent, the room is cleared, the pages are poisoned again, the other half is sent.
 #[test]
 fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
-    let dmem: Vec<Region> = (0..BUFS).map(|_| Region::new(|_| POISON)).collect();
+    let dmem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
     let d = engine("decode", &dmem, &[]);
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
@@ -860,7 +810,7 @@ fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
     d.room_clear(room).unwrap();
     // The scheduler gives the pages to another request: poison them again.
     for &p in &dst {
-        dmem[0].poison(p);
+        dmem[0].poison(p, POISON);
     }
     let _ = data.write_all(&[0x42; ITEM]);
     std::thread::sleep(Duration::from_millis(200));
@@ -888,9 +838,7 @@ fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
 #[test]
 fn a_destination_racing_a_create_then_clear_is_answered_at_once() {
     const ROOMS: u64 = 40_000;
-    let pmem: Vec<Region> = (0..BUFS)
-        .map(|b| Region::new(move |i| src_byte(b, i)))
-        .collect();
+    let pmem: Vec<Region> = (0..BUFS).map(|b| region(move |i| src_byte(b, i))).collect();
     let p = engine("prefill", &pmem, &[]);
     let mut ctrl = fake_decode_ctrl(&p, 0xAB1);
     let mut reader = ctrl.try_clone().unwrap();

@@ -11,14 +11,17 @@
 //! Bounded in time: KVXFER_SOAK_SECS (default 12) of creating rooms, then draining.
 //! KVXFER_STORM_SEED replays a run (the seed is printed).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use common::Region;
 use kvxfer::log::{Level, Logger};
-use kvxfer::{BufferDesc, Config, Engine, ErrorKind, RoomPeers, State};
+use kvxfer::{Config, Engine, ErrorKind, RoomPeers, State};
 
 const BUFS: usize = 2;
 const PAGES: usize = 8192;
@@ -108,52 +111,8 @@ fn vm_rss_kib() -> i64 {
         .expect("VmRSS in /proc/self/status")
 }
 
-/// Registered memory the test touches only through raw pointers (the engine writes it
-/// from its own threads).
-struct Region {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: plain bytes, touched by the test and the engine through raw pointers only.
-unsafe impl Send for Region {}
-unsafe impl Sync for Region {}
-
-impl Region {
-    fn new(fill: impl Fn(usize) -> u8) -> Region {
-        let bytes: Box<[u8]> = (0..PAGES * ITEM).map(fill).collect();
-        let len = bytes.len();
-        Region {
-            ptr: Box::into_raw(bytes).cast::<u8>(),
-            len,
-        }
-    }
-    fn desc(&self) -> BufferDesc {
-        BufferDesc {
-            base: self.ptr as usize,
-            len: self.len,
-            item_len: ITEM,
-        }
-    }
-    fn page(&self, p: u32) -> Vec<u8> {
-        let mut out = vec![0u8; ITEM];
-        // SAFETY: p < PAGES: the page lies inside the allocation.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.add(p as usize * ITEM), out.as_mut_ptr(), ITEM)
-        };
-        out
-    }
-    fn poison(&self, p: u32) {
-        // SAFETY: as in `page`.
-        unsafe { std::ptr::write_bytes(self.ptr.add(p as usize * ITEM), POISON, ITEM) };
-    }
-}
-
-impl Drop for Region {
-    fn drop(&mut self) {
-        // SAFETY: from Box::into_raw of a boxed slice of `len` bytes.
-        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
-    }
+fn region(fill: impl Fn(usize) -> u8) -> Region {
+    Region::new(PAGES, ITEM, fill)
 }
 
 fn engine(role: &str, mem: &[Region], extra: &[(&str, &str)]) -> Engine {
@@ -291,7 +250,7 @@ fn storm_child() {
         return;
     };
     let mem: Vec<Region> = (0..BUFS)
-        .map(|b| Region::new(move |i| pattern(b, i / ITEM, i % ITEM)))
+        .map(|b| region(move |i| pattern(b, i / ITEM, i % ITEM)))
         .collect();
     let p = engine("prefill", &mem, &[("workers", "2")]);
     let rss0 = vm_rss_kib();
@@ -472,7 +431,7 @@ impl Decode {
     fn release_pages(&mut self, pages: Vec<u32>, room: u64, how: &'static str) {
         for &p in &pages {
             for m in &self.mem {
-                m.poison(p);
+                m.poison(p, POISON);
             }
         }
         let at = Instant::now() + Duration::from_millis(100);
@@ -607,7 +566,7 @@ fn an_abort_storm_across_two_processes_leaves_every_room_terminal_and_nothing_be
         });
     println!("storm: seed {seed} (KVXFER_STORM_SEED), {secs} s (KVXFER_SOAK_SECS)");
     let started = Instant::now();
-    let mem: Vec<Region> = (0..BUFS).map(|_| Region::new(|_| POISON)).collect();
+    let mem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
     // Strict: no deadline short enough to rescue a stalled room before PIN_LIMIT.
     let waiting = if strict() {
         "120000"

@@ -199,3 +199,67 @@ pub fn wait_state(e: &Engine, room: u64, want: State) {
         std::thread::sleep(Duration::from_millis(2));
     }
 }
+
+/// Registered memory that a test reads and writes only through raw pointers, so that the
+/// engine writing into it from its own threads never aliases a Rust reference.
+pub struct Region {
+    ptr: *mut u8,
+    len: usize,
+    item: usize,
+}
+
+// SAFETY: the region is plain bytes; the engine and the test touch it only through raw
+// pointers, and the tests check it when no write may be landing (the claim under test).
+unsafe impl Send for Region {}
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// `pages` pages of `item` bytes, byte `i` set to `fill(i)`.
+    pub fn new(pages: usize, item: usize, fill: impl Fn(usize) -> u8) -> Region {
+        let bytes: Box<[u8]> = (0..pages * item).map(fill).collect();
+        let len = bytes.len();
+        Region {
+            ptr: Box::into_raw(bytes).cast::<u8>(),
+            len,
+            item,
+        }
+    }
+
+    /// The region as one KV buffer of its pages.
+    pub fn desc(&self) -> BufferDesc {
+        BufferDesc {
+            base: self.ptr as usize,
+            len: self.len,
+            item_len: self.item,
+        }
+    }
+
+    /// A copy of page `p`.
+    pub fn page(&self, p: u32) -> Vec<u8> {
+        let mut out = vec![0u8; self.item];
+        assert!((p as usize + 1) * self.item <= self.len);
+        // SAFETY: checked above: the page lies inside the allocation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.add(p as usize * self.item),
+                out.as_mut_ptr(),
+                self.item,
+            )
+        };
+        out
+    }
+
+    /// Fills page `p` with `byte`.
+    pub fn poison(&self, p: u32, byte: u8) {
+        assert!((p as usize + 1) * self.item <= self.len);
+        // SAFETY: as in `page`.
+        unsafe { std::ptr::write_bytes(self.ptr.add(p as usize * self.item), byte, self.item) };
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` came from `Box::into_raw` of a boxed slice of `len` bytes.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+    }
+}
