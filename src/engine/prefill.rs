@@ -49,6 +49,9 @@ pub(crate) struct PrefillRoom {
     closed: bool,
     /// Destination pages filled so far (the same for every destination).
     cursor: usize,
+    /// Decode generations heard from engines by messages that were not destinations
+    /// (an abort that came before the destination), kept for the cleared-use record.
+    known: Vec<(Arc<Peer>, u64)>,
 }
 
 impl PrefillRoom {
@@ -59,6 +62,7 @@ impl PrefillRoom {
             held: VecDeque::new(),
             closed: false,
             cursor: 0,
+            known: Vec::new(),
         }
     }
 
@@ -81,6 +85,7 @@ pub(crate) struct Held {
 /// expires first.
 pub(crate) struct Tombstone {
     peer: Arc<Peer>,
+    generation: u64,
     reason: String,
     expires_ms: u64,
 }
@@ -243,6 +248,7 @@ impl Shared {
                 .dests
                 .iter()
                 .map(|d| (d.peer.clone(), d.generation))
+                .chain(p.known.iter().cloned())
                 .collect();
             (gens, p.ready())
         };
@@ -377,6 +383,7 @@ impl Shared {
             (held, tomb)
         };
         if let Some(t) = tomb {
+            ext(room).lock().known.push((t.peer.clone(), t.generation));
             self.fail_room(
                 room,
                 FailureReason::peer(Cause::Aborted, t.reason),
@@ -414,15 +421,15 @@ impl Shared {
         }
         if let Some(room) = self.rooms.get(id) {
             let applies = {
-                let p = ext(&room).lock();
-                let from_peer: Vec<&Dest> = p
-                    .dests
-                    .iter()
-                    .filter(|d| Arc::ptr_eq(&d.peer, peer))
-                    .collect();
-                match from_peer.first() {
+                let mut p = ext(&room).lock();
+                let from_peer = p.dests.iter().find(|d| Arc::ptr_eq(&d.peer, peer));
+                match from_peer {
                     Some(d) => d.generation == generation,
-                    None => !p.ready(),
+                    None if !p.ready() => {
+                        p.known.push((peer.clone(), generation));
+                        true
+                    }
+                    None => false,
                 }
             };
             if applies {
@@ -457,6 +464,7 @@ impl Shared {
                 id,
                 Tombstone {
                     peer: peer.clone(),
+                    generation,
                     reason,
                     expires_ms: self.now_ms() + self.config.bootstrap_timeout_ms,
                 },
