@@ -476,3 +476,33 @@ fn a_late_abort_for_an_earlier_use_of_an_id_does_not_touch_the_next_use() {
     drop(p);
     let _ = drain.join();
 }
+
+#[test]
+fn early_destinations_cannot_make_the_holding_area_grow_past_its_page_bound() {
+    let (_mem, p) = prefill();
+    let mut s = fake_decode(p.address(), 6);
+    let pages: Vec<u32> = (0..1_000_000).collect();
+    // 17 early destinations of a million pages each pass the 16 Mi-page bound.
+    for room in 0..17u64 {
+        let m = Message::Destination {
+            room: 500 + room,
+            generation: 1,
+            pages: pages.clone(),
+            aux_slot: None,
+        };
+        send(&mut s, &m);
+    }
+    loop {
+        match recv(&mut s) {
+            Message::Abort { room, reason, .. } => {
+                assert_eq!(room, 516);
+                assert!(reason.contains("holding area is full"), "{reason}");
+                break;
+            }
+            Message::Heartbeat { .. } => {}
+            m => panic!("unexpected {m:?}"),
+        }
+    }
+    assert_eq!(p.metrics().held_overflow, 1);
+    assert_eq!(p.metrics().held, 16);
+}

@@ -11,12 +11,15 @@ use super::{ERoom, Job, RoomExt, Shared};
 use crate::err;
 use crate::error::Result;
 use crate::proto::{DataHeader, Message, Target};
-use crate::room::{Cause, Event, FailureReason, State};
+use crate::room::{Cause, Event, FailureReason, Refusal, State};
 use crate::transport::tcp::MAX_FRAME_BYTES;
 use crate::transport::{coalesce, Memory};
 
 /// The most early destinations held at once.
 pub const MAX_HELD: usize = 65_536;
+/// The most destination pages held at once across early destinations (64 MiB of page
+/// lists): a peer cannot make the holding area allocate more than this.
+pub const MAX_HELD_PAGES: usize = 16 << 20;
 
 /// One chunk of source pages.
 #[derive(Debug, Clone)]
@@ -100,6 +103,8 @@ pub(crate) struct Holding {
     /// are told apart from messages about a new use of the same id.
     cleared: HashMap<u64, Cleared>,
     count: usize,
+    /// Pages in the held destinations' lists.
+    pages: usize,
 }
 
 /// What a cleared prefill room leaves behind for a while.
@@ -223,6 +228,7 @@ impl Shared {
                 }
             }
             h.count -= answered.len();
+            h.pages -= answered.iter().map(|(d, _)| d.pages.len()).sum::<usize>();
             if !keep.is_empty() {
                 h.by_room.insert(id, keep);
             }
@@ -347,14 +353,18 @@ impl Shared {
 
     fn hold(&self, peer: &Arc<Peer>, id: u64, generation: u64, pages: Vec<u32>, aux: Option<u32>) {
         let mut h = self.holding.lock();
-        if h.count >= MAX_HELD {
+        if h.count >= MAX_HELD || h.pages + pages.len() > MAX_HELD_PAGES {
             drop(h);
             self.metrics.held_overflow.fetch_add(1, Ordering::Relaxed);
-            let why = format!("prefill has no room {id} and its holding area is full ({MAX_HELD})");
+            let why = format!(
+                "prefill has no room {id} and its holding area is full ({MAX_HELD} \
+                 destinations, {MAX_HELD_PAGES} pages)"
+            );
             peer.send(self, &Message::abort(id, generation, &why, &self.limits));
             return;
         }
         h.count += 1;
+        h.pages += pages.len();
         h.by_room.entry(id).or_default().push(Held {
             peer: peer.clone(),
             generation,
@@ -380,6 +390,7 @@ impl Shared {
             let held = h.by_room.remove(&room.id()).unwrap_or_default();
             let tomb = h.aborted.remove(&room.id());
             h.count -= held.len() + tomb.is_some() as usize;
+            h.pages -= held.iter().map(|d| d.pages.len()).sum::<usize>();
             (held, tomb)
         };
         if let Some(t) = tomb {
@@ -450,13 +461,18 @@ impl Shared {
             .fetch_add(1, Ordering::Relaxed);
         let mut h = self.holding.lock();
         if let Some(list) = h.by_room.get_mut(&id) {
-            let before = list.len();
+            let (before, before_pages) = (
+                list.len(),
+                list.iter().map(|d| d.pages.len()).sum::<usize>(),
+            );
             list.retain(|d| !(Arc::ptr_eq(&d.peer, peer) && d.generation == generation));
             let removed = before - list.len();
+            let removed_pages = before_pages - list.iter().map(|d| d.pages.len()).sum::<usize>();
             if list.is_empty() {
                 h.by_room.remove(&id);
             }
             h.count -= removed;
+            h.pages -= removed_pages;
         }
         if h.count < MAX_HELD && !h.aborted.contains_key(&id) {
             h.count += 1;
@@ -499,6 +515,7 @@ impl Shared {
             h.cleared.retain(|_, c| c.expires_ms > now);
             let gone_tombs = tombs - h.aborted.len() - h.cleared.len();
             h.count -= expired.len() + gone_tombs;
+            h.pages -= expired.iter().map(|(_, d)| d.pages.len()).sum::<usize>();
         }
         for (id, d) in expired {
             self.metrics.held_expired.fetch_add(1, Ordering::Relaxed);
@@ -553,8 +570,18 @@ impl Shared {
         };
         let n = chunk.pages.len();
         self.arm(room, State::Transferring);
-        if room.advance(Event::Start).is_err() {
-            return Ok(());
+        match room.advance(Event::Start) {
+            Ok(_) => {}
+            // Skipped: the room is already terminal.
+            Err(Refusal::Terminal(_)) => return Ok(()),
+            // Never expected (chunks are dispatched only once the room is ready), but a
+            // chunk is never dropped for a live room: fail it with the reason.
+            Err(r) => {
+                return Err(FailureReason::local(
+                    Cause::Internal,
+                    format!("room {}: cannot start a chunk: {r}", room.id()),
+                ))
+            }
         }
         let kv = self
             .kv
