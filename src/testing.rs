@@ -9,8 +9,9 @@
 //!
 //! Points in the engine:
 //! - `"worker.mid_chunk"` (src/engine/prefill.rs, `send_chunk`): a prefill worker has
-//!   just written one data frame of a chunk and not yet the next one (nor the chunk's
-//!   Done, nor its state change).
+//!   just written one batch of a chunk's frames and not yet the next one (nor the
+//!   chunk's Done, nor its state change). While it is armed for a room, that room's
+//!   batches hold one frame each, so the point falls between two frames.
 //! - `"worker.before_complete"` (same function): every byte of the room's last chunk is
 //!   written; the worker has not yet claimed SUCCESS nor sent Done.
 //!
@@ -99,6 +100,15 @@ pub fn release(name: &str, room: u64) {
         }
         CHANGED.notify_all();
     }
+}
+
+/// Engine side: whether `name` is armed (not yet reached) for `room`.
+pub(crate) fn is_armed(name: &str, room: u64) -> bool {
+    if ARMED.load(Ordering::Relaxed) == 0 {
+        return false;
+    }
+    let points = POINTS.lock();
+    find(&points, name, room).is_some_and(|i| points[i].phase == Phase::Armed)
 }
 
 /// Engine side: parks here if the test armed `name` for `room`.

@@ -29,9 +29,34 @@ pub(crate) struct Chunk {
     pub aux: Option<u32>,
 }
 
-/// Writes one data frame of a room, or says why the room must fail.
-/// (frame header, memory to read, first source page).
-type SendFn<'a> = dyn Fn(DataHeader, &Memory, u32) -> std::result::Result<(), FailureReason> + 'a;
+/// Adds one data frame of a room to its batch (writing the batch when full), or says why
+/// the room must fail. (frame header, memory to read, first source page).
+type PushFn<'a, 'm> =
+    dyn FnMut(DataHeader, &'m Memory, u32) -> std::result::Result<(), FailureReason> + 'a;
+
+/// The most frames written in one batch (two iovecs each on TCP, within IOV_MAX).
+const BATCH_FRAMES: usize = 64;
+
+/// Frames of one room gathered for one transport call.
+#[derive(Default)]
+struct Batch<'m> {
+    frames: Vec<(DataHeader, &'m [u8])>,
+    bytes: usize,
+}
+
+impl<'m> Batch<'m> {
+    /// Adds a frame; returns whether the batch is full and must be written now.
+    fn push(&mut self, hdr: DataHeader, bytes: &'m [u8]) -> bool {
+        self.bytes += bytes.len();
+        self.frames.push((hdr, bytes));
+        self.frames.len() >= BATCH_FRAMES || self.bytes >= MAX_FRAME_BYTES
+    }
+
+    fn clear(&mut self) {
+        self.frames.clear();
+        self.bytes = 0;
+    }
+}
 
 /// Where one decode engine wants the room's pages.
 #[derive(Clone)]
@@ -554,8 +579,8 @@ impl Shared {
 
     /// Writes one chunk to every destination; on the last chunk, the aux rows and Done,
     /// then SUCCESS. Returns the reason to fail the room with, if any.
-    fn send_chunk(
-        &self,
+    fn send_chunk<'m>(
+        &'m self,
         worker: usize,
         room: &Arc<ERoom>,
         chunk: &Chunk,
@@ -619,7 +644,7 @@ impl Shared {
                     ),
                 ));
             }
-            let conn = {
+            let link = {
                 let data = peer.data.read();
                 if data.is_empty() {
                     return Err(FailureReason::local(
@@ -629,13 +654,15 @@ impl Shared {
                 }
                 data[worker % data.len()].clone()
             };
-            // Reads the source pages and writes one frame; refuses once the room is
-            // terminal. The read is counted (begin_io) before the state check, so a
-            // scheduler that waits for kvxfer_room_drained never reuses pages we still read.
-            let send = |hdr: DataHeader,
-                        mem: &Memory,
-                        src: u32|
-             -> std::result::Result<(), FailureReason> {
+            // Frames go out in batches (one vectored write on TCP, one chain of RDMA
+            // writes). Each batch is counted on the room (begin_io) before the state
+            // check and until the link is done reading it, so a scheduler that waits for
+            // kvxfer_room_drained never reuses pages a transport still reads.
+            let mut batch = Batch::default();
+            let flush = |batch: &mut Batch<'_>| -> std::result::Result<(), FailureReason> {
+                if batch.frames.is_empty() {
+                    return Ok(());
+                }
                 let _io = room.begin_io();
                 if room.state().is_terminal() {
                     return Err(FailureReason::local(
@@ -643,11 +670,7 @@ impl Shared {
                         "room ended while sending",
                     ));
                 }
-                let buffer = hdr.buffer as usize;
-                let bytes = mem
-                    .pages(buffer, src, hdr.n_pages)
-                    .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
-                conn.write_run(&hdr, bytes).map_err(|e| {
+                link.write_runs(&batch.frames).map_err(|e| {
                     FailureReason::local(
                         Cause::Transfer,
                         format!("room {}: writing to {} failed: {e}", room.id(), peer.name),
@@ -655,8 +678,29 @@ impl Shared {
                 })?;
                 self.metrics
                     .bytes_sent
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    .fetch_add(batch.bytes as u64, Ordering::Relaxed);
                 room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
+                batch.clear();
+                #[cfg(feature = "test-hooks")]
+                crate::testing::pause_point("worker.mid_chunk", room.id());
+                Ok(())
+            };
+            let mut push = |hdr: DataHeader,
+                            mem: &'m Memory,
+                            src: u32|
+             -> std::result::Result<(), FailureReason> {
+                let bytes = mem
+                    .pages(hdr.buffer as usize, src, hdr.n_pages)
+                    .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
+                #[allow(unused_mut)]
+                let mut full = batch.push(hdr, bytes);
+                #[cfg(feature = "test-hooks")]
+                {
+                    full |= crate::testing::is_armed("worker.mid_chunk", room.id());
+                }
+                if full {
+                    flush(&mut batch)?;
+                }
                 Ok(())
             };
             for run in coalesce(&chunk.pages, &pages[start..start + n]) {
@@ -674,15 +718,14 @@ impl Shared {
                             n_pages: k,
                             byte_len: (k as usize * desc.item_len) as u32,
                         };
-                        send(hdr, kv, run.src + off)?;
-                        #[cfg(feature = "test-hooks")]
-                        crate::testing::pause_point("worker.mid_chunk", room.id());
+                        push(hdr, kv, run.src + off)?;
                         off += k;
                     }
                 }
             }
             if chunk.is_last {
-                let aux_sent = self.send_aux(room.id(), *generation, chunk.aux, *aux, &send)?;
+                let aux_sent = self.send_aux(room.id(), *generation, chunk.aux, *aux, &mut push)?;
+                flush(&mut batch)?;
                 let mut frame = Vec::with_capacity(64);
                 Message::Done {
                     room: room.id(),
@@ -692,7 +735,9 @@ impl Shared {
                 }
                 .encode(&mut frame)
                 .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
-                finishes.push((conn.clone(), frame, peer.clone()));
+                finishes.push((link.clone(), frame, peer.clone()));
+            } else {
+                flush(&mut batch)?;
             }
         }
         ext(room).lock().cursor = start + n;
@@ -711,8 +756,8 @@ impl Shared {
         }
         self.metrics.succeeded();
         crate::log!(self.log, Debug, "room {} sent", room.id());
-        for (conn, frame, peer) in finishes {
-            if let Err(e) = conn.finish(&frame) {
+        for (link, frame, peer) in finishes {
+            if let Err(e) = link.finish(&frame) {
                 // The room is SUCCESS here (every byte was handed over); the decode side
                 // learns of the broken link as a lost peer.
                 self.lose_peer(
@@ -726,13 +771,13 @@ impl Shared {
 
     /// Sends the aux rows of source slot `src` to destination slot `dst`, one frame per
     /// aux buffer. Returns whether anything was sent.
-    fn send_aux(
-        &self,
+    fn send_aux<'m>(
+        &'m self,
         id: u64,
         generation: u64,
         src: Option<u32>,
         dst: Option<u32>,
-        send: &SendFn<'_>,
+        push: &mut PushFn<'_, 'm>,
     ) -> std::result::Result<bool, FailureReason> {
         let (Some(src), Some(dst), Some(aux)) = (src, dst, self.aux.get()) else {
             return Ok(false);
@@ -747,7 +792,7 @@ impl Shared {
                 n_pages: 1,
                 byte_len: desc.item_len as u32,
             };
-            send(hdr, aux, src)?;
+            push(hdr, aux, src)?;
         }
         Ok(true)
     }

@@ -14,17 +14,19 @@ use crate::proto::DataHeader;
 /// One way of moving a room's page runs to one peer engine, used by the prefill workers.
 ///
 /// Implementations: [`tcp::SendConn`] (a data frame per run on a socket; the receiver
-/// validates and reads it into the granted pages). An RDMA implementation writes the run
-/// with one-sided writes into the peer's registered memory and sends `finish` only once
-/// every write of the room has completed.
+/// validates and reads it into the granted pages) and `rdma::RdmaLink` (one-sided writes
+/// into the peer's registered memory; `finish` goes over the control connection).
 pub trait DataLink: Send + Sync {
-    /// Moves `bytes` (whole pages of one registered buffer) to where `hdr` says. Returns
-    /// when the bytes are handed to the transport; an error means the link is broken.
-    fn write_run(&self, hdr: &DataHeader, bytes: &[u8]) -> io::Result<()>;
+    /// Moves each `(hdr, bytes)` run (whole pages of one registered buffer) to where its
+    /// header says. Returns once the transport no longer reads `bytes` (TCP: handed to
+    /// the socket; RDMA: every write completed). An error means the link is broken, and
+    /// nothing more of the batch may be assumed delivered.
+    fn write_runs(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()>;
 
-    /// Sends an encoded `Done` frame after every `write_run` of the room, in order.
+    /// Sends an encoded `Done` frame after every `write_runs` of the room.
     fn finish(&self, done_frame: &[u8]) -> io::Result<()>;
 }
+
 use crate::err;
 use crate::error::Result;
 

@@ -38,6 +38,22 @@ impl SendConn {
         write_all_vectored(&mut *s, &mut [IoSlice::new(&prefix), IoSlice::new(bytes)])
     }
 
+    /// Writes several data frames with one vectored write sequence under one lock.
+    pub fn send_batch(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()> {
+        let mut prefixes = vec![[0u8; DATA_FRAME_PREFIX_LEN]; runs.len()];
+        let mut slices = Vec::with_capacity(runs.len() * 2);
+        for ((hdr, _), prefix) in runs.iter().zip(prefixes.iter_mut()) {
+            hdr.encode_frame(prefix)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        }
+        for ((_, bytes), prefix) in runs.iter().zip(&prefixes) {
+            slices.push(IoSlice::new(prefix));
+            slices.push(IoSlice::new(bytes));
+        }
+        let mut s = self.stream.lock();
+        write_all_vectored(&mut *s, &mut slices)
+    }
+
     /// Writes an encoded control frame.
     pub fn send_frame(&self, frame: &[u8]) -> io::Result<()> {
         self.stream.lock().write_all(frame)
@@ -58,8 +74,8 @@ fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::R
 }
 
 impl super::DataLink for SendConn {
-    fn write_run(&self, hdr: &DataHeader, bytes: &[u8]) -> io::Result<()> {
-        self.send_data(hdr, bytes)
+    fn write_runs(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()> {
+        self.send_batch(runs)
     }
 
     fn finish(&self, done_frame: &[u8]) -> io::Result<()> {
