@@ -4,6 +4,7 @@
 //! registration contract (`kvxfer_register_kv`: the memory stays valid until the engine
 //! is freed) plus the range checks here make those slices sound.
 
+pub mod rdma;
 pub mod tcp;
 
 use std::io;
