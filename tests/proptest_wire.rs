@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 
 use kvxfer::log::{Level, Logger};
 use kvxfer::proto::{
-    self, BufferInfo, ConnKind, DataHeader, Kind, Layout, Limits, Message, ReadError, Registration,
-    Role, Target, DATA_FRAME_PREFIX_LEN, DATA_HEADER_LEN, FRAME_HEADER_LEN, PROTO_VERSION,
+    self, BufferInfo, ConnKind, DataHeader, Kind, Layout, Limits, Message, ProtoError, QpInfo,
+    ReadError, Registration, Role, Target, WireTransport, DATA_FRAME_PREFIX_LEN, DATA_HEADER_LEN,
+    FRAME_HEADER_LEN, PROTO_VERSION,
 };
 use kvxfer::{BufferDesc, Cause, Config, Engine, RoomPeers, State};
 use proptest::prelude::*;
@@ -108,6 +109,16 @@ fn buffer(len: u64, item_len: u64) -> BufferInfo {
     }
 }
 
+fn qp(qpn: u32, psn: u32, mtu: u8) -> QpInfo {
+    QpInfo {
+        qpn,
+        psn,
+        lid: 0x1234,
+        gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+        mtu,
+    }
+}
+
 /// One valid frame of every kind, the seeds of every mutation.
 fn seeds() -> Vec<Vec<u8>> {
     vec![
@@ -145,6 +156,14 @@ fn seeds() -> Vec<Vec<u8>> {
             generation: 2,
         }),
         encode(&Message::Heartbeat { seq: 99 }),
+        encode(&Message::Transport {
+            transport: WireTransport::Tcp,
+            qps: vec![],
+        }),
+        encode(&Message::Transport {
+            transport: WireTransport::Rdma,
+            qps: vec![qp(0x11, 0xab_cdef, 5), qp(0x12, 7, 1)],
+        }),
         data_frame(DataHeader {
             room: 1,
             generation: 2,
@@ -237,7 +256,42 @@ fn small_limits() -> Limits {
         max_buffers: 4,
         max_reason_len: 32,
         max_data_bytes: 64,
+        max_qps: 2,
     }
+}
+
+/// Any `QpInfo`, valid or not: psn and mtu are drawn around their bounds.
+fn arb_qp() -> impl Strategy<Value = QpInfo> {
+    (
+        any::<u32>(),
+        prop_oneof![
+            3 => 0..=QpInfo::MAX_PSN,
+            1 => Just(QpInfo::MAX_PSN + 1),
+            1 => any::<u32>(),
+        ],
+        any::<u16>(),
+        any::<[u8; 16]>(),
+        prop_oneof![6 => QpInfo::MIN_MTU..=QpInfo::MAX_MTU, 1 => any::<u8>()],
+    )
+        .prop_map(|(qpn, psn, lid, gid, mtu)| QpInfo {
+            qpn,
+            psn,
+            lid,
+            gid,
+            mtu,
+        })
+}
+
+/// Any `Transport` message, valid or not: either transport with 0..=6 queue pairs.
+fn arb_transport() -> impl Strategy<Value = Message> {
+    (
+        prop_oneof![Just(WireTransport::Tcp), Just(WireTransport::Rdma)],
+        prop_oneof![
+            1 => Just(Vec::new()),
+            3 => prop::collection::vec(arb_qp(), 0..=6),
+        ],
+    )
+        .prop_map(|(transport, qps)| Message::Transport { transport, qps })
 }
 
 /// What a receive loop does with one frame: header, then control payload or data
@@ -295,6 +349,37 @@ proptest! {
         let bound = limits.max_control_payload.max(limits.max_data_bytes) as usize
             + DATA_FRAME_PREFIX_LEN;
         prop_assert!(largest <= bound.max(2 * frame.len() + 64), "allocated {} bytes", largest);
+    }
+
+    /// A Transport message, valid or not: `validate` and a decode of its encoding agree
+    /// (same error, or the same message back, under small and default limits), and the
+    /// decode allocates at most the queue-pair list (count checked before allocating).
+    #[test]
+    fn transport_messages_round_trip_or_fail_like_validate(m in arb_transport(), small in any::<bool>()) {
+        let limits = if small { small_limits() } else { Limits::default() };
+        let frame = encode(&m);
+        prop_assert_eq!(frame.len() as u64, FRAME_HEADER_LEN as u64 + m.payload_len());
+        let mut r = frame.as_slice();
+        let (res, largest) = largest_alloc(|| read_frame(&mut r, &limits));
+        match (m.validate(&limits), res) {
+            (Ok(()), Ok(bytes)) => {
+                prop_assert_eq!(&bytes, &frame);
+                prop_assert!(r.is_empty());
+                let back = Message::decode(Kind::Transport, &frame[FRAME_HEADER_LEN..], &limits);
+                prop_assert_eq!(back, Ok(m.clone()));
+            }
+            (Err(want), Err(ReadError::Proto(got))) => {
+                prop_assert_eq!(got, want);
+            }
+            (v, d) => prop_assert!(false, "validate {:?} but decode {:?}", v, d.map(|_| ())),
+        }
+        // One payload buffer plus the queue-pair list and, if accepted, its re-encoding.
+        let qps = match &m {
+            Message::Transport { qps, .. } => qps.len(),
+            _ => unreachable!(),
+        };
+        let bound = frame.len() + qps * std::mem::size_of::<QpInfo>();
+        prop_assert!(largest <= bound.max(64), "allocated {} bytes for {:?}", largest, m);
     }
 
     /// Message::decode on random payloads of every kind allocates at most the payload's
@@ -359,6 +444,24 @@ fn a_frame_claiming_a_huge_count_fails_before_allocating() {
     p.extend(u32::MAX.to_le_bytes());
     let (r, largest) = largest_alloc(|| Message::decode(Kind::Abort, &p, &limits));
     assert!(r.is_err());
+    assert_eq!(largest, 0);
+    // A Transport claiming max_qps RDMA queue pairs with one entry's bytes, u32::MAX
+    // of them, or any on TCP.
+    let mut one = encode(&Message::Transport {
+        transport: WireTransport::Rdma,
+        qps: vec![qp(1, 2, 3)],
+    })[FRAME_HEADER_LEN..]
+        .to_vec();
+    for count in [limits.max_qps, u32::MAX] {
+        one[4..8].copy_from_slice(&count.to_le_bytes());
+        let (r, largest) = largest_alloc(|| Message::decode(Kind::Transport, &one, &limits));
+        assert!(r.unwrap_err().to_string().contains("Transport.qps"));
+        assert_eq!(largest, 0, "allocated before checking the count");
+    }
+    one[0] = WireTransport::Tcp as u8;
+    one[4..8].copy_from_slice(&1u32.to_le_bytes());
+    let (r, largest) = largest_alloc(|| Message::decode(Kind::Transport, &one, &limits));
+    assert_eq!(r, Err(ProtoError::QpsOnTcp { count: 1 }));
     assert_eq!(largest, 0);
     // A frame header claiming a payload over the bound is refused before the payload
     // buffer exists.

@@ -27,7 +27,8 @@ fn read_frame(r: &mut &[u8], limits: &Limits) -> Result<Vec<u8>, ReadError> {
     let mut bytes = vec![0u8; d.byte_len as usize];
     r.read_exact(&mut bytes).map_err(ReadError::Io)?;
     let mut prefix = [0u8; DATA_FRAME_PREFIX_LEN];
-    d.encode_frame(&mut prefix).expect("a decoded data header encodes");
+    d.encode_frame(&mut prefix)
+        .expect("a decoded data header encodes");
     let mut out = prefix.to_vec();
     out.extend(bytes);
     Ok(out)
@@ -46,6 +47,7 @@ fuzz_target!(|input: &[u8]| {
             max_buffers: 4,
             max_reason_len: 32,
             max_data_bytes: 64,
+            max_qps: 2,
         }
     };
     let mut r = data;

@@ -25,11 +25,14 @@ pub enum Kind {
     AbortAck = 7,
     /// Liveness probe ([`Message::Heartbeat`](super::Message::Heartbeat)).
     Heartbeat = 8,
+    /// Transport agreement and RDMA queue-pair data, once per peer right after
+    /// `Registration` ([`Message::Transport`](super::Message::Transport)).
+    Transport = 9,
 }
 
 impl Kind {
     /// Every kind, in wire-value order.
-    pub const ALL: [Kind; 8] = [
+    pub const ALL: [Kind; 9] = [
         Kind::Hello,
         Kind::Registration,
         Kind::Destination,
@@ -38,6 +41,7 @@ impl Kind {
         Kind::Abort,
         Kind::AbortAck,
         Kind::Heartbeat,
+        Kind::Transport,
     ];
 
     /// The wire value.
@@ -56,6 +60,7 @@ impl Kind {
             6 => Some(Kind::Abort),
             7 => Some(Kind::AbortAck),
             8 => Some(Kind::Heartbeat),
+            9 => Some(Kind::Transport),
             _ => None,
         }
     }
@@ -77,6 +82,7 @@ impl Kind {
             Kind::Abort => "Abort",
             Kind::AbortAck => "AbortAck",
             Kind::Heartbeat => "Heartbeat",
+            Kind::Transport => "Transport",
         }
     }
 }
@@ -113,6 +119,8 @@ pub struct Limits {
     pub max_reason_len: u32,
     /// Most data bytes in one data frame (excluding its data header). Default 64 MiB.
     pub max_data_bytes: u32,
+    /// Most queue pairs in one `Transport` message. Default 256.
+    pub max_qps: u32,
 }
 
 impl Default for Limits {
@@ -123,6 +131,7 @@ impl Default for Limits {
             max_buffers: 4096,
             max_reason_len: 1024,
             max_data_bytes: 64 << 20,
+            max_qps: 256,
         }
     }
 }
@@ -427,6 +436,30 @@ pub enum ProtoError {
         /// `DataHeader.n_pages`.
         n_pages: u32,
     },
+    /// `Transport.transport` is not a [`WireTransport`](super::WireTransport).
+    BadTransport {
+        /// The byte found.
+        found: u8,
+    },
+    /// A `Transport` message for TCP lists queue pairs (it must list none).
+    QpsOnTcp {
+        /// The number of queue pairs listed.
+        count: u32,
+    },
+    /// A queue pair's `psn` does not fit in 24 bits.
+    BadPsn {
+        /// Index of the queue pair in `Transport.qps`.
+        index: usize,
+        /// The value found.
+        found: u32,
+    },
+    /// A queue pair's `mtu` is not an `ibv_mtu` value (1 = 256 bytes ..= 5 = 4096 bytes).
+    BadMtu {
+        /// Index of the queue pair in `Transport.qps`.
+        index: usize,
+        /// The value found.
+        found: u8,
+    },
     /// Encoding: the payload would not fit the u32 `payload_len` field.
     EncodeTooLarge {
         /// The frame kind.
@@ -554,6 +587,22 @@ impl fmt::Display for ProtoError {
                 f,
                 "DataHeader.first_page {first_page} + n_pages {n_pages} overflows u32"
             ),
+            BadTransport { found } => write!(
+                f,
+                "Transport.transport {found} is not a transport (1 = tcp, 2 = rdma)"
+            ),
+            QpsOnTcp { count } => write!(
+                f,
+                "Transport.qps has {count} queue pairs but the transport is tcp (must be 0)"
+            ),
+            BadPsn { index, found } => write!(
+                f,
+                "Transport.qps[{index}].psn {found:#x} does not fit in 24 bits"
+            ),
+            BadMtu { index, found } => write!(
+                f,
+                "Transport.qps[{index}].mtu {found} is not an ibv_mtu (1..=5)"
+            ),
             EncodeTooLarge { kind, len } => write!(
                 f,
                 "cannot encode {kind} frame: payload of {len} bytes does not fit in u32"
@@ -590,14 +639,14 @@ mod tests {
         let b = FrameHeader::new(Kind::Abort, 0x0102_0304).encode();
         assert_eq!(
             b,
-            [b'F', b'X', b'V', b'K', 1, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
+            [b'F', b'X', b'V', b'K', 2, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
         );
     }
 
     #[test]
     fn kind_values_are_fixed() {
         let values: Vec<u8> = Kind::ALL.iter().map(|k| k.as_u8()).collect();
-        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
         for v in 0..=u8::MAX {
             match Kind::try_from(v) {
                 Ok(k) => assert_eq!(k.as_u8(), v),
@@ -606,6 +655,13 @@ mod tests {
         }
         assert!(!Kind::Data.is_control());
         assert!(Kind::Heartbeat.is_control());
+        assert!(Kind::Transport.is_control());
+        assert_eq!(Kind::Transport.name(), "Transport");
+        assert_eq!(Kind::try_from(9), Ok(Kind::Transport));
+        for k in Kind::ALL {
+            assert_eq!(Kind::from_u8(k.as_u8()), Some(k));
+            assert_eq!(k.to_string(), k.name());
+        }
     }
 
     #[test]
@@ -619,17 +675,22 @@ mod tests {
 
     #[test]
     fn unknown_version_reports_both_versions() {
-        let mut b = header_bytes(1, 0);
-        b[4..6].copy_from_slice(&2u16.to_le_bytes());
-        let e = FrameHeader::decode(&b, &Limits::default()).unwrap_err();
-        assert_eq!(
-            e,
-            ProtoError::UnsupportedVersion {
-                found: 2,
-                supported: PROTO_VERSION
-            }
-        );
-        assert!(e.to_string().contains("version 2"), "{e}");
+        for old_or_new in [PROTO_VERSION - 1, PROTO_VERSION + 1] {
+            let mut b = header_bytes(1, 0);
+            b[4..6].copy_from_slice(&old_or_new.to_le_bytes());
+            let e = FrameHeader::decode(&b, &Limits::default()).unwrap_err();
+            assert_eq!(
+                e,
+                ProtoError::UnsupportedVersion {
+                    found: old_or_new,
+                    supported: PROTO_VERSION
+                }
+            );
+            assert!(
+                e.to_string().contains(&format!("version {old_or_new}")),
+                "{e}"
+            );
+        }
     }
 
     #[test]
@@ -644,7 +705,7 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected() {
-        for k in [0u8, 9, 0xff] {
+        for k in [0u8, 10, 0xff] {
             assert_eq!(
                 FrameHeader::decode(&header_bytes(k, 0), &Limits::default()),
                 Err(ProtoError::UnknownKind { found: k })
@@ -736,6 +797,13 @@ mod tests {
         let samples = [
             ProtoError::ZeroPages,
             ProtoError::BadAuxSlot { found: -2 },
+            ProtoError::BadTransport { found: 0 },
+            ProtoError::QpsOnTcp { count: 3 },
+            ProtoError::BadPsn {
+                index: 1,
+                found: 1 << 24,
+            },
+            ProtoError::BadMtu { index: 0, found: 6 },
             ProtoError::EncodeTooLarge {
                 kind: Kind::Abort,
                 len: 1 << 33,

@@ -8,6 +8,13 @@ use super::FRAME_HEADER_LEN;
 const BUFFER_INFO_LEN: usize = 32;
 /// Wire size of a [`Layout`].
 const LAYOUT_LEN: usize = 16;
+/// Wire size of one [`QpInfo`]: qpn, psn, lid, gid, mtu, unpadded.
+const QP_INFO_LEN: usize = 27;
+/// Wire size of a `Transport` payload before its queue pairs: transport, three reserved
+/// bytes, the count.
+const TRANSPORT_FIXED_LEN: usize = 8;
+/// Name of the queue-pair list, as used in errors.
+const QP_LIST: &str = "Transport.qps";
 /// Name of the kv buffer list, as used in errors.
 const KV_LIST: &str = "Registration.kv";
 /// Name of the aux buffer list, as used in errors.
@@ -74,6 +81,101 @@ impl TryFrom<u8> for ConnKind {
             2 => Ok(ConnKind::Data),
             found => Err(ProtoError::BadConnKind { found }),
         }
+    }
+}
+
+/// Which transport an engine moves data with, as announced in
+/// [`Message::Transport`]. Unknown wire values are a decode error
+/// ([`ProtoError::BadTransport`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum WireTransport {
+    /// Data frames over the TCP data connections.
+    Tcp = 1,
+    /// RDMA writes over reliable-connected queue pairs.
+    Rdma = 2,
+}
+
+impl TryFrom<u8> for WireTransport {
+    type Error = ProtoError;
+
+    /// Total conversion from the wire value; unknown values give
+    /// [`ProtoError::BadTransport`].
+    fn try_from(v: u8) -> Result<WireTransport, ProtoError> {
+        match v {
+            1 => Ok(WireTransport::Tcp),
+            2 => Ok(WireTransport::Rdma),
+            found => Err(ProtoError::BadTransport { found }),
+        }
+    }
+}
+
+/// Connection data of one RDMA RC queue pair, as announced in [`Message::Transport`].
+///
+/// Decoding guarantees `psn <= QpInfo::MAX_PSN` (24 bits) and `mtu` in
+/// `QpInfo::MIN_MTU..=QpInfo::MAX_MTU` (`ibv_mtu`: 1 = 256 bytes ..= 5 = 4096 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct QpInfo {
+    /// Queue pair number.
+    pub qpn: u32,
+    /// Initial packet sequence number; 24 bits.
+    pub psn: u32,
+    /// Port LID (InfiniBand); 0 on RoCE.
+    pub lid: u16,
+    /// Port GID (RoCE, or InfiniBand across subnets).
+    pub gid: [u8; 16],
+    /// Path MTU as an `ibv_mtu` value, 1..=5.
+    pub mtu: u8,
+}
+
+impl QpInfo {
+    /// Largest packet sequence number (PSNs are 24 bits).
+    pub const MAX_PSN: u32 = (1 << 24) - 1;
+    /// Smallest `ibv_mtu` value (`IBV_MTU_256`).
+    pub const MIN_MTU: u8 = 1;
+    /// Largest `ibv_mtu` value (`IBV_MTU_4096`).
+    pub const MAX_MTU: u8 = 5;
+
+    fn check(&self, index: usize) -> Result<(), ProtoError> {
+        if self.psn > Self::MAX_PSN {
+            return Err(ProtoError::BadPsn {
+                index,
+                found: self.psn,
+            });
+        }
+        if !(Self::MIN_MTU..=Self::MAX_MTU).contains(&self.mtu) {
+            return Err(ProtoError::BadMtu {
+                index,
+                found: self.mtu,
+            });
+        }
+        Ok(())
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        put_u32(out, self.qpn);
+        put_u32(out, self.psn);
+        put_u16(out, self.lid);
+        out.extend_from_slice(&self.gid);
+        out.push(self.mtu);
+    }
+
+    fn decode(r: &mut WireReader<'_>, index: usize) -> Result<Self, ProtoError> {
+        let qpn = r.u32("Transport.qps[].qpn")?;
+        let psn = r.u32("Transport.qps[].psn")?;
+        let lid = r.u16("Transport.qps[].lid")?;
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(r.take(16, "Transport.qps[].gid")?);
+        let mtu = r.u8("Transport.qps[].mtu")?;
+        let qp = QpInfo {
+            qpn,
+            psn,
+            lid,
+            gid,
+            mtu,
+        };
+        qp.check(index)?;
+        Ok(qp)
     }
 }
 
@@ -262,6 +364,19 @@ pub enum Message {
         /// Sequence number.
         seq: u64,
     },
+    /// Sent once per peer on the control connection, right after `Registration`: the
+    /// transport the sender moves data with and, for RDMA, its queue pairs.
+    ///
+    /// The codec requires `qps` to be empty for [`WireTransport::Tcp`] and bounds it by
+    /// [`Limits::max_qps`] for [`WireTransport::Rdma`], each entry checked as described
+    /// at [`QpInfo`]. Whether both sides agree, and how many queue pairs are needed, is
+    /// the engine's check.
+    Transport {
+        /// The sender's transport.
+        transport: WireTransport,
+        /// The sender's queue pairs (RDMA only).
+        qps: Vec<QpInfo>,
+    },
 }
 
 /// The longest prefix of `reason` that is at most `max_len` bytes and ends on a char
@@ -299,6 +414,7 @@ impl Message {
             Message::Abort { .. } => Kind::Abort,
             Message::AbortAck { .. } => Kind::AbortAck,
             Message::Heartbeat { .. } => Kind::Heartbeat,
+            Message::Transport { .. } => Kind::Transport,
         }
     }
 
@@ -315,11 +431,15 @@ impl Message {
             Message::Abort { reason, .. } => 20u64.saturating_add(reason.len() as u64),
             Message::AbortAck { .. } => 16,
             Message::Heartbeat { .. } => 8,
+            Message::Transport { qps, .. } => {
+                (TRANSPORT_FIXED_LEN as u64).saturating_add(n(qps.len(), QP_INFO_LEN as u64))
+            }
         }
     }
 
     /// Checks that a peer using `limits` would accept this message: the same checks as
-    /// [`Message::decode`] (payload size, counts, reason length, buffer fields). Use it
+    /// [`Message::decode`] (payload size, counts, reason length, buffer and queue-pair
+    /// fields). Use it
     /// before sending values that come from the local host.
     pub fn validate(&self, limits: &Limits) -> Result<(), ProtoError> {
         let kind = self.kind();
@@ -366,6 +486,20 @@ impl Message {
                     });
                 }
             }
+            Message::Transport { transport, qps } => match transport {
+                WireTransport::Tcp if !qps.is_empty() => {
+                    return Err(ProtoError::QpsOnTcp {
+                        count: u32::try_from(qps.len()).unwrap_or(u32::MAX),
+                    });
+                }
+                WireTransport::Tcp => {}
+                WireTransport::Rdma => {
+                    count_ok(QP_LIST, qps.len(), "max_qps", limits.max_qps)?;
+                    for (i, qp) in qps.iter().enumerate() {
+                        qp.check(i)?;
+                    }
+                }
+            },
             Message::Hello { .. }
             | Message::Done { .. }
             | Message::AbortAck { .. }
@@ -463,6 +597,14 @@ impl Message {
                 put_u64(out, *generation);
             }
             Message::Heartbeat { seq } => put_u64(out, *seq),
+            Message::Transport { transport, qps } => {
+                out.push(*transport as u8);
+                out.extend_from_slice(&[0; 3]);
+                put_u32(out, len32(qps.len()));
+                for qp in qps {
+                    qp.encode(out);
+                }
+            }
         }
     }
 
@@ -588,6 +730,36 @@ impl Message {
             Kind::Heartbeat => Message::Heartbeat {
                 seq: r.u64("Heartbeat.seq")?,
             },
+            Kind::Transport => {
+                let transport = WireTransport::try_from(r.u8("Transport.transport")?)?;
+                let reserved = r.take(3, "Transport.reserved")?;
+                if reserved != [0; 3] {
+                    return Err(ProtoError::NonzeroReserved {
+                        field: "Transport.reserved",
+                        found: u64::from(u32::from_le_bytes([
+                            reserved[0],
+                            reserved[1],
+                            reserved[2],
+                            0,
+                        ])),
+                    });
+                }
+                let qps = match transport {
+                    WireTransport::Tcp => match r.u32(QP_LIST)? {
+                        0 => Vec::new(),
+                        count => return Err(ProtoError::QpsOnTcp { count }),
+                    },
+                    WireTransport::Rdma => {
+                        let n = r.count(QP_LIST, "max_qps", limits.max_qps, QP_INFO_LEN)?;
+                        let mut qps = Vec::with_capacity(n);
+                        for index in 0..n {
+                            qps.push(QpInfo::decode(&mut r, index)?);
+                        }
+                        qps
+                    }
+                };
+                Message::Transport { transport, qps }
+            }
             Kind::Data => return Err(ProtoError::NotControlKind { kind }),
         };
         r.finish()?;
@@ -706,6 +878,42 @@ pub(super) fn sample_messages() -> Vec<Message> {
         },
         Message::Heartbeat { seq: 0 },
         Message::Heartbeat { seq: u64::MAX },
+        Message::Transport {
+            transport: WireTransport::Tcp,
+            qps: vec![],
+        },
+        Message::Transport {
+            transport: WireTransport::Rdma,
+            qps: vec![],
+        },
+        Message::Transport {
+            transport: WireTransport::Rdma,
+            qps: vec![
+                QpInfo {
+                    qpn: 0x0123,
+                    psn: 0x00ab_cdef,
+                    lid: 7,
+                    gid: [0; 16],
+                    mtu: 5,
+                },
+                QpInfo {
+                    qpn: u32::MAX,
+                    psn: QpInfo::MAX_PSN,
+                    lid: u16::MAX,
+                    gid: [
+                        0xfe, 0x80, 0, 0, 0, 0, 0, 0, 2, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55,
+                    ],
+                    mtu: QpInfo::MIN_MTU,
+                },
+                QpInfo {
+                    qpn: 0,
+                    psn: 0,
+                    lid: 0,
+                    gid: [0xff; 16],
+                    mtu: 3,
+                },
+            ],
+        },
     ]
 }
 
@@ -1150,6 +1358,254 @@ mod tests {
                 kind: Kind::Destination,
                 len: 28,
                 max: 27
+            })
+        );
+    }
+
+    const QP: QpInfo = QpInfo {
+        qpn: 0x11_2233,
+        psn: 0x44_5566,
+        lid: 0x7788,
+        gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+        mtu: 4,
+    };
+
+    fn rdma(qps: Vec<QpInfo>) -> Message {
+        Message::Transport {
+            transport: WireTransport::Rdma,
+            qps,
+        }
+    }
+
+    #[test]
+    fn wire_layout_of_transport_is_documented_one() {
+        let m = rdma(vec![QP]);
+        let mut want = vec![2, 0, 0, 0];
+        want.extend_from_slice(&1u32.to_le_bytes());
+        want.extend_from_slice(&0x11_2233u32.to_le_bytes());
+        want.extend_from_slice(&0x44_5566u32.to_le_bytes());
+        want.extend_from_slice(&0x7788u16.to_le_bytes());
+        want.extend_from_slice(&QP.gid);
+        want.push(4);
+        assert_eq!(payload(&m), want);
+        assert_eq!(m.payload_len(), 8 + 27);
+        assert_eq!(m.kind(), Kind::Transport);
+        let tcp = Message::Transport {
+            transport: WireTransport::Tcp,
+            qps: vec![],
+        };
+        assert_eq!(payload(&tcp), [1, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            Message::decode(Kind::Transport, &payload(&m), &Limits::default()),
+            Ok(m)
+        );
+    }
+
+    #[test]
+    fn bad_transport_values_are_rejected() {
+        for bad in [0u8, 3, 0xff] {
+            let mut p = payload(&rdma(vec![QP]));
+            p[0] = bad;
+            let e = Message::decode(Kind::Transport, &p, &Limits::default()).unwrap_err();
+            assert_eq!(e, ProtoError::BadTransport { found: bad });
+            assert!(
+                e.to_string()
+                    .contains(&format!("Transport.transport {bad} is not a transport")),
+                "{e}"
+            );
+        }
+        assert_eq!(WireTransport::try_from(1), Ok(WireTransport::Tcp));
+        assert_eq!(WireTransport::try_from(2), Ok(WireTransport::Rdma));
+    }
+
+    #[test]
+    fn nonzero_transport_reserved_bytes_are_rejected() {
+        for (at, found) in [(1usize, 0x01u64), (2, 0x0100), (3, 0x01_0000)] {
+            let mut p = payload(&rdma(vec![QP]));
+            p[at] = 1;
+            assert_eq!(
+                Message::decode(Kind::Transport, &p, &Limits::default()),
+                Err(ProtoError::NonzeroReserved {
+                    field: "Transport.reserved",
+                    found
+                })
+            );
+        }
+    }
+
+    #[test]
+    fn queue_pairs_on_tcp_are_rejected() {
+        let m = Message::Transport {
+            transport: WireTransport::Tcp,
+            qps: vec![QP],
+        };
+        let want = ProtoError::QpsOnTcp { count: 1 };
+        assert_eq!(m.validate(&Limits::default()), Err(want.clone()));
+        let e = Message::decode(Kind::Transport, &payload(&m), &Limits::default()).unwrap_err();
+        assert_eq!(e, want);
+        assert!(e.to_string().contains("tcp"), "{e}");
+        // A huge count on tcp fails on the count itself, whatever the payload holds.
+        let mut p = payload(&m);
+        p[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            Message::decode(Kind::Transport, &p, &Limits::default()),
+            Err(ProtoError::QpsOnTcp { count: u32::MAX })
+        );
+    }
+
+    #[test]
+    fn qp_count_over_limit_is_rejected() {
+        let limits = Limits {
+            max_qps: 2,
+            ..Limits::default()
+        };
+        let m = rdma(vec![QP; 3]);
+        let want = ProtoError::CountOverLimit {
+            field: "Transport.qps",
+            count: 3,
+            limit: "max_qps",
+            max: 2,
+        };
+        assert_eq!(m.validate(&limits), Err(want.clone()));
+        let e = Message::decode(Kind::Transport, &payload(&m), &limits).unwrap_err();
+        assert_eq!(e, want);
+        assert_eq!(e.to_string(), "Transport.qps count 3 exceeds max_qps = 2");
+        let ok = rdma(vec![QP; 2]);
+        assert_eq!(ok.validate(&limits), Ok(()));
+        assert_eq!(
+            Message::decode(Kind::Transport, &payload(&ok), &limits),
+            Ok(ok)
+        );
+        assert_eq!(Limits::default().max_qps, 256);
+    }
+
+    #[test]
+    fn qp_count_beyond_payload_is_rejected() {
+        let limits = Limits {
+            max_qps: u32::MAX,
+            ..Limits::default()
+        };
+        let mut p = payload(&rdma(vec![QP, QP]));
+        p[4..8].copy_from_slice(&3u32.to_le_bytes());
+        assert_eq!(
+            Message::decode(Kind::Transport, &p, &limits),
+            Err(ProtoError::CountExceedsPayload {
+                field: "Transport.qps",
+                count: 3,
+                elem_size: 27,
+                remaining: 54
+            })
+        );
+        p[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            Message::decode(Kind::Transport, &p, &limits),
+            Err(ProtoError::CountExceedsPayload {
+                field: "Transport.qps",
+                count: u32::MAX,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn psn_over_24_bits_is_rejected_with_its_index() {
+        let limits = Limits::default();
+        for bad in [1u32 << 24, u32::MAX] {
+            let m = rdma(vec![QP, QpInfo { psn: bad, ..QP }]);
+            let want = ProtoError::BadPsn {
+                index: 1,
+                found: bad,
+            };
+            assert_eq!(m.validate(&limits), Err(want.clone()));
+            let e = Message::decode(Kind::Transport, &payload(&m), &limits).unwrap_err();
+            assert_eq!(e, want);
+            assert!(e.to_string().contains("Transport.qps[1].psn"), "{e}");
+        }
+        let edge = rdma(vec![QpInfo {
+            psn: QpInfo::MAX_PSN,
+            ..QP
+        }]);
+        assert_eq!(
+            Message::decode(Kind::Transport, &payload(&edge), &limits),
+            Ok(edge)
+        );
+    }
+
+    #[test]
+    fn mtu_outside_ibv_mtu_is_rejected_with_its_index() {
+        let limits = Limits::default();
+        for bad in [0u8, 6, 0xff] {
+            let m = rdma(vec![QpInfo { mtu: bad, ..QP }]);
+            let want = ProtoError::BadMtu {
+                index: 0,
+                found: bad,
+            };
+            assert_eq!(m.validate(&limits), Err(want.clone()));
+            let e = Message::decode(Kind::Transport, &payload(&m), &limits).unwrap_err();
+            assert_eq!(e, want);
+            assert!(e.to_string().contains("Transport.qps[0].mtu"), "{e}");
+        }
+        for mtu in QpInfo::MIN_MTU..=QpInfo::MAX_MTU {
+            let m = rdma(vec![QpInfo { mtu, ..QP }]);
+            assert_eq!(m.validate(&limits), Ok(()));
+            assert_eq!(
+                Message::decode(Kind::Transport, &payload(&m), &limits),
+                Ok(m)
+            );
+        }
+    }
+
+    #[test]
+    fn truncated_transport_payloads_name_the_field() {
+        let p = payload(&rdma(vec![QP]));
+        let cases = [
+            (0, "Transport.transport", 1),
+            (1, "Transport.reserved", 3),
+            (6, "Transport.qps", 4),
+            (8, "Transport.qps", 27),
+        ];
+        let limits = Limits::default();
+        for (cut, field, needed) in cases {
+            let e = Message::decode(Kind::Transport, &p[..cut], &limits).unwrap_err();
+            match e {
+                ProtoError::Truncated {
+                    field: f,
+                    needed: n,
+                    ..
+                } => assert_eq!((f, n), (field, needed), "cut at {cut}"),
+                ProtoError::CountExceedsPayload { field: f, .. } => {
+                    assert_eq!(f, field, "cut at {cut}")
+                }
+                other => panic!("cut at {cut}: {other}"),
+            }
+        }
+        // Any cut inside the entries fails on the count, before a queue pair is read.
+        for cut in 8..p.len() {
+            assert_eq!(
+                Message::decode(Kind::Transport, &p[..cut], &limits),
+                Err(ProtoError::CountExceedsPayload {
+                    field: "Transport.qps",
+                    count: 1,
+                    elem_size: 27,
+                    remaining: cut - 8
+                })
+            );
+        }
+    }
+
+    #[test]
+    fn validate_rejects_transport_over_control_limit() {
+        let limits = Limits {
+            max_control_payload: 8 + 27,
+            ..Limits::default()
+        };
+        assert_eq!(rdma(vec![QP]).validate(&limits), Ok(()));
+        assert_eq!(
+            rdma(vec![QP; 2]).validate(&limits),
+            Err(ProtoError::PayloadTooLarge {
+                kind: Kind::Transport,
+                len: 8 + 54,
+                max: 35
             })
         );
     }

@@ -31,9 +31,17 @@
 //! | `Abort`        | `room u64, generation u64, reason_len u32, reason UTF-8 bytes`           |
 //! | `AbortAck`     | `room u64, generation u64` (16 bytes)                                    |
 //! | `Heartbeat`    | `seq u64` (8 bytes)                                                      |
+//! | `Transport`    | `transport u8 (1 = tcp, 2 = rdma), reserved u8 × 3 (0), n_qps u32`, then `n_qps` queue pairs, each `qpn u32, psn u32 (< 2^24), lid u16, gid [u8; 16], mtu u8 (ibv_mtu, 1..=5)` (27 bytes, unpadded); `n_qps` is 0 for tcp |
 //!
 //! The encoding is canonical: a payload that decodes successfully re-encodes to the
 //! same bytes.
+//!
+//! # Handshake
+//!
+//! On the control connection each side sends `Hello`, then `Registration`, then one
+//! `Transport` naming the transport it moves data with (and, for RDMA, its queue
+//! pairs); data connections carry only `Hello` before data frames. Whether the two
+//! sides' transports and queue-pair counts fit together is the engine's check.
 //!
 //! # Validation
 //!
@@ -59,7 +67,10 @@ mod wire;
 
 pub use data::{DataHeader, Target};
 pub use frame::{FrameHeader, Kind, Limits, ProtoError};
-pub use message::{truncate_reason, BufferInfo, ConnKind, Layout, Message, Registration, Role};
+pub use message::{
+    truncate_reason, BufferInfo, ConnKind, Layout, Message, QpInfo, Registration, Role,
+    WireTransport,
+};
 pub use stream::{read_control, read_data_header, read_frame_header, ReadError};
 
 /// The frame magic, `0x4B56_5846`. Encoded little-endian, so the first four bytes of
@@ -67,7 +78,9 @@ pub use stream::{read_control, read_data_header, read_frame_header, ReadError};
 pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 
 /// The protocol version this build speaks and accepts (frame header and `Hello`).
-pub const PROTO_VERSION: u16 = 1;
+///
+/// Version 2 added [`Kind::Transport`] to the control handshake.
+pub const PROTO_VERSION: u16 = 2;
 
 /// Length in bytes of the fixed frame header that starts every frame.
 pub const FRAME_HEADER_LEN: usize = 16;

@@ -428,6 +428,7 @@ mod tests {
             max_buffers: 2,
             max_reason_len: 8,
             max_data_bytes: 16,
+            max_qps: 2,
         };
         let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
         let (mut accepted, mut rejected) = (0usize, 0usize);
