@@ -138,13 +138,15 @@ fn is_ipv4_mapped(gid: &[u8; 16]) -> bool {
     gid[..10].iter().all(|&b| b == 0) && gid[10] == 0xff && gid[11] == 0xff
 }
 
-/// The port's valid GIDs as (index, gid, RoCE v2?).
+/// The port's valid GIDs as (index, gid, RoCE v2?); `len` is the port's GID table length
+/// and `ports` the device's port count.
 ///
 /// # Safety
 /// `ctx` is an open device context.
 unsafe fn gid_table(
     ctx: *mut sys::ibv_context,
     port: u8,
+    ports: u8,
     len: usize,
 ) -> Result<Vec<(u32, [u8; 16], bool)>, String> {
     let blank = sys::ibv_gid_entry {
@@ -154,8 +156,8 @@ unsafe fn gid_table(
         gid_type: 0,
         ndev_ifindex: 0,
     };
-    // The table call fills entries of every port; size it generously.
-    let mut entries = vec![blank; len.max(1) * 4];
+    // The table call fills the entries of every port.
+    let mut entries = vec![blank; len.max(1) * ports.max(1) as usize];
     // SAFETY: `ctx` is open (caller); `entries` is a writable array of `entries.len()`
     // `ibv_gid_entry`, whose size the wrapper passes along.
     let n = unsafe { sys::ibv_query_gid_table(ctx, entries.as_mut_ptr(), entries.len(), 0) };
@@ -218,7 +220,7 @@ fn choose_port(
         let mtu = attr.active_mtu.clamp(1, 5) as u8;
         if attr.link_layer == sys::IBV_LINK_LAYER_ETHERNET {
             // SAFETY: `raw` is an open context.
-            let table = unsafe { gid_table(raw, port, attr.gid_tbl_len.max(0) as usize) }?;
+            let table = unsafe { gid_table(raw, port, ports, attr.gid_tbl_len.max(0) as usize) }?;
             let pick = table
                 .iter()
                 .filter(|g| g.0 <= u8::MAX as u32)
@@ -377,10 +379,16 @@ impl Device {
             )
         }
         .map_err(|e| {
-            io_error(
+            let e = io_error(
                 format!("{}: ibv_reg_mr({base:#x}, {len} bytes)", self.name),
                 &e,
-            )
+            );
+            if e.kind() == io::ErrorKind::OutOfMemory {
+                // The usual cause: the locked-memory limit, not a lack of memory.
+                io::Error::new(e.kind(), format!("{e} (check ulimit -l / RLIMIT_MEMLOCK)"))
+            } else {
+                e
+            }
         })?;
         Ok(Region { mr, base, len })
     }
