@@ -14,6 +14,7 @@ use std::sync::OnceLock;
 
 pub use state::{Event, Refusal, State, StateWord};
 pub use table::RoomTable;
+use table::SlotByte;
 
 use crate::config::Role;
 
@@ -134,7 +135,8 @@ pub struct Room<T = ()> {
     id: u64,
     generation: u64,
     role: Role,
-    state: StateWord,
+    /// In the table's slab of state bytes (see [`SlotByte`]), where polls read it.
+    state: StateWord<SlotByte>,
     /// Set at most once, by the first `fail` attempt on a live room, before its
     /// compare-and-swap; read only once the state is `Failed`.
     reason: OnceLock<FailureReason>,
@@ -159,7 +161,7 @@ impl<T> Room<T> {
             id,
             generation,
             role,
-            state: StateWord::new(State::Bootstrapping),
+            state: StateWord::with_atomic(State::Bootstrapping),
             reason: OnceLock::new(),
             deadline_ms: AtomicU64::new(deadline_ms),
             io: AtomicU32::new(0),
