@@ -28,11 +28,13 @@ pub enum Kind {
     /// Transport agreement and RDMA queue-pair data, once per peer right after
     /// `Registration` ([`Message::Transport`](super::Message::Transport)).
     Transport = 9,
+    /// Prefill → decode over RDMA: writes of a room completed ([`Message::Progress`](super::Message::Progress)).
+    Progress = 10,
 }
 
 impl Kind {
     /// Every kind, in wire-value order.
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 10] = [
         Kind::Hello,
         Kind::Registration,
         Kind::Destination,
@@ -42,6 +44,7 @@ impl Kind {
         Kind::AbortAck,
         Kind::Heartbeat,
         Kind::Transport,
+        Kind::Progress,
     ];
 
     /// The wire value.
@@ -61,6 +64,7 @@ impl Kind {
             7 => Some(Kind::AbortAck),
             8 => Some(Kind::Heartbeat),
             9 => Some(Kind::Transport),
+            10 => Some(Kind::Progress),
             _ => None,
         }
     }
@@ -83,6 +87,7 @@ impl Kind {
             Kind::AbortAck => "AbortAck",
             Kind::Heartbeat => "Heartbeat",
             Kind::Transport => "Transport",
+            Kind::Progress => "Progress",
         }
     }
 }
@@ -646,7 +651,7 @@ mod tests {
     #[test]
     fn kind_values_are_fixed() {
         let values: Vec<u8> = Kind::ALL.iter().map(|k| k.as_u8()).collect();
-        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
         for v in 0..=u8::MAX {
             match Kind::try_from(v) {
                 Ok(k) => assert_eq!(k.as_u8(), v),
@@ -705,7 +710,7 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected() {
-        for k in [0u8, 10, 0xff] {
+        for k in [0u8, 11, 0xff] {
             assert_eq!(
                 FrameHeader::decode(&header_bytes(k, 0), &Limits::default()),
                 Err(ProtoError::UnknownKind { found: k })

@@ -342,6 +342,18 @@ pub enum Message {
         /// Whether the aux slot was sent.
         aux_sent: bool,
     },
+    /// Prefill → decode over RDMA: RDMA WRITEs of the room completed (the decode side
+    /// sees no data frames; this is its progress, counted as frames would be).
+    Progress {
+        /// Room id.
+        room: u64,
+        /// Generation of the room id.
+        generation: u64,
+        /// KV page writes completed (pages × buffers, as data frames count them).
+        pages: u32,
+        /// Aux rows completed.
+        aux_rows: u32,
+    },
     /// Either direction: the room failed; the peer must fail it too.
     Abort {
         /// Room id.
@@ -415,6 +427,7 @@ impl Message {
             Message::AbortAck { .. } => Kind::AbortAck,
             Message::Heartbeat { .. } => Kind::Heartbeat,
             Message::Transport { .. } => Kind::Transport,
+            Message::Progress { .. } => Kind::Progress,
         }
     }
 
@@ -428,6 +441,7 @@ impl Message {
                 .saturating_add(n(reg.aux.len(), BUFFER_INFO_LEN as u64)),
             Message::Destination { pages, .. } => 28u64.saturating_add(n(pages.len(), 4)),
             Message::Done { .. } => 29,
+            Message::Progress { .. } => 24,
             Message::Abort { reason, .. } => 20u64.saturating_add(reason.len() as u64),
             Message::AbortAck { .. } => 16,
             Message::Heartbeat { .. } => 8,
@@ -502,6 +516,7 @@ impl Message {
             },
             Message::Hello { .. }
             | Message::Done { .. }
+            | Message::Progress { .. }
             | Message::AbortAck { .. }
             | Message::Heartbeat { .. } => {}
         }
@@ -581,6 +596,17 @@ impl Message {
                 put_u64(out, *room);
                 put_u32(out, *pages_sent);
                 out.push(u8::from(*aux_sent));
+            }
+            Message::Progress {
+                room,
+                generation,
+                pages,
+                aux_rows,
+            } => {
+                put_u64(out, *room);
+                put_u64(out, *generation);
+                put_u32(out, *pages);
+                put_u32(out, *aux_rows);
             }
             Message::Abort {
                 room,
@@ -698,6 +724,12 @@ impl Message {
                     aux_sent,
                 }
             }
+            Kind::Progress => Message::Progress {
+                room: r.u64("Progress.room")?,
+                generation: r.u64("Progress.generation")?,
+                pages: r.u32("Progress.pages")?,
+                aux_rows: r.u32("Progress.aux_rows")?,
+            },
             Kind::Abort => {
                 let room = r.u64("Abort.room")?;
                 let generation = r.u64("Abort.generation")?;
@@ -856,6 +888,18 @@ pub(super) fn sample_messages() -> Vec<Message> {
             generation: 0,
             pages_sent: 0,
             aux_sent: false,
+        },
+        Message::Progress {
+            room: 7,
+            generation: 3,
+            pages: 64,
+            aux_rows: 1,
+        },
+        Message::Progress {
+            room: u64::MAX,
+            generation: u64::MAX,
+            pages: u32::MAX,
+            aux_rows: 0,
         },
         Message::Abort {
             room: 7,
