@@ -92,6 +92,17 @@ struct EngineFree {
 using ConfigPtr = std::unique_ptr<kvxfer_config, ConfigFree>;
 using EnginePtr = std::unique_ptr<kvxfer_engine, EngineFree>;
 
+/// The transport the suites run over: `tcp`, unless KVXFER_TEST_TRANSPORT says otherwise
+/// (`make test-rdma` runs them with `rdma` inside a soft-RoCE guest). Keys a test sets
+/// itself come after it and win.
+inline const char *test_transport() {
+    const char *t = std::getenv("KVXFER_TEST_TRANSPORT");
+    return t != nullptr && *t != '\0' ? t : "tcp";
+}
+
+/// Whether this run has an RDMA device (the soft-RoCE guest).
+inline bool rdma_device_present() { return std::string(test_transport()) == "rdma"; }
+
 inline ConfigPtr new_config() {
     kvxfer_config *c = nullptr;
     kvxfer_status st = kvxfer_config_new(&c);
@@ -104,6 +115,7 @@ inline ConfigPtr config(const char *role,
                         const std::vector<std::pair<std::string, std::string>> &keys = {}) {
     ConfigPtr c = new_config();
     EXPECT_TRUE(ok(kvxfer_config_set(c.get(), "role", role)));
+    EXPECT_TRUE(ok(kvxfer_config_set(c.get(), "transport", test_transport())));
     for (const auto &kv : keys) {
         EXPECT_TRUE(ok(kvxfer_config_set(c.get(), kv.first.c_str(), kv.second.c_str())))
             << kv.first << "=" << kv.second;

@@ -51,6 +51,10 @@ pub struct Config {
     pub connections_per_peer: usize,
     /// `rdma_devices`: comma-separated device names; empty means all active ports.
     pub rdma_devices: Vec<String>,
+    /// `rdma_slice_bytes`: longest single RDMA WRITE; longer runs are split.
+    pub rdma_slice_bytes: usize,
+    /// `rdma_queue_depth`: most RDMA WRITEs outstanding on one queue pair.
+    pub rdma_queue_depth: u32,
     /// `bootstrap_timeout_ms`.
     pub bootstrap_timeout_ms: u64,
     /// `waiting_timeout_ms`.
@@ -76,6 +80,8 @@ impl Default for Config {
             workers: 4,
             connections_per_peer: 2,
             rdma_devices: Vec::new(),
+            rdma_slice_bytes: 1 << 20,
+            rdma_queue_depth: 128,
             bootstrap_timeout_ms: 30_000,
             waiting_timeout_ms: 60_000,
             transfer_timeout_ms: 30_000,
@@ -95,6 +101,8 @@ pub const KEYS: &[&str] = &[
     "workers",
     "connections_per_peer",
     "rdma_devices",
+    "rdma_slice_bytes",
+    "rdma_queue_depth",
     "bootstrap_timeout_ms",
     "waiting_timeout_ms",
     "transfer_timeout_ms",
@@ -148,6 +156,8 @@ impl Config {
                 }
                 self.rdma_devices = names;
             }
+            "rdma_slice_bytes" => self.rdma_slice_bytes = int(key, value, 4096, 1 << 30)? as usize,
+            "rdma_queue_depth" => self.rdma_queue_depth = int(key, value, 1, 4096)? as u32,
             "bootstrap_timeout_ms" => self.bootstrap_timeout_ms = timeout(key, value)?,
             "waiting_timeout_ms" => self.waiting_timeout_ms = timeout(key, value)?,
             "transfer_timeout_ms" => self.transfer_timeout_ms = timeout(key, value)?,
@@ -237,6 +247,8 @@ mod tests {
             ("workers", "8"),
             ("connections_per_peer", "3"),
             ("rdma_devices", "mlx5_0, rxe0"),
+            ("rdma_slice_bytes", "65536"),
+            ("rdma_queue_depth", "32"),
             ("bootstrap_timeout_ms", "100"),
             ("waiting_timeout_ms", "200"),
             ("transfer_timeout_ms", "300"),
@@ -253,6 +265,7 @@ mod tests {
         assert_eq!(c.role, Some(Role::Decode));
         assert_eq!(c.workers, 8);
         assert_eq!(c.rdma_devices, vec!["mlx5_0", "rxe0"]);
+        assert_eq!((c.rdma_slice_bytes, c.rdma_queue_depth), (65536, 32));
         assert_eq!(c.drain_timeout_ms, 400);
         assert_eq!(c.log_level, Level::Debug);
     }
@@ -271,6 +284,8 @@ mod tests {
             ("heartbeat_misses", "x"),
             ("drain_timeout_ms", "0"),
             ("rdma_devices", "a;b"),
+            ("rdma_slice_bytes", "100"),
+            ("rdma_queue_depth", "0"),
             ("log_level", "loud"),
         ] {
             let e = c.set(k, v).unwrap_err();

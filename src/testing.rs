@@ -15,6 +15,12 @@
 //! - `"worker.before_complete"` (same function): every byte of the room's last chunk is
 //!   written; the worker has not yet claimed SUCCESS nor sent Done.
 //!
+//! Faults are one-shot, per room: a test injects one ([`inject_fault`]) and the engine
+//! takes it at the named place. Faults in the engine:
+//! - `"rdma.bad_rkey"` (src/transport/rdma/link.rs): the next RDMA WRITE of the room
+//!   goes out with a wrong remote key, so the decode side's device refuses it and the
+//!   write completes in error (remote access error).
+//!
 //! A parked thread gives up after [`PARK_LIMIT`] so that a test that fails before
 //! releasing cannot hang the engine's shutdown.
 
@@ -99,6 +105,33 @@ pub fn release(name: &str, room: u64) {
             Phase::Released => {}
         }
         CHANGED.notify_all();
+    }
+}
+
+static FAULTS: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+/// Faults injected and not yet taken: the engine's fast path skips the lock when zero.
+static INJECTED: AtomicUsize = AtomicUsize::new(0);
+
+/// Injects fault `name` for room `room`: the engine takes it once at that place.
+pub fn inject_fault(name: &str, room: u64) {
+    FAULTS.lock().push((name.to_string(), room));
+    INJECTED.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Engine side: whether fault `name` was injected for `room` (and takes it).
+#[allow(dead_code)]
+pub(crate) fn take_fault(name: &str, room: u64) -> bool {
+    if INJECTED.load(Ordering::Relaxed) == 0 {
+        return false;
+    }
+    let mut faults = FAULTS.lock();
+    match faults.iter().position(|(n, r)| n == name && *r == room) {
+        Some(i) => {
+            faults.remove(i);
+            INJECTED.fetch_sub(1, Ordering::SeqCst);
+            true
+        }
+        None => false,
     }
 }
 

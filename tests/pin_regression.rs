@@ -24,7 +24,7 @@ use common::Region;
 use kvxfer::log::{Level, Logger};
 use kvxfer::proto::{
     self, BufferInfo, ConnKind, Kind, Layout, Limits, Message, ReadError, Registration, Role,
-    PROTO_VERSION,
+    WireTransport, PROTO_VERSION,
 };
 use kvxfer::testing;
 use kvxfer::{Cause, Config, Engine, ErrorKind, RoomPeers, State};
@@ -575,6 +575,7 @@ fn the_prefill_writes_no_done_frame_for_a_room_that_failed_first() {
         layout: Layout::default(),
     };
     send_msg(&mut ctrl, &Message::Registration(reg));
+    fake_transport_as_decode(&mut ctrl);
     let mut data = TcpStream::connect(p.address()).unwrap();
     data.set_read_timeout(Some(LIMIT)).unwrap();
     send_msg(&mut data, &hello(ConnKind::Data, id));
@@ -642,8 +643,26 @@ fn fake_decode_ctrl(p: &Engine, id: u64) -> TcpStream {
         layout: Layout::default(),
     };
     send_msg(&mut ctrl, &Message::Registration(reg));
+    fake_transport_as_decode(&mut ctrl);
     ctrl
 }
+
+/// The fake decode engine's transport agreement: TCP.
+fn fake_transport_as_decode(ctrl: &mut TcpStream) {
+    send_msg(ctrl, &TCP_TRANSPORT);
+    assert!(matches!(
+        recv_msg(ctrl),
+        Message::Transport {
+            transport: WireTransport::Tcp,
+            ..
+        }
+    ));
+}
+
+const TCP_TRANSPORT: Message = Message::Transport {
+    transport: WireTransport::Tcp,
+    qps: Vec::new(),
+};
 
 /// DESIGN.md section 2: an abort on the prefill side fails the room and the decode side
 /// is told. Found by tests/storm.rs (a decode room left WAITING_FOR_INPUT until its
@@ -778,6 +797,14 @@ fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
             layout: Layout::default(),
         }),
     );
+    assert!(matches!(
+        recv_msg(&mut ctrl),
+        Message::Transport {
+            transport: WireTransport::Tcp,
+            ..
+        }
+    ));
+    send_msg(&mut ctrl, &TCP_TRANSPORT);
     let (mut data, _) = l.accept().unwrap();
     data.set_read_timeout(Some(LIMIT)).unwrap();
     assert!(matches!(recv_msg(&mut data), Message::Hello { .. }));

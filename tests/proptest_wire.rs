@@ -523,6 +523,14 @@ fn fake_decode(addr: &str, id: u64) -> TcpStream {
     assert!(matches!(recv(&mut s), Message::Hello { .. }));
     assert!(matches!(recv(&mut s), Message::Registration(_)));
     send(&mut s, &Message::Registration(registration()));
+    send(
+        &mut s,
+        &Message::Transport {
+            transport: WireTransport::Tcp,
+            qps: vec![],
+        },
+    );
+    assert!(matches!(recv(&mut s), Message::Transport { .. }));
     s
 }
 

@@ -46,7 +46,7 @@ impl Mem {
 fn engine(role: &str, mem: &mut Mem, extra: &[(&str, &str)]) -> Engine {
     let mut c = Config::default();
     c.set("role", role).unwrap();
-    c.set("transport", "tcp").unwrap();
+    c.set("transport", &common::test_transport()).unwrap();
     c.set("workers", "2").unwrap();
     for (k, v) in extra {
         c.set(k, v).unwrap();

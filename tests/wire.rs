@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::proto::{
     self, BufferInfo, ConnKind, DataHeader, Layout, Limits, Message, Registration, Role, Target,
-    PROTO_VERSION,
+    WireTransport, PROTO_VERSION,
 };
 use kvxfer::{Cause, Engine, RoomPeers, State};
 
@@ -83,8 +83,21 @@ fn fake_decode(addr: &str, id: u64) -> TcpStream {
     ));
     assert!(matches!(recv(&mut s), Message::Registration(_)));
     send(&mut s, &Message::Registration(registration(2)));
+    send(&mut s, &TCP_TRANSPORT);
+    assert!(matches!(
+        recv(&mut s),
+        Message::Transport {
+            transport: WireTransport::Tcp,
+            ..
+        }
+    ));
     s
 }
+
+const TCP_TRANSPORT: Message = Message::Transport {
+    transport: WireTransport::Tcp,
+    qps: Vec::new(),
+};
 
 /// The engine closes the connection: reads end in EOF or a reset within the timeout.
 fn assert_closed(s: &mut TcpStream) {
@@ -246,6 +259,14 @@ fn fake_prefill(d: &Engine, room: u64) -> FakePrefill {
     send(&mut ctrl, &hello(Role::Prefill, ConnKind::Control, 99));
     assert!(matches!(recv(&mut ctrl), Message::Registration(_)));
     send(&mut ctrl, &Message::Registration(registration(2)));
+    assert!(matches!(
+        recv(&mut ctrl),
+        Message::Transport {
+            transport: WireTransport::Tcp,
+            ..
+        }
+    ));
+    send(&mut ctrl, &TCP_TRANSPORT);
     let (mut data, _) = l.accept().unwrap();
     assert!(matches!(
         recv(&mut data),

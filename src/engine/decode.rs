@@ -40,6 +40,11 @@ struct DecodeState {
     sent: bool,
     /// Per peer (same order as `peers`): KV page-writes received, aux rows received, done.
     progress: Vec<Progress>,
+    /// RDMA, per peer: it can write into the room no more (it acknowledged the abort, or
+    /// its queue pairs are shut).
+    quiet: Vec<bool>,
+    /// RDMA: engine-clock ms after which a failed room's silent peers are cut off.
+    drain_deadline_ms: Option<u64>,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -63,6 +68,7 @@ impl DecodeRoom {
             peers,
             inner: Mutex::new(DecodeState {
                 progress: vec![Progress::default(); n],
+                quiet: vec![false; n],
                 ..Default::default()
             }),
         }
@@ -394,7 +400,14 @@ impl Shared {
 
     /// A prefill engine's Done: check it delivered everything, then complete the room
     /// when every prefill engine is done.
-    fn on_done(&self, peer: &Arc<Peer>, id: u64, generation: u64, pages_sent: u32, aux_sent: bool) {
+    pub(crate) fn on_done(
+        &self,
+        peer: &Arc<Peer>,
+        id: u64,
+        generation: u64,
+        pages_sent: u32,
+        aux_sent: bool,
+    ) {
         let Some(room) = self.rooms.get_generation(id, generation) else {
             self.metrics
                 .unknown_room_frames
@@ -460,6 +473,126 @@ impl Shared {
                 }
             }
             (None, false) => {}
+        }
+    }
+
+    /// Whether no peer can still write into a decode room's pages over RDMA: the room
+    /// succeeded (every write completed before Done), its destination never went out, or
+    /// every peer acknowledged the abort or was cut off. Always true over TCP, where the
+    /// receiver itself refuses late bytes, and on the prefill side.
+    pub(crate) fn decode_quiet(&self, room: &ERoom) -> bool {
+        if self.rdma.is_none() || room.state() == State::Success {
+            return true;
+        }
+        let Some(d) = ext(room) else { return true };
+        let st = d.inner.lock();
+        !st.sent || st.quiet.iter().all(|&q| q)
+    }
+
+    /// `peer` can no longer write into `room` (decode side).
+    pub(crate) fn decode_peer_quiet(&self, room: &ERoom, peer: &Arc<Peer>) {
+        let Some(d) = ext(room) else { return };
+        if let Some(i) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) {
+            d.inner.lock().quiet[i] = true;
+        }
+    }
+
+    /// A prefill engine's AbortAck: its writes into the room have all completed.
+    pub(crate) fn decode_on_abort_ack(&self, peer: &Arc<Peer>, id: u64, generation: u64) {
+        if let Some(room) = self.rooms.get_generation(id, generation) {
+            self.decode_peer_quiet(&room, peer);
+        }
+    }
+
+    /// RDMA: a prefill engine's writes of one batch of the room completed. Counts them
+    /// as TCP data frames would be counted, and re-arms the no-progress deadline.
+    pub(crate) fn decode_on_progress(
+        &self,
+        peer: &Arc<Peer>,
+        id: u64,
+        generation: u64,
+        pages: u32,
+        aux_rows: u32,
+    ) {
+        let Some(room) = self.rooms.get_generation(id, generation) else {
+            self.metrics
+                .unknown_room_frames
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let Some(d) = ext(&room) else { return };
+        if room.state().is_terminal() {
+            return;
+        }
+        let Some(idx) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) else {
+            return;
+        };
+        {
+            let mut st = d.inner.lock();
+            if !st.sent {
+                drop(st);
+                self.fail_room(
+                    &room,
+                    FailureReason::local(
+                        Cause::Mismatch,
+                        format!(
+                            "room {id}: {} wrote before it had the destination",
+                            peer.name
+                        ),
+                    ),
+                    None,
+                );
+                return;
+            }
+            let pr = &mut st.progress[idx];
+            pr.kv_pages += pages as u64;
+            pr.aux_rows += aux_rows as u64;
+        }
+        let bytes: u64 = self
+            .kv
+            .get()
+            .map_or(0, |m| m.buffers().first().map_or(0, |b| b.item_len as u64))
+            * pages as u64;
+        self.metrics
+            .bytes_received
+            .fetch_add(bytes, Ordering::Relaxed);
+        room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
+        let _ = room.advance(Event::Start);
+    }
+
+    /// Watchdog duty over RDMA: a failed decode room whose peers have not all
+    /// acknowledged within `drain_timeout_ms` has those peers cut off (their queue pairs
+    /// shut), so that it drains and no late write can land in its pages.
+    pub(crate) fn decode_drain_deadline(&self, room: &ERoom, now: u64) {
+        if self.rdma.is_none() || room.state() != State::Failed || self.decode_quiet(room) {
+            return;
+        }
+        let Some(d) = ext(room) else { return };
+        let silent: Vec<Arc<Peer>> = {
+            let mut st = d.inner.lock();
+            let deadline = *st
+                .drain_deadline_ms
+                .get_or_insert(now.saturating_add(self.config.drain_timeout_ms));
+            if now < deadline {
+                return;
+            }
+            d.peers
+                .iter()
+                .zip(&st.quiet)
+                .filter(|(_, &q)| !q)
+                .map(|(p, _)| p.clone())
+                .collect()
+        };
+        for p in silent {
+            self.lose_peer(
+                &p,
+                format!(
+                    "no acknowledgement of the abort of room {} within drain_timeout_ms={}",
+                    room.id(),
+                    self.config.drain_timeout_ms
+                ),
+            );
+            self.decode_peer_quiet(room, &p);
         }
     }
 }

@@ -27,6 +27,7 @@ use crate::error::Result;
 use crate::log::Logger;
 use crate::proto::{Limits, Message};
 use crate::room::{Cause, FailureReason, Room, RoomTable, State};
+use crate::transport::rdma::verbs::{Device, Region};
 use crate::transport::Memory;
 use decode::DecodeRoom;
 use metrics::Metrics;
@@ -80,6 +81,10 @@ pub(crate) struct Job {
     chunk: Chunk,
 }
 
+/// An abort acknowledgement waiting for its room's writes: room id, room generation,
+/// the peer to tell, and the generation it knows the room by.
+type PendingAck = (u64, u64, Arc<Peer>, u64);
+
 pub(crate) struct Shared {
     role: Role,
     config: Config,
@@ -90,6 +95,15 @@ pub(crate) struct Shared {
     rooms: RoomTable<RoomExt>,
     kv: OnceLock<Memory>,
     aux: OnceLock<Memory>,
+    /// The RDMA device data moves through, or `None` over TCP.
+    rdma: Option<Arc<Device>>,
+    /// RDMA memory regions of the KV and aux buffers (RDMA only), deregistered when the
+    /// engine is freed.
+    kv_regions: OnceLock<Arc<Vec<Region>>>,
+    aux_regions: OnceLock<Arc<Vec<Region>>>,
+    /// Prefill over RDMA: abort acknowledgements waiting for their room's outstanding
+    /// writes to complete (room id, room generation, peer, decode generation).
+    pending_acks: Mutex<Vec<PendingAck>>,
     clock: Instant,
     stopping: AtomicBool,
     wake: (Mutex<()>, Condvar),
@@ -157,16 +171,51 @@ impl Shared {
             from,
             msg
         );
+        let rdma_prefill = self.rdma.is_some() && self.role == Role::Prefill;
         for (peer, generation) in self.room_peers(room) {
-            if origin.is_some_and(|o| Arc::ptr_eq(o, &peer)) {
-                continue;
+            if !origin.is_some_and(|o| Arc::ptr_eq(o, &peer)) {
+                peer.send(
+                    self,
+                    &Message::abort(room.id(), generation, &msg, &self.limits),
+                );
             }
-            peer.send(
-                self,
-                &Message::abort(room.id(), generation, &msg, &self.limits),
-            );
+            if rdma_prefill {
+                // The decode side may reuse the pages only once our writes are done.
+                self.queue_ack(room, peer, generation);
+            }
         }
         true
+    }
+
+    /// Prefill over RDMA: acknowledges the abort of `room` to `peer` once no write of
+    /// the room is outstanding (at once if none is).
+    fn queue_ack(&self, room: &ERoom, peer: Arc<Peer>, generation: u64) {
+        self.pending_acks
+            .lock()
+            .push((room.id(), room.generation(), peer, generation));
+        self.send_due_acks();
+    }
+
+    /// Sends every pending acknowledgement whose room has no write outstanding. Called
+    /// after queueing one, by a worker after each batch of a terminal room, and by the
+    /// watchdog.
+    fn send_due_acks(&self) {
+        let mut due = Vec::new();
+        self.pending_acks
+            .lock()
+            .retain(|(id, room_gen, peer, generation)| {
+                let busy = self
+                    .rooms
+                    .get_generation(*id, *room_gen)
+                    .is_some_and(|r| r.io_in_flight() > 0);
+                if !busy {
+                    due.push((peer.clone(), *id, *generation));
+                }
+                busy
+            });
+        for (peer, room, generation) in due {
+            peer.send(self, &Message::AbortAck { room, generation });
+        }
     }
 
     /// The peers a room talks to, with the generation messages about it carry (always
@@ -192,14 +241,18 @@ impl Shared {
         if self.role == Role::Prefill {
             self.prefill_on_abort(peer, id, generation, reason);
             // Over TCP nothing is outstanding once the worker sees the room terminal: the
-            // decode side refuses every later byte itself, so acknowledge at once.
-            peer.send(
-                self,
-                &Message::AbortAck {
-                    room: id,
-                    generation,
-                },
-            );
+            // decode side refuses every later byte itself, so acknowledge at once. Over
+            // RDMA, only once the room's posted writes have completed.
+            match self.rooms.get(id).filter(|_| self.rdma.is_some()) {
+                Some(room) => self.queue_ack(&room, peer.clone(), generation),
+                None => peer.send(
+                    self,
+                    &Message::AbortAck {
+                        room: id,
+                        generation,
+                    },
+                ),
+            }
             return;
         }
         match self.rooms.get_generation(id, generation) {
@@ -269,32 +322,25 @@ impl Engine {
     /// acceptor, the workers and the watchdog.
     pub fn new(config: Config, log: Logger) -> Result<Engine> {
         let role = config.require_role()?;
-        match config.transport {
-            TransportKind::Rdma => {
-                return Err(err!(
-                    TransportUnavailable,
-                    "transport 'rdma' is not available: this build has no RDMA transport yet \
-                     (use 'tcp' or 'auto')"
-                ))
-            }
-            TransportKind::Auto | TransportKind::Tcp => {}
-        }
+        let (rdma, why_tcp) = choose_transport(&config, &log)?;
         let listener = bind(&config.listen)?;
         let local = listener
             .local_addr()
             .map_err(|e| err!(Io, "cannot read the listening address: {e}"))?;
         let address = advertised(local);
-        let auto = config.transport == TransportKind::Auto;
-        crate::log!(
-            log,
-            Info,
-            "{role} engine listening on {address}, transport tcp{}",
-            if auto {
-                " (auto: no RDMA transport in this build)"
-            } else {
-                ""
-            }
-        );
+        match &rdma {
+            Some(dev) => crate::log!(
+                log,
+                Info,
+                "{role} engine listening on {address}, transport rdma ({})",
+                dev.describe()
+            ),
+            None => crate::log!(
+                log,
+                Info,
+                "{role} engine listening on {address}, transport tcp{why_tcp}"
+            ),
+        }
         let workers = config.workers;
         let (senders, receivers): (Vec<_>, Vec<_>) =
             (0..workers).map(|_| mpsc::channel::<Job>()).unzip();
@@ -308,6 +354,10 @@ impl Engine {
             rooms: RoomTable::new(),
             kv: OnceLock::new(),
             aux: OnceLock::new(),
+            rdma,
+            kv_regions: OnceLock::new(),
+            aux_regions: OnceLock::new(),
+            pending_acks: Mutex::new(Vec::new()),
             clock: Instant::now(),
             stopping: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
@@ -351,7 +401,7 @@ impl Engine {
 
     /// Registers the KV buffers (once per engine).
     pub fn register_kv(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        register(&self.shared.kv, bufs, None, "kv")
+        self.shared.register(bufs, None, false)
     }
 
     /// Registers the KV buffers with a layer id each (once per engine): buffers then pair
@@ -375,12 +425,12 @@ impl Engine {
                 "kv buffer {i}: layer id {l} is too large"
             ));
         }
-        register(&self.shared.kv, bufs, Some(layers), "kv")
+        self.shared.register(bufs, Some(layers), false)
     }
 
     /// Registers the aux buffers (once per engine).
     pub fn register_aux(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        register(&self.shared.aux, bufs, None, "aux")
+        self.shared.register(bufs, None, true)
     }
 
     /// Creates room `id` in `Bootstrapping`.
@@ -571,7 +621,8 @@ impl Engine {
     /// operation can still touch it (decode: no write into its pages can still land;
     /// prefill: no read of its source pages is still in progress).
     pub fn room_drained(&self, id: u64) -> Result<bool> {
-        Ok(self.shared.room(id)?.drained())
+        let room = self.shared.room(id)?;
+        Ok(room.drained() && self.shared.decode_quiet(&room))
     }
 
     /// Releases room `id` (aborting it first if live). A second clear finds no room.
@@ -641,12 +692,76 @@ impl Engine {
     }
 }
 
+/// The RDMA device to use, or `None` for TCP with the reason (for the log).
+fn choose_transport(config: &Config, log: &Logger) -> Result<(Option<Arc<Device>>, String)> {
+    let names = if config.rdma_devices.is_empty() {
+        "any device with an active port".to_string()
+    } else {
+        format!("rdma_devices={}", config.rdma_devices.join(","))
+    };
+    match config.transport {
+        TransportKind::Tcp => Ok((None, String::new())),
+        TransportKind::Rdma => match Device::open(&config.rdma_devices) {
+            Ok(Some(dev)) => Ok((Some(dev), String::new())),
+            Ok(None) => Err(err!(
+                TransportUnavailable,
+                "transport 'rdma': no usable RDMA device ({names}; is libibverbs installed and \
+                 a port ACTIVE?); use transport 'tcp' or 'auto'"
+            )),
+            Err(why) => Err(err!(TransportUnavailable, "transport 'rdma': {why}")),
+        },
+        TransportKind::Auto => match Device::open(&config.rdma_devices) {
+            Ok(Some(dev)) => Ok((Some(dev), String::new())),
+            Ok(None) => Ok((None, format!(" (auto: no usable RDMA device, {names})"))),
+            Err(why) => {
+                crate::log!(log, Warn, "transport auto: RDMA unusable, using TCP: {why}");
+                Ok((None, format!(" (auto: RDMA unusable: {why})")))
+            }
+        },
+    }
+}
+
 impl Shared {
+    /// Registers the KV (or aux) buffers, and over RDMA their memory regions.
+    fn register(&self, bufs: Vec<BufferDesc>, layers: Option<Vec<u32>>, aux: bool) -> Result<()> {
+        let (slot, regions_slot, what) = if aux {
+            (&self.aux, &self.aux_regions, "aux")
+        } else {
+            (&self.kv, &self.kv_regions, "kv")
+        };
+        let mut regions = Vec::new();
+        if let Some(dev) = &self.rdma {
+            check_buffers(&bufs, what)?;
+            if slot.get().is_some() {
+                return Err(err!(WrongState, "{what} buffers are already registered"));
+            }
+            for (i, b) in bufs.iter().enumerate() {
+                // SAFETY: the host promises the buffer stays valid until the engine is
+                // freed; regions live in the engine and are dropped with it.
+                let r = unsafe { dev.register(b.base, b.len) }.map_err(|e| {
+                    err!(
+                        TransportUnavailable,
+                        "{what} buffer {i}: cannot register {} bytes with {}: {e}",
+                        b.len,
+                        dev.name()
+                    )
+                })?;
+                regions.push(r);
+            }
+        }
+        register(slot, bufs, layers, what)?;
+        if self.rdma.is_some() {
+            let _ = regions_slot.set(Arc::new(regions));
+        }
+        Ok(())
+    }
+
     /// Clear gives the room's memory back, so no transport operation may still touch it
     /// when clear returns. An operation in progress normally ends within microseconds
     /// (it re-checks the state every slice); one that does not is stuck on a peer that
     /// stopped mid-frame, whose connections are then closed, which ends it.
     fn wait_io_drained(&self, room: &ERoom) {
+        self.wait_decode_quiet(room);
         let start = Instant::now();
         let mut closed = false;
         while room.io_in_flight() > 0 {
@@ -672,6 +787,24 @@ impl Shared {
                 return;
             }
             std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
+
+    /// RDMA decode side: clear waits for every peer's acknowledgement of the abort
+    /// (normally one round trip plus the batch in flight), at most `drain_timeout_ms`;
+    /// peers still silent then are cut off (their queue pairs shut), which ends it.
+    fn wait_decode_quiet(&self, room: &ERoom) {
+        if self.rdma.is_none() || self.role != Role::Decode {
+            return;
+        }
+        let start = Instant::now();
+        let limit = std::time::Duration::from_millis(self.config.drain_timeout_ms);
+        while !self.decode_quiet(room) {
+            if start.elapsed() > limit {
+                self.decode_drain_deadline(room, u64::MAX);
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
         }
     }
 
@@ -788,6 +921,17 @@ fn register(
     layers: Option<Vec<u32>>,
     what: &str,
 ) -> Result<()> {
+    check_buffers(&bufs, what)?;
+    let memory = match layers {
+        Some(l) => Memory::with_layers(bufs, l),
+        None => Memory::new(bufs),
+    };
+    slot.set(memory)
+        .map_err(|_| err!(WrongState, "{what} buffers are already registered"))
+}
+
+/// Checks buffer descriptors before anything is registered.
+fn check_buffers(bufs: &[BufferDesc], what: &str) -> Result<()> {
     if bufs.is_empty() || bufs.len() > MAX_BUFFERS {
         return Err(err!(
             InvalidArgument,
@@ -824,10 +968,5 @@ fn register(
             ));
         }
     }
-    let memory = match layers {
-        Some(l) => Memory::with_layers(bufs, l),
-        None => Memory::new(bufs),
-    };
-    slot.set(memory)
-        .map_err(|_| err!(WrongState, "{what} buffers are already registered"))
+    Ok(())
 }

@@ -12,13 +12,60 @@ use std::time::Duration;
 use parking_lot::{Mutex, RwLock};
 
 use super::{pairing, Shared};
+use crate::proto::WireTransport;
 use crate::proto::{
     self, ConnKind, FrameHeader, Kind, Message, ReadError, Registration, Role as WireRole,
     PROTO_VERSION,
 };
 use crate::room::{Cause, FailureReason};
+use crate::transport::rdma::link::{
+    ControlSender, LinkSetup, ProgressFn, RdmaLink, ReconnectFn, RemoteBuffer,
+};
+use crate::transport::rdma::verbs::{Endpoint, EndpointInfo, Region};
 use crate::transport::tcp::{self, SendConn};
 use crate::transport::DataLink;
+
+/// The Transport message that names queue pair `index` only.
+fn reconnect_request(index: usize, info: &EndpointInfo) -> Message {
+    // Other entries are placeholders (queue pair number 0, a valid MTU for the codec).
+    let placeholder = proto::QpInfo {
+        mtu: 1,
+        ..Default::default()
+    };
+    let mut qps = vec![placeholder; index + 1];
+    qps[index] = to_wire(info);
+    Message::Transport {
+        transport: WireTransport::Rdma,
+        qps,
+    }
+}
+
+fn transport_name(t: WireTransport) -> &'static str {
+    match t {
+        WireTransport::Tcp => "TCP",
+        WireTransport::Rdma => "RDMA",
+    }
+}
+
+fn to_wire(e: &EndpointInfo) -> proto::QpInfo {
+    proto::QpInfo {
+        qpn: e.qpn,
+        psn: e.psn,
+        lid: e.lid,
+        gid: e.gid,
+        mtu: e.mtu,
+    }
+}
+
+fn from_wire(q: &proto::QpInfo) -> EndpointInfo {
+    EndpointInfo {
+        qpn: q.qpn,
+        psn: q.psn,
+        lid: q.lid,
+        gid: q.gid,
+        mtu: q.mtu,
+    }
+}
 
 /// A remote engine.
 pub(crate) struct Peer {
@@ -35,6 +82,11 @@ pub(crate) struct Peer {
     ctrl_rx: Mutex<Option<mpsc::Receiver<Vec<u8>>>>,
     /// Connections data frames are written to (prefill side).
     pub data: RwLock<Vec<Arc<dyn DataLink>>>,
+    /// Decode side over RDMA: the queue pairs this peer writes into our memory through;
+    /// shut (moved to the error state) when the peer is lost, so no write lands after.
+    pub qps: Mutex<Vec<Endpoint>>,
+    /// Prefill side over RDMA: the links of `data`, for answers to reconnections.
+    pub rdma_links: RwLock<Vec<Arc<RdmaLink>>>,
     streams: Mutex<Vec<TcpStream>>,
     /// Decode side: for each of this prefill engine's kv buffers, our buffer it fills.
     pub kv_map: OnceLock<Vec<u32>>,
@@ -60,6 +112,8 @@ impl Peer {
             ctrl: Mutex::new(Some(tx)),
             ctrl_rx: Mutex::new(Some(rx)),
             data: RwLock::new(Vec::new()),
+            qps: Mutex::new(Vec::new()),
+            rdma_links: RwLock::new(Vec::new()),
             streams: Mutex::new(Vec::new()),
             kv_map: OnceLock::new(),
             aux_count: OnceLock::new(),
@@ -95,6 +149,14 @@ impl Peer {
         if let Some(tx) = self.ctrl.lock().as_ref() {
             let _ = tx.send(frame);
         }
+    }
+
+    /// Queues an encoded control frame; false if the peer is lost.
+    pub fn send_frame(&self, frame: Vec<u8>) -> bool {
+        self.ctrl
+            .lock()
+            .as_ref()
+            .is_some_and(|tx| tx.send(frame).is_ok())
     }
 
     /// Keeps a handle on `s` so that losing the peer closes it (and unblocks its reader).
@@ -158,12 +220,17 @@ impl Shared {
                 peers.remove(&peer.key);
             }
         }
+        // First of all: no RDMA write of this peer may land in our memory from here on.
+        for qp in peer.qps.lock().iter_mut() {
+            qp.shut();
+        }
         peer.ctrl.lock().take();
         peer.ctrl_rx.lock().take();
         for s in peer.streams.lock().drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
         peer.data.write().clear();
+        peer.rdma_links.write().clear();
         self.metrics.peers_lost.fetch_add(1, Ordering::Relaxed);
         let rooms: Vec<(u64, u64)> = peer.rooms.lock().drain().collect();
         if !self.stopping.load(Ordering::Acquire) {
@@ -182,6 +249,8 @@ impl Shared {
                     FailureReason::local(cause, format!("lost {}: {why}", peer.name)),
                     Some(peer),
                 );
+                // Its queue pairs are shut: it can write into this room no more.
+                self.decode_peer_quiet(&room, peer);
             }
         }
     }
@@ -200,25 +269,30 @@ impl Shared {
     }
 
     fn registration(&self) -> Registration {
-        let info = |m: Option<&crate::transport::Memory>| {
+        // Only a decode engine is written into, so only it tells its peers where.
+        let remote = self.role == crate::Role::Decode;
+        let info = |m: Option<&crate::transport::Memory>, regions: Option<&Arc<Vec<Region>>>| {
             m.map(|m| {
                 m.buffers()
                     .iter()
                     .enumerate()
-                    .map(|(i, b)| proto::BufferInfo {
-                        len: b.len as u64,
-                        item_len: b.item_len as u64,
-                        layer_id: m.layer(i).map_or(proto::BufferInfo::NO_LAYER, |l| l as i32),
-                        addr: 0,
-                        rkey: 0,
+                    .map(|(i, b)| {
+                        let region = regions.filter(|_| remote).and_then(|r| r.get(i));
+                        proto::BufferInfo {
+                            len: b.len as u64,
+                            item_len: b.item_len as u64,
+                            layer_id: m.layer(i).map_or(proto::BufferInfo::NO_LAYER, |l| l as i32),
+                            addr: region.map_or(0, |_| b.base as u64),
+                            rkey: region.map_or(0, Region::rkey),
+                        }
                     })
                     .collect()
             })
             .unwrap_or_default()
         };
         Registration {
-            kv: info(self.kv.get()),
-            aux: info(self.aux.get()),
+            kv: info(self.kv.get(), self.kv_regions.get()),
+            aux: info(self.aux.get(), self.aux_regions.get()),
             layout: proto::Layout::default(),
         }
     }
@@ -293,6 +367,267 @@ impl Shared {
 
     /// Decode side: the peer for prefill `addr`, connecting in the background if there is
     /// none (or the last one was lost).
+    fn wire_transport(&self) -> WireTransport {
+        if self.rdma.is_some() {
+            WireTransport::Rdma
+        } else {
+            WireTransport::Tcp
+        }
+    }
+
+    fn expect_transport(
+        &self,
+        s: &mut TcpStream,
+        peer: &Arc<Peer>,
+    ) -> Result<Vec<proto::QpInfo>, String> {
+        let (transport, qps) = match self.read_msg(s)? {
+            Message::Transport { transport, qps } => (transport, qps),
+            other => return Err(format!("expected Transport, got {}", other.kind().name())),
+        };
+        let ours = self.wire_transport();
+        if transport != ours {
+            let why = format!(
+                "transport mismatch: this {} engine moves data over {}, {} over {}",
+                self.role,
+                transport_name(ours),
+                peer.name,
+                transport_name(transport)
+            );
+            self.lose_peer_with(peer, Cause::Mismatch, why.clone());
+            return Err(why);
+        }
+        Ok(qps)
+    }
+
+    /// Decode side, after the registration exchange: agree on the transport and, over
+    /// RDMA, connect one queue pair to each of the prefill engine's (one per worker).
+    /// Returns whether the peer writes over RDMA.
+    fn decode_transport(&self, peer: &Arc<Peer>, ctrl: &mut TcpStream) -> Result<bool, String> {
+        let ours = self.wire_transport();
+        self.write_msg(
+            ctrl,
+            &Message::Transport {
+                transport: ours,
+                qps: Vec::new(),
+            },
+        )?;
+        let theirs = self.expect_transport(ctrl, peer)?;
+        let Some(dev) = self.rdma.as_ref() else {
+            return Ok(false);
+        };
+        if theirs.is_empty() {
+            return Err(format!("{} offered no RDMA queue pairs", peer.name));
+        }
+        let mut eps = Vec::with_capacity(theirs.len());
+        for remote in &theirs {
+            let mut ep = dev
+                .endpoint(1)
+                .map_err(|e| format!("cannot create an RDMA queue pair: {e}"))?;
+            ep.connect(&from_wire(remote))
+                .map_err(|e| format!("cannot connect an RDMA queue pair to {}: {e}", peer.name))?;
+            eps.push(ep);
+        }
+        let infos = eps.iter().map(|e| to_wire(&e.info())).collect();
+        peer.qps.lock().extend(eps);
+        if peer.is_lost() {
+            // Lost meanwhile: its loss pass may have missed these.
+            for qp in peer.qps.lock().iter_mut() {
+                qp.shut();
+            }
+            return Err("lost during setup".into());
+        }
+        self.write_msg(
+            ctrl,
+            &Message::Transport {
+                transport: ours,
+                qps: infos,
+            },
+        )?;
+        Ok(true)
+    }
+
+    /// Prefill side, after the registration exchange: agree on the transport and, over
+    /// RDMA, open one queue pair per worker to the decode engine, each a data link.
+    fn prefill_transport(
+        &self,
+        peer: &Arc<Peer>,
+        s: &mut TcpStream,
+        theirs: &Registration,
+        map: &[u32],
+    ) -> Result<(), String> {
+        let ours = self.wire_transport();
+        let reply = |s: &mut TcpStream, qps: Vec<proto::QpInfo>| {
+            self.write_msg(
+                s,
+                &Message::Transport {
+                    transport: ours,
+                    qps,
+                },
+            )
+        };
+        let asked = match self.read_msg(s)? {
+            Message::Transport { transport, .. } => transport,
+            other => return Err(format!("expected Transport, got {}", other.kind().name())),
+        };
+        let Some(dev) = self.rdma.as_ref().filter(|_| asked == ours) else {
+            reply(s, Vec::new())?;
+            if asked != ours {
+                let why = format!(
+                    "transport mismatch: this {} engine moves data over {}, {} over {}",
+                    self.role,
+                    transport_name(ours),
+                    peer.name,
+                    transport_name(asked)
+                );
+                self.lose_peer_with(peer, Cause::Mismatch, why.clone());
+                return Err(why);
+            }
+            return Ok(());
+        };
+        let depth = self.config.rdma_queue_depth;
+        let mut eps = Vec::with_capacity(self.config.workers);
+        for _ in 0..self.config.workers {
+            eps.push(
+                dev.endpoint(depth)
+                    .map_err(|e| format!("cannot create an RDMA queue pair: {e}"))?,
+            );
+        }
+        reply(s, eps.iter().map(|e| to_wire(&e.info())).collect())?;
+        let remotes = self.expect_transport(s, peer)?;
+        if remotes.len() != eps.len() {
+            return Err(format!(
+                "{} answered {} queue pairs for our {}",
+                peer.name,
+                remotes.len(),
+                eps.len()
+            ));
+        }
+        let remote_kv: Vec<RemoteBuffer> = map
+            .iter()
+            .map(|&j| RemoteBuffer::from(&theirs.kv[j as usize]))
+            .collect();
+        let remote_aux: Vec<RemoteBuffer> = theirs.aux.iter().map(RemoteBuffer::from).collect();
+        let (local_kv, local_aux) = (
+            self.kv_regions.get().cloned().unwrap_or_default(),
+            self.aux_regions.get().cloned().unwrap_or_default(),
+        );
+        let mut links: Vec<Arc<RdmaLink>> = Vec::with_capacity(eps.len());
+        for (index, (mut ep, remote)) in eps.into_iter().zip(&remotes).enumerate() {
+            ep.connect(&from_wire(remote))
+                .map_err(|e| format!("cannot connect an RDMA queue pair to {}: {e}", peer.name))?;
+            let weak = Arc::downgrade(peer);
+            let control: ControlSender = Box::new(move |frame| match weak.upgrade() {
+                Some(p) if p.send_frame(frame) => Ok(()),
+                _ => Err(std::io::Error::other("the control connection is gone")),
+            });
+            let weak = Arc::downgrade(peer);
+            let reconnect: ReconnectFn = Box::new(move |index, info| {
+                let mut f = Vec::new();
+                reconnect_request(index, &info)
+                    .encode(&mut f)
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+                match weak.upgrade() {
+                    Some(p) if p.send_frame(f) => Ok(()),
+                    _ => Err(std::io::Error::other("the control connection is gone")),
+                }
+            });
+            let progress: ProgressFn = Box::new(|room, generation, pages, aux_rows| {
+                let mut f = Vec::with_capacity(48);
+                Message::Progress {
+                    room,
+                    generation,
+                    pages,
+                    aux_rows,
+                }
+                .encode(&mut f)
+                .ok()?;
+                Some(f)
+            });
+            links.push(Arc::new(RdmaLink::new(
+                ep,
+                LinkSetup {
+                    index,
+                    device: dev.clone(),
+                    depth,
+                    reconnect,
+                    local_kv: local_kv.clone(),
+                    local_aux: local_aux.clone(),
+                    remote_kv: remote_kv.clone(),
+                    remote_aux: remote_aux.clone(),
+                    slice: self.config.rdma_slice_bytes,
+                    stall: Duration::from_millis(self.config.transfer_timeout_ms),
+                    control,
+                    progress,
+                },
+            )));
+        }
+        *peer.data.write() = links
+            .iter()
+            .map(|l| l.clone() as Arc<dyn DataLink>)
+            .collect();
+        *peer.rdma_links.write() = links;
+        if peer.is_lost() {
+            peer.data.write().clear();
+            peer.rdma_links.write().clear();
+        }
+        Ok(())
+    }
+
+    /// A replacement queue pair after a broken one. On the decode side: the prefill
+    /// engine's new queue pair `i` (the only non-zero entry); connect a new one of ours
+    /// to it, shut the old one and answer. On the prefill side: that answer.
+    fn on_reconnect(
+        &self,
+        peer: &Arc<Peer>,
+        role: crate::Role,
+        qps: &[proto::QpInfo],
+    ) -> Result<(), String> {
+        let Some((i, q)) = qps.iter().enumerate().find(|(_, q)| q.qpn != 0) else {
+            return Err("a queue pair request names no queue pair".into());
+        };
+        match role {
+            crate::Role::Prefill => {
+                let link = peer.rdma_links.read().get(i).cloned();
+                match link {
+                    Some(l) => {
+                        l.answer(from_wire(q));
+                        Ok(())
+                    }
+                    None => Err(format!(
+                        "an answer for queue pair {i}, which we never asked for"
+                    )),
+                }
+            }
+            crate::Role::Decode => {
+                let dev = self.rdma.as_ref().expect("checked by the caller");
+                let mut qps_now = peer.qps.lock();
+                if i >= qps_now.len() {
+                    return Err(format!(
+                        "a request to replace queue pair {i} of {}",
+                        qps_now.len()
+                    ));
+                }
+                let mut ep = dev
+                    .endpoint(1)
+                    .map_err(|e| format!("cannot create an RDMA queue pair: {e}"))?;
+                ep.connect(&from_wire(q))
+                    .map_err(|e| format!("cannot connect a replacement queue pair: {e}"))?;
+                let info = ep.info();
+                qps_now[i].shut();
+                qps_now[i] = ep;
+                drop(qps_now);
+                crate::log!(
+                    self.log,
+                    Info,
+                    "replaced RDMA queue pair {i} of {}",
+                    peer.name
+                );
+                peer.send(self, &reconnect_request(i, &info));
+                Ok(())
+            }
+        }
+    }
+
     pub(crate) fn peer_for(self: &Arc<Self>, addr: &str) -> Arc<Peer> {
         let mut peers = self.peers.lock();
         if let Some(p) = peers.get(addr) {
@@ -329,7 +664,13 @@ impl Shared {
             .inspect_err(|why| self.lose_peer_with(peer, Cause::Mismatch, why.clone()))?;
         let _ = peer.kv_map.set(map);
         let _ = peer.aux_count.set(theirs.aux.len());
-        for i in 0..self.config.connections_per_peer {
+        let rdma = self.decode_transport(peer, &mut ctrl)?;
+        let data_conns = if rdma {
+            0
+        } else {
+            self.config.connections_per_peer
+        };
+        for i in 0..data_conns {
             let mut d = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
             peer.track(&d);
             d.set_read_timeout(Some(timeout))
@@ -448,6 +789,38 @@ impl Shared {
                     "{} acknowledged the abort of room {room} (gen {generation})",
                     peer.name
                 );
+                self.decode_on_abort_ack(peer, room, generation);
+                Ok(())
+            }
+            (
+                Message::Transport {
+                    transport: WireTransport::Rdma,
+                    qps,
+                },
+                role,
+            ) if self.rdma.is_some() => self.on_reconnect(peer, role, &qps),
+            (
+                Message::Progress {
+                    room,
+                    generation,
+                    pages,
+                    aux_rows,
+                },
+                crate::Role::Decode,
+            ) if self.rdma.is_some() => {
+                self.decode_on_progress(peer, room, generation, pages, aux_rows);
+                Ok(())
+            }
+            (
+                Message::Done {
+                    room,
+                    generation,
+                    pages_sent,
+                    aux_sent,
+                },
+                crate::Role::Decode,
+            ) if self.rdma.is_some() => {
+                self.on_done(peer, room, generation, pages_sent, aux_sent);
                 Ok(())
             }
             (m, role) => Err(format!(
@@ -527,10 +900,12 @@ impl Shared {
                     self.write_msg(&mut s, &self.hello(ConnKind::Control, 0))?;
                     self.write_msg(&mut s, &Message::Registration(self.registration()))?;
                     let theirs = self.expect_registration(&mut s)?;
-                    self.check_registration(&peer.name, &theirs)
+                    let map = self
+                        .check_registration(&peer.name, &theirs)
                         .inspect_err(|why| {
                             self.lose_peer_with(&peer, Cause::Mismatch, why.clone())
                         })?;
+                    self.prefill_transport(&peer, &mut s, &theirs, &map)?;
                     s.set_read_timeout(None).map_err(|e| e.to_string())?;
                     self.start_control(&peer, s)
                 })();
@@ -547,6 +922,11 @@ impl Shared {
                     self.peers.lock().get(&key).cloned().ok_or_else(|| {
                         format!("data connection {index} from unknown engine {key}")
                     })?;
+                if self.rdma.is_some() {
+                    return Err(format!(
+                        "data connection {index} from {key}: this engine moves data over RDMA"
+                    ));
+                }
                 peer.track(&s);
                 self.write_msg(&mut s, &self.hello(ConnKind::Data, index))?;
                 let w = s.try_clone().map_err(|e| e.to_string())?;

@@ -574,6 +574,10 @@ impl Shared {
             if let Some(reason) = failure {
                 self.fail_room(&room, reason, None);
             }
+            if self.rdma.is_some() && room.state().is_terminal() {
+                // The chunk's writes are complete: acknowledgements waiting for them go.
+                self.send_due_acks();
+            }
         }
     }
 

@@ -46,6 +46,7 @@ pub(super) fn run(inner: &Inner) {
 fn scan(inner: &Inner) {
     let now = inner.now_ms();
     for room in inner.rooms.snapshot() {
+        inner.decode_drain_deadline(&room, now);
         let deadline = room.deadline_ms();
         if deadline == NO_DEADLINE || deadline > now {
             continue;
@@ -75,5 +76,8 @@ fn scan(inner: &Inner) {
             room.state()
         );
         inner.fail_room(&room, FailureReason::local(cause, message), None);
+    }
+    if inner.rdma.is_some() {
+        inner.send_due_acks();
     }
 }

@@ -32,6 +32,7 @@ pub fn engine_paged(
 ) -> Engine {
     let mut c = Config::default();
     c.set("role", role).unwrap();
+    c.set("transport", &test_transport()).unwrap();
     for (k, v) in extra {
         c.set(k, v).unwrap();
     }
@@ -47,6 +48,12 @@ pub fn engine_paged(
     )
     .unwrap();
     e
+}
+
+/// The transport the integration tests run over: `tcp`, unless KVXFER_TEST_TRANSPORT
+/// says otherwise (`make test-rdma` runs the suites with `rdma` inside a soft-RoCE guest).
+pub fn test_transport() -> String {
+    std::env::var("KVXFER_TEST_TRANSPORT").unwrap_or_else(|_| "tcp".into())
 }
 
 /// Source pages of room `r`: 4..20 pages spread over the buffer, in 1..4 chunks.

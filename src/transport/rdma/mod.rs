@@ -3,6 +3,7 @@
 //! [`verbs`] is the thin layer over libibverbs (through the `sideway` crate, which loads
 //! libibverbs at run time, so the library works on hosts without RDMA).
 
+pub mod link;
 pub mod verbs;
 
 pub use verbs::{Device, Endpoint, EndpointInfo, Region, WriteOp};

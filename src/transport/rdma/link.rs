@@ -1,0 +1,244 @@
+//! [`RdmaLink`]: the prefill side's [`DataLink`] over one RC queue pair to one decode
+//! engine. Every run becomes one-sided RDMA WRITEs straight from registered prefill
+//! memory into the decode engine's registered pages; the decode CPU copies nothing.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::verbs::{Device, Endpoint, EndpointInfo, Region, WriteOp};
+use crate::proto::{BufferInfo, DataHeader, Target};
+use crate::transport::DataLink;
+
+/// Where one remote buffer lives: address, key and size.
+#[derive(Debug, Clone, Copy)]
+pub struct RemoteBuffer {
+    /// First byte in the remote address space.
+    pub addr: u64,
+    /// Remote key of the region holding it.
+    pub rkey: u32,
+    /// Bytes in the buffer.
+    pub len: u64,
+    /// Bytes of one page (or aux slot).
+    pub item_len: u64,
+}
+
+impl From<&BufferInfo> for RemoteBuffer {
+    fn from(b: &BufferInfo) -> Self {
+        RemoteBuffer {
+            addr: b.addr,
+            rkey: b.rkey,
+            len: b.len,
+            item_len: b.item_len,
+        }
+    }
+}
+
+/// Sends one encoded control frame to the link's peer (its control connection).
+pub type ControlSender = Box<dyn Fn(Vec<u8>) -> io::Result<()> + Send + Sync>;
+
+/// Progress of one batch: which room, and the KV page writes and aux rows it completed.
+pub type ProgressFn = Box<dyn Fn(u64, u64, u32, u32) -> Option<Vec<u8>> + Send + Sync>;
+
+/// Asks the peer for a replacement queue pair: sends our new endpoint as queue pair
+/// `index` (a control frame), whose answer comes to [`RdmaLink::answer`].
+pub type ReconnectFn = Box<dyn Fn(usize, EndpointInfo) -> io::Result<()> + Send + Sync>;
+
+/// One RC queue pair to one decode engine, used by one prefill worker. A queue pair
+/// broken by a completion error is replaced on the next use.
+pub struct RdmaLink {
+    ep: Mutex<Endpoint>,
+    index: usize,
+    device: Arc<Device>,
+    depth: u32,
+    /// The peer's answer to a reconnection request.
+    answer: Mutex<Option<EndpointInfo>>,
+    answered: Condvar,
+    reconnect: ReconnectFn,
+    /// Our regions, indexed like our registered KV and aux buffers.
+    local_kv: Arc<Vec<Region>>,
+    local_aux: Arc<Vec<Region>>,
+    /// For each of our KV buffers, the remote buffer it fills.
+    remote_kv: Vec<RemoteBuffer>,
+    /// Remote aux buffers, indexed like ours.
+    remote_aux: Vec<RemoteBuffer>,
+    slice: usize,
+    stall: Duration,
+    control: ControlSender,
+    progress: ProgressFn,
+}
+
+/// What a link needs besides its queue pair.
+pub struct LinkSetup {
+    /// Which of the peer's queue pairs this is (the prefill worker's index).
+    pub index: usize,
+    /// The device, for replacement queue pairs.
+    pub device: Arc<Device>,
+    /// Most writes outstanding.
+    pub depth: u32,
+    /// Asks the peer for a replacement queue pair.
+    pub reconnect: ReconnectFn,
+    /// Our KV regions.
+    pub local_kv: Arc<Vec<Region>>,
+    /// Our aux regions.
+    pub local_aux: Arc<Vec<Region>>,
+    /// For each of our KV buffers, the remote buffer it fills.
+    pub remote_kv: Vec<RemoteBuffer>,
+    /// The remote aux buffers, indexed like ours.
+    pub remote_aux: Vec<RemoteBuffer>,
+    /// Longest single RDMA WRITE.
+    pub slice: usize,
+    /// Longest wait for a completion before the queue pair is declared broken.
+    pub stall: Duration,
+    /// Sends control frames to the peer.
+    pub control: ControlSender,
+    /// Encodes the progress frame of a completed batch (room, generation, pages, aux).
+    pub progress: ProgressFn,
+}
+
+impl RdmaLink {
+    /// A link over the connected endpoint `ep`.
+    pub fn new(ep: Endpoint, setup: LinkSetup) -> Self {
+        RdmaLink {
+            ep: Mutex::new(ep),
+            index: setup.index,
+            device: setup.device,
+            depth: setup.depth,
+            answer: Mutex::new(None),
+            answered: Condvar::new(),
+            reconnect: setup.reconnect,
+            local_kv: setup.local_kv,
+            local_aux: setup.local_aux,
+            remote_kv: setup.remote_kv,
+            remote_aux: setup.remote_aux,
+            slice: setup.slice,
+            stall: setup.stall,
+            control: setup.control,
+            progress: setup.progress,
+        }
+    }
+
+    /// The peer's queue pair for our replacement request.
+    pub fn answer(&self, remote: EndpointInfo) {
+        *self.answer.lock() = Some(remote);
+        self.answered.notify_all();
+    }
+
+    /// Replaces the broken queue pair: a new one, announced to the peer over the control
+    /// connection, connected to the one it answers with within `stall`.
+    fn replace(&self, ep: &mut Endpoint) -> io::Result<()> {
+        let mut fresh = self.device.endpoint(self.depth)?;
+        self.answer.lock().take();
+        (self.reconnect)(self.index, fresh.info())?;
+        let mut answer = self.answer.lock();
+        let deadline = std::time::Instant::now() + self.stall;
+        while answer.is_none() {
+            if self.answered.wait_until(&mut answer, deadline).timed_out() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the peer did not answer the request for a new queue pair",
+                ));
+            }
+        }
+        let remote = answer.take().expect("checked above");
+        drop(answer);
+        fresh.connect(&remote)?;
+        *ep = fresh;
+        Ok(())
+    }
+
+    /// The write of one run, checked against both sides' registered buffers.
+    fn op(&self, hdr: &DataHeader, bytes: &[u8]) -> io::Result<WriteOp> {
+        let (locals, remotes) = match hdr.target {
+            Target::Kv => (&self.local_kv, &self.remote_kv),
+            Target::Aux => (&self.local_aux, &self.remote_aux),
+        };
+        let b = hdr.buffer as usize;
+        let (local, remote) = match (locals.get(b), remotes.get(b)) {
+            (Some(l), Some(r)) => (l, r),
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{:?} buffer {b} has no registered region on both sides",
+                        hdr.target
+                    ),
+                ))
+            }
+        };
+        let addr = bytes.as_ptr() as usize;
+        if addr < local.base() || addr + bytes.len() > local.base() + local.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("run of buffer {b} is outside its local region"),
+            ));
+        }
+        let offset = hdr.first_page as u64 * remote.item_len;
+        if offset + bytes.len() as u64 > remote.len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "pages {}..{} are outside remote buffer {b} ({} bytes)",
+                    hdr.first_page,
+                    hdr.first_page as u64 + hdr.n_pages as u64,
+                    remote.len
+                ),
+            ));
+        }
+        #[allow(unused_mut)]
+        let mut rkey = remote.rkey;
+        #[cfg(feature = "test-hooks")]
+        if crate::testing::take_fault("rdma.bad_rkey", hdr.room) {
+            rkey ^= 0x00ff_ff00;
+        }
+        Ok(WriteOp {
+            addr,
+            len: bytes.len(),
+            lkey: local.lkey(),
+            remote_addr: remote.addr + offset,
+            rkey,
+        })
+    }
+}
+
+impl DataLink for RdmaLink {
+    fn write_runs(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()> {
+        let ops = runs
+            .iter()
+            .map(|(hdr, bytes)| self.op(hdr, bytes))
+            .collect::<io::Result<Vec<WriteOp>>>()?;
+        {
+            let mut ep = self.ep.lock();
+            if ep.is_broken() {
+                self.replace(&mut ep).map_err(|e| {
+                    io::Error::new(e.kind(), format!("replacing a broken queue pair: {e}"))
+                })?;
+            }
+            ep.write(&ops, self.slice, self.stall)?;
+        }
+        // Every write of the batch completed: tell the decode side how far the room got
+        // (it re-arms its deadline and counts pages, as it would from TCP data frames).
+        let Some((first, _)) = runs.first() else {
+            return Ok(());
+        };
+        let (mut pages, mut aux) = (0u32, 0u32);
+        for (hdr, _) in runs {
+            match hdr.target {
+                Target::Kv => pages += hdr.n_pages,
+                Target::Aux => aux += 1,
+            }
+        }
+        if let Some(frame) = (self.progress)(first.room, first.generation, pages, aux) {
+            (self.control)(frame)?;
+        }
+        Ok(())
+    }
+
+    fn finish(&self, done_frame: &[u8]) -> io::Result<()> {
+        // Every write_runs before this returned only once its writes completed, so the
+        // Done behind them on the control connection finds every byte in place.
+        (self.control)(done_frame.to_vec())
+    }
+}
