@@ -511,8 +511,7 @@ impl Shared {
         peer: &Arc<Peer>,
         id: u64,
         generation: u64,
-        pages: u32,
-        aux_rows: u32,
+        (pages, aux_rows, bytes): (u32, u32, u64),
     ) {
         let Some(room) = self.rooms.get_generation(id, generation) else {
             self.metrics
@@ -548,11 +547,6 @@ impl Shared {
             pr.kv_pages += pages as u64;
             pr.aux_rows += aux_rows as u64;
         }
-        let bytes: u64 = self
-            .kv
-            .get()
-            .map_or(0, |m| m.buffers().first().map_or(0, |b| b.item_len as u64))
-            * pages as u64;
         self.metrics
             .bytes_received
             .fetch_add(bytes, Ordering::Relaxed);

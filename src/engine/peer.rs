@@ -531,13 +531,14 @@ impl Shared {
                     _ => Err(std::io::Error::other("the control connection is gone")),
                 }
             });
-            let progress: ProgressFn = Box::new(|room, generation, pages, aux_rows| {
+            let progress: ProgressFn = Box::new(|room, generation, pages, aux_rows, bytes| {
                 let mut f = Vec::with_capacity(48);
                 Message::Progress {
                     room,
                     generation,
                     pages,
                     aux_rows,
+                    bytes,
                 }
                 .encode(&mut f)
                 .ok()?;
@@ -683,6 +684,8 @@ impl Shared {
         }
         ctrl.set_read_timeout(None).map_err(|e| e.to_string())?;
         self.start_control(peer, ctrl)?;
+        // Silence is measured from here: a slow setup is not a missed heartbeat.
+        peer.last_recv_ms.store(self.now_ms(), Ordering::Relaxed);
         peer.ready.store(true, Ordering::Release);
         crate::log!(self.log, Info, "connected to {}", peer.name);
         let rooms: Vec<(u64, u64)> = peer.rooms.lock().iter().copied().collect();
@@ -805,10 +808,11 @@ impl Shared {
                     generation,
                     pages,
                     aux_rows,
+                    bytes,
                 },
                 crate::Role::Decode,
             ) if self.rdma.is_some() => {
-                self.decode_on_progress(peer, room, generation, pages, aux_rows);
+                self.decode_on_progress(peer, room, generation, (pages, aux_rows, bytes));
                 Ok(())
             }
             (
@@ -913,6 +917,8 @@ impl Shared {
                     self.lose_peer(&peer, why.clone());
                     return Err(why);
                 }
+                // Silence is measured from here: a slow setup is not a missed heartbeat.
+                peer.last_recv_ms.store(self.now_ms(), Ordering::Relaxed);
                 peer.ready.store(true, Ordering::Release);
                 crate::log!(self.log, Info, "accepted {}", peer.name);
                 Ok(())

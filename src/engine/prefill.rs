@@ -216,7 +216,7 @@ impl Shared {
                 }
                 None => format!("prefill room {id} already finished and was cleared"),
             };
-            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            self.refuse(peer, id, generation, &why);
             return;
         }
         let Some(room) = self.rooms.get(id) else {
@@ -264,8 +264,7 @@ impl Shared {
                 Some(r) => format!("prefill room {id} already failed and was cleared: {r}"),
                 None => format!("prefill room {id} already finished and was cleared"),
             };
-            d.peer
-                .send(self, &Message::abort(id, d.generation, &why, &self.limits));
+            self.refuse(&d.peer, id, d.generation, &why);
         }
     }
 
@@ -323,7 +322,7 @@ impl Shared {
                 Some(f) => format!("prefill room {id} already failed: {f}"),
                 None => format!("prefill room {id} already finished"),
             };
-            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            self.refuse(peer, id, generation, &why);
             return;
         }
         let mut p = ext(room).lock();
@@ -333,7 +332,7 @@ impl Shared {
                 "prefill room {id} got a second destination from {}",
                 peer.name
             );
-            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            self.refuse(peer, id, generation, &why);
             self.fail_room(room, FailureReason::local(Cause::Protocol, why), Some(peer));
             return;
         }
@@ -351,7 +350,7 @@ impl Shared {
         if let Some(f) = room.failure() {
             let why = format!("prefill room {id} already failed: {f}");
             drop(p);
-            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            self.refuse(peer, id, generation, &why);
             return;
         }
         if peer.is_lost() {
@@ -385,7 +384,7 @@ impl Shared {
                 "prefill has no room {id} and its holding area is full ({MAX_HELD} \
                  destinations, {MAX_HELD_PAGES} pages)"
             );
-            peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            self.refuse(peer, id, generation, &why);
             return;
         }
         h.count += 1;
@@ -441,6 +440,22 @@ impl Shared {
     /// is held like an early destination and fails the room when it is created. Anything
     /// else (another generation of a destination we hold) is a late message for an
     /// earlier use of the id and is dropped.
+    /// Answers a destination that will never be written to with an Abort, and over
+    /// RDMA with its AbortAck too: nothing of it can be outstanding, so the decode side
+    /// may reuse the pages at once.
+    fn refuse(&self, peer: &Arc<Peer>, id: u64, generation: u64, why: &str) {
+        peer.send(self, &Message::abort(id, generation, why, &self.limits));
+        if self.rdma.is_some() {
+            peer.send(
+                self,
+                &Message::AbortAck {
+                    room: id,
+                    generation,
+                },
+            );
+        }
+    }
+
     pub(crate) fn prefill_on_abort(
         &self,
         peer: &Arc<Peer>,
@@ -548,8 +563,7 @@ impl Shared {
                 "prefill created no room {id} within bootstrap_timeout_ms={}",
                 self.config.bootstrap_timeout_ms
             );
-            d.peer
-                .send(self, &Message::abort(id, d.generation, &why, &self.limits));
+            self.refuse(&d.peer, id, d.generation, &why);
         }
     }
 

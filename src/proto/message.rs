@@ -353,6 +353,8 @@ pub enum Message {
         pages: u32,
         /// Aux rows completed.
         aux_rows: u32,
+        /// Bytes those writes carried.
+        bytes: u64,
     },
     /// Either direction: the room failed; the peer must fail it too.
     Abort {
@@ -441,7 +443,7 @@ impl Message {
                 .saturating_add(n(reg.aux.len(), BUFFER_INFO_LEN as u64)),
             Message::Destination { pages, .. } => 28u64.saturating_add(n(pages.len(), 4)),
             Message::Done { .. } => 29,
-            Message::Progress { .. } => 24,
+            Message::Progress { .. } => 32,
             Message::Abort { reason, .. } => 20u64.saturating_add(reason.len() as u64),
             Message::AbortAck { .. } => 16,
             Message::Heartbeat { .. } => 8,
@@ -602,11 +604,13 @@ impl Message {
                 generation,
                 pages,
                 aux_rows,
+                bytes,
             } => {
                 put_u64(out, *room);
                 put_u64(out, *generation);
                 put_u32(out, *pages);
                 put_u32(out, *aux_rows);
+                put_u64(out, *bytes);
             }
             Message::Abort {
                 room,
@@ -729,6 +733,7 @@ impl Message {
                 generation: r.u64("Progress.generation")?,
                 pages: r.u32("Progress.pages")?,
                 aux_rows: r.u32("Progress.aux_rows")?,
+                bytes: r.u64("Progress.bytes")?,
             },
             Kind::Abort => {
                 let room = r.u64("Abort.room")?;
@@ -894,12 +899,14 @@ pub(super) fn sample_messages() -> Vec<Message> {
             generation: 3,
             pages: 64,
             aux_rows: 1,
+            bytes: 64 * 4096 + 128,
         },
         Message::Progress {
             room: u64::MAX,
             generation: u64::MAX,
             pages: u32::MAX,
             aux_rows: 0,
+            bytes: u64::MAX,
         },
         Message::Abort {
             room: 7,

@@ -28,7 +28,7 @@
 //! | `Registration` | layout `kv_heads_per_rank u32, head_dim u32, dtype_bytes u32, page_tokens u32`, then `kv_count u32` + kv buffers, then `aux_count u32` + aux buffers; each buffer is `len u64, item_len u64, addr u64, layer_id i32, rkey u32` (32 bytes) |
 //! | `Destination`  | `room u64, generation u64, aux_slot i64 (-1 = none), n_pages u32, pages u32 × n_pages` |
 //! | `Done`         | `room u64, generation u64, room_echo u64 (= room), pages_sent u32, aux_sent u8 (0/1)` (29 bytes) |
-//! | `Progress`     | `room u64, generation u64, pages u32, aux_rows u32` (24 bytes; RDMA only) |
+//! | `Progress`     | `room u64, generation u64, pages u32, aux_rows u32, bytes u64` (32 bytes; RDMA only) |
 //! | `Abort`        | `room u64, generation u64, reason_len u32, reason UTF-8 bytes`           |
 //! | `AbortAck`     | `room u64, generation u64` (16 bytes)                                    |
 //! | `Heartbeat`    | `seq u64` (8 bytes)                                                      |

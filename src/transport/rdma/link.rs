@@ -39,8 +39,9 @@ impl From<&BufferInfo> for RemoteBuffer {
 /// Sends one encoded control frame to the link's peer (its control connection).
 pub type ControlSender = Box<dyn Fn(Vec<u8>) -> io::Result<()> + Send + Sync>;
 
-/// Progress of one batch: which room, and the KV page writes and aux rows it completed.
-pub type ProgressFn = Box<dyn Fn(u64, u64, u32, u32) -> Option<Vec<u8>> + Send + Sync>;
+/// Encodes the progress of one batch: room, generation, the KV page writes and aux rows
+/// it completed, and their bytes.
+pub type ProgressFn = Box<dyn Fn(u64, u64, u32, u32, u64) -> Option<Vec<u8>> + Send + Sync>;
 
 /// Asks the peer for a replacement queue pair: sends our new endpoint as queue pair
 /// `index` (a control frame), whose answer comes to [`RdmaLink::answer`].
@@ -223,14 +224,15 @@ impl DataLink for RdmaLink {
         let Some((first, _)) = runs.first() else {
             return Ok(());
         };
-        let (mut pages, mut aux) = (0u32, 0u32);
-        for (hdr, _) in runs {
+        let (mut pages, mut aux, mut bytes) = (0u32, 0u32, 0u64);
+        for (hdr, b) in runs {
             match hdr.target {
                 Target::Kv => pages += hdr.n_pages,
                 Target::Aux => aux += 1,
             }
+            bytes += b.len() as u64;
         }
-        if let Some(frame) = (self.progress)(first.room, first.generation, pages, aux) {
+        if let Some(frame) = (self.progress)(first.room, first.generation, pages, aux, bytes) {
             (self.control)(frame)?;
         }
         Ok(())
