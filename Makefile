@@ -4,6 +4,7 @@
 #   make build   cargo + CMake build in build/ (Ninja, RelWithDebInfo)
 #   make test    fmt, clippy, cargo test, ctest, ctest under ASan+UBSan, install test
 #   make demo    install to build/demo-prefix, build examples/ against it, run the demo
+#   make test-rdma  the Rust and gtest suites over real verbs in a soft-RoCE QEMU guest
 #   make header  regenerate include/kvxfer.h from src/ffi/ (after changing the C ABI)
 #   make clean   remove build/, build-asan/ and cargo's target/
 
@@ -17,23 +18,16 @@ export DEBIAN_FRONTEND := noninteractive
 
 BUILD_TYPE ?= RelWithDebInfo
 NPROC := $(shell nproc 2>/dev/null || echo 2)
-DEBS := cmake ninja-build g++ libgtest-dev pkg-config iproute2
+# clang and libclang-dev build rdma-mummy-sys (sideway's verbs bindings, which load
+# libibverbs at run time, so the library needs no RDMA package to build or run).
+DEBS := cmake ninja-build g++ libgtest-dev pkg-config iproute2 clang libclang-dev
 CMAKE_CONFIGURE := cmake -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
 DEMO_PREFIX := $(CURDIR)/build/demo-prefix
 
 .PHONY: deps build test demo header clean rust-checks ctest asan install-test bench-smoke
 
 deps:
-	@missing=""; \
-	for p in $(DEBS); do \
-	  dpkg -s "$$p" 2>/dev/null | grep -q '^Status: install ok installed' || missing="$$missing $$p"; \
-	done; \
-	if [[ -n "$$missing" ]]; then \
-	  sudo=""; [[ "$$(id -u)" == 0 ]] || sudo="sudo"; \
-	  echo "make deps: installing$$missing"; \
-	  $$sudo apt-get update -qq; \
-	  $$sudo apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
-	fi
+	@scripts/apt-install.sh $(DEBS)
 	@command -v cargo >/dev/null || { echo "make deps: cargo not found (install Rust with rustup)" >&2; exit 1; }
 
 build: deps
@@ -69,7 +63,7 @@ install-test: build
 
 test: deps
 	@start=$$(date +%s); times=""; \
-	for stage in rust-checks loom ctest asan install-test bench-smoke; do \
+	for stage in rust-checks loom ctest asan install-test bench-smoke test-rdma; do \
 	  t=$$(date +%s); \
 	  $(MAKE) --no-print-directory $$stage; \
 	  times="$$times $$stage=$$(( $$(date +%s) - t ))s"; \
@@ -98,3 +92,4 @@ clean:
 
 include Makefile.bench
 include Makefile.verify
+include Makefile.rdma

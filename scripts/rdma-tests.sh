@@ -1,0 +1,53 @@
+#!/bin/bash
+# rdma-tests.sh - run libkvxfer's tests over real RDMA verbs (soft-RoCE) inside a
+# throw-away QEMU guest (scripts/rdma-vm.sh), with transport=rdma.
+#
+# Usage: scripts/rdma-tests.sh [BUILD_DIR]      (BUILD_DIR: the CMake build, default build)
+#
+# Builds on the host: the Rust integration tests tests/rdma.rs and tests/transfer.rs
+# (feature test-hooks) and the gtest suite (already built in BUILD_DIR). Inside the guest
+# it checks that the rxe device came up, then runs each with KVXFER_TEST_TRANSPORT=rdma,
+# so every engine the suites create moves its data over RDMA. Exits nonzero if the
+# device did not come up, the guest failed, or any test failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd -P)
+BUILD=${1:-build}
+OUT=$ROOT/target/rdma-tests
+mkdir -p "$OUT"
+
+# Host-built test binaries (cargo prints their paths as JSON artifacts).
+bins=$(cargo test --locked --features test-hooks --no-run --message-format=json \
+         --test rdma --test transfer --test two_process 2>/dev/null |
+       python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["executable"])')
+[ -n "$bins" ] || { echo "rdma-tests: no test binaries built" >&2; exit 1; }
+[ -x "$BUILD/cpp-tests/kvxfer_tests" ] || { echo "rdma-tests: $BUILD/cpp-tests/kvxfer_tests missing (make build)" >&2; exit 1; }
+
+cat > "$OUT/guest.sh" <<GUEST
+#!/bin/bash
+set -uo pipefail
+cd "$ROOT"
+export KVXFER_TEST_TRANSPORT=rdma RUST_BACKTRACE=1
+if ! ibv_devinfo -d "\${RXE_DEV:-rxe0}" 2>/dev/null | grep -q PORT_ACTIVE; then
+  echo "rdma-tests: device \${RXE_DEV:-rxe0} is not up in the guest"; exit 3
+fi
+echo "rdma-tests: \${RXE_DEV:-rxe0} is up"
+rc=0
+for b in $(echo $bins); do
+  echo "rdma-tests: == \$(basename \$b)"
+  "\$b" --test-threads=1 > "$OUT/\$(basename \$b).log" 2>&1; r=\$?
+  grep -E '^test result|FAILED|panicked' "$OUT/\$(basename \$b).log" | head -40
+  [ \$r = 0 ] || rc=1
+done
+echo "rdma-tests: == gtest"
+"$ROOT/$BUILD/cpp-tests/kvxfer_tests" --gtest_brief=1 > "$OUT/gtest.log" 2>&1; r=\$?
+tail -n 25 "$OUT/gtest.log"
+[ \$r = 0 ] || rc=1
+exit \$rc
+GUEST
+chmod +x "$OUT/guest.sh"
+exec scripts/rdma-vm.sh -q -t "${RDMA_VM_TIMEOUT:-900}" -m 2048 "$ROOT" -- "$OUT/guest.sh"
