@@ -358,7 +358,8 @@ extern "C" {
  * Creates a configuration with every key at its default and stores it in `*out`.
  *
  * Defaults: `listen=127.0.0.1:0`, `transport=auto`, `workers=4`,
- * `connections_per_peer=2`, `rdma_devices=` (all), `bootstrap_timeout_ms=30000`,
+ * `connections_per_peer=2`, `rdma_devices=` (all), `rdma_slice_bytes=1048576`,
+ * `rdma_queue_depth=128`, `bootstrap_timeout_ms=30000`,
  * `waiting_timeout_ms=60000`, `transfer_timeout_ms=30000`,
  * `heartbeat_interval_ms=1000`, `heartbeat_misses=5`, `drain_timeout_ms=5000`,
  * `log_level=warn`. `role` has no default and must be set.
@@ -373,9 +374,13 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(kvxfer_config **out);
  * Keys: `role` (`prefill` | `decode`), `listen` (`host:port`, port 0 = any; IPv6 as
  * `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
  * reports this machine's host name), `transport` (`auto` | `tcp` | `rdma`), `workers` (1..256),
- * `connections_per_peer` (1..64), `rdma_devices` (comma-separated names, empty = all),
- * `bootstrap_timeout_ms`, `waiting_timeout_ms`, `transfer_timeout_ms`,
- * `heartbeat_interval_ms`, `drain_timeout_ms` (1..86400000), `heartbeat_misses`
+ * `connections_per_peer` (1..64, TCP only), `rdma_devices` (comma-separated names,
+ * empty = every device with an active port), `rdma_slice_bytes` (4096..2^30: longest
+ * single RDMA WRITE), `rdma_queue_depth` (1..4096: most writes outstanding per queue
+ * pair), `bootstrap_timeout_ms`, `waiting_timeout_ms`, `transfer_timeout_ms`,
+ * `heartbeat_interval_ms`, `drain_timeout_ms` (1..86400000; RDMA: longest a failed
+ * decode room waits for the prefill's acknowledgement before its peer's queue pairs are
+ * shut), `heartbeat_misses`
  * (1..1000), `log_level` (`error` | `warn` | `info` | `debug` | `trace`).
  *
  * Errors: `KVXFER_ERR_UNKNOWN_KEY` for a key not listed, `KVXFER_ERR_BAD_VALUE` for a
