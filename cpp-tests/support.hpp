@@ -306,6 +306,26 @@ inline kvxfer_room_state wait_terminal(const kvxfer_engine *e, uint64_t room,
         limit);
 }
 
+/// Waits until `room` is drained: at once over TCP once terminal; over RDMA a failed
+/// decode room drains when the prefill's acknowledgement arrives.
+inline bool wait_drained(const kvxfer_engine *e, uint64_t room,
+                         std::chrono::milliseconds limit = std::chrono::seconds(5)) {
+    auto deadline = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+        bool drained = false;
+        if (kvxfer_room_drained(e, room, &drained) != KVXFER_OK) {
+            return false;
+        }
+        if (drained) {
+            return true;
+        }
+        if (std::chrono::steady_clock::now() > deadline) {
+            return false;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+}
+
 struct Cause {
     kvxfer_failure_cause cause;
     bool from_peer;

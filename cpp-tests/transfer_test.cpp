@@ -210,9 +210,7 @@ TEST_F(Transfer, APrefillAbortReachesTheDecodeSide) {
     ASSERT_EQ(wait_terminal(d_.get(), 5), KVXFER_ROOM_FAILED);
     EXPECT_EQ(failure(d_.get(), 5), "peer: room 5 aborted: prefill preempted");
     EXPECT_TRUE(cause_of(d_.get(), 5).from_peer);
-    bool drained = false;
-    ASSERT_TRUE(ok(kvxfer_room_drained(d_.get(), 5, &drained)));
-    EXPECT_TRUE(drained);
+    EXPECT_TRUE(wait_drained(d_.get(), 5));
 }
 
 TEST_F(Transfer, ALastChunkThatLeavesPagesUnfilledFailsBothSides) {

@@ -104,6 +104,7 @@ pub(crate) struct Shared {
     /// Prefill over RDMA: abort acknowledgements waiting for their room's outstanding
     /// writes to complete (room id, room generation, peer, decode generation).
     pending_acks: Mutex<Vec<PendingAck>>,
+    registering: Mutex<()>,
     clock: Instant,
     stopping: AtomicBool,
     wake: (Mutex<()>, Condvar),
@@ -272,26 +273,27 @@ impl Shared {
     }
 
     /// Sends `job` to the worker that owns its room (rooms spread over all workers; one
-    /// room's chunks always go to the same worker, in order).
-    fn dispatch(&self, job: Job) {
+    /// room's chunks always go to the same worker, in order). Returns false when the
+    /// engine is shutting down: the caller fails the room, once it holds no room lock
+    /// (failing reads the room's destinations under that lock).
+    #[must_use]
+    fn dispatch(&self, job: Job) -> bool {
         let workers = self.workers.read();
         if workers.is_empty() {
-            self.fail_room(
-                &job.room,
-                FailureReason::local(Cause::Shutdown, "engine shut down"),
-                None,
-            );
-            return;
+            return false;
         }
         let h = job.room.generation().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
         let w = (h as usize) % workers.len();
-        if let Err(mpsc::SendError(job)) = workers[w].send(job) {
-            self.fail_room(
-                &job.room,
-                FailureReason::local(Cause::Shutdown, "engine shut down"),
-                None,
-            );
-        }
+        workers[w].send(job).is_ok()
+    }
+
+    /// Fails a room whose chunk could not be dispatched.
+    fn fail_undispatched(&self, room: &ERoom) {
+        self.fail_room(
+            room,
+            FailureReason::local(Cause::Shutdown, "engine shut down"),
+            None,
+        );
     }
 }
 
@@ -358,6 +360,7 @@ impl Engine {
             kv_regions: OnceLock::new(),
             aux_regions: OnceLock::new(),
             pending_acks: Mutex::new(Vec::new()),
+            registering: Mutex::new(()),
             clock: Instant::now(),
             stopping: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
@@ -729,12 +732,14 @@ impl Shared {
         } else {
             (&self.kv, &self.kv_regions, "kv")
         };
+        // One registration at a time: the regions and the memory are published together.
+        let _one = self.registering.lock();
+        check_buffers(&bufs, what)?;
+        if slot.get().is_some() {
+            return Err(err!(WrongState, "{what} buffers are already registered"));
+        }
         let mut regions = Vec::new();
         if let Some(dev) = &self.rdma {
-            check_buffers(&bufs, what)?;
-            if slot.get().is_some() {
-                return Err(err!(WrongState, "{what} buffers are already registered"));
-            }
             for (i, b) in bufs.iter().enumerate() {
                 // SAFETY: the host promises the buffer stays valid until the engine is
                 // freed; regions live in the engine and are dropped with it.
@@ -749,11 +754,11 @@ impl Shared {
                 regions.push(r);
             }
         }
-        register(slot, bufs, layers, what)?;
+        // Regions first: a peer that sees the memory registered finds its regions too.
         if self.rdma.is_some() {
             let _ = regions_slot.set(Arc::new(regions));
         }
-        Ok(())
+        register(slot, bufs, layers, what)
     }
 
     /// Clear gives the room's memory back, so no transport operation may still touch it
@@ -764,8 +769,15 @@ impl Shared {
         self.wait_decode_quiet(room);
         let start = Instant::now();
         let mut closed = false;
+        // Over RDMA a batch in flight ends with its completions (a whole batch may take
+        // a while on a slow device); over TCP a stalled frame ends when its peer is cut.
+        let patience = if self.rdma.is_some() {
+            std::time::Duration::from_millis(self.config.drain_timeout_ms)
+        } else {
+            std::time::Duration::from_millis(50)
+        };
         while room.io_in_flight() > 0 {
-            if !closed && start.elapsed() > std::time::Duration::from_millis(50) {
+            if !closed && start.elapsed() > patience {
                 for (peer, _) in self.room_peers(room) {
                     self.lose_peer(
                         &peer,
@@ -777,7 +789,7 @@ impl Shared {
                 }
                 closed = true;
             }
-            if start.elapsed() > std::time::Duration::from_secs(5) {
+            if start.elapsed() > patience + std::time::Duration::from_secs(5) {
                 crate::log!(
                     self.log,
                     Error,

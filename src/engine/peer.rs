@@ -230,7 +230,9 @@ impl Shared {
             let _ = s.shutdown(Shutdown::Both);
         }
         peer.data.write().clear();
-        peer.rdma_links.write().clear();
+        for link in peer.rdma_links.write().drain(..) {
+            link.close();
+        }
         self.metrics.peers_lost.fetch_add(1, Ordering::Relaxed);
         let rooms: Vec<(u64, u64)> = peer.rooms.lock().drain().collect();
         if !self.stopping.load(Ordering::Acquire) {
@@ -602,19 +604,25 @@ impl Shared {
             crate::Role::Decode => {
                 let dev = self.rdma.as_ref().expect("checked by the caller");
                 let mut qps_now = peer.qps.lock();
+                if peer.is_lost() {
+                    // Its queue pairs were shut (or are being shut): none may reopen.
+                    return Ok(());
+                }
                 if i >= qps_now.len() {
                     return Err(format!(
                         "a request to replace queue pair {i} of {}",
                         qps_now.len()
                     ));
                 }
+                // First of all: nothing more lands through the old one (the prefill
+                // engine sends this before it acknowledges anything written through it).
+                qps_now[i].shut();
                 let mut ep = dev
                     .endpoint(1)
                     .map_err(|e| format!("cannot create an RDMA queue pair: {e}"))?;
                 ep.connect(&from_wire(q))
                     .map_err(|e| format!("cannot connect a replacement queue pair: {e}"))?;
                 let info = ep.info();
-                qps_now[i].shut();
                 qps_now[i] = ep;
                 drop(qps_now);
                 crate::log!(

@@ -189,13 +189,18 @@ impl Shared {
             ));
         }
         p.closed = chunk.is_last;
-        if p.ready() {
-            self.dispatch(Job {
-                room: room.clone(),
-                chunk,
-            });
-        } else {
+        if !p.ready() {
             p.held.push_back(chunk);
+            return Ok(());
+        }
+        // Dispatched under the lock, so that chunks keep their order with held ones.
+        let sent = self.dispatch(Job {
+            room: room.clone(),
+            chunk,
+        });
+        drop(p);
+        if !sent {
+            self.fail_undispatched(room);
         }
         Ok(())
     }
@@ -327,12 +332,22 @@ impl Shared {
         }
         let mut p = ext(room).lock();
         if p.dests.iter().any(|d| Arc::ptr_eq(&d.peer, peer)) || p.ready() {
+            // The same destination again may have writes in flight: its acknowledgement
+            // is the one fail_room queues below, not an immediate one.
+            let known = p
+                .dests
+                .iter()
+                .any(|d| Arc::ptr_eq(&d.peer, peer) && d.generation == generation);
             drop(p);
             let why = format!(
                 "prefill room {id} got a second destination from {}",
                 peer.name
             );
-            self.refuse(peer, id, generation, &why);
+            if known {
+                peer.send(self, &Message::abort(id, generation, &why, &self.limits));
+            } else {
+                self.refuse(peer, id, generation, &why);
+            }
             self.fail_room(room, FailureReason::local(Cause::Protocol, why), Some(peer));
             return;
         }
@@ -365,11 +380,16 @@ impl Shared {
         if p.ready() {
             self.arm(room, State::WaitingForInput);
             if room.advance(Event::Ready).is_ok() {
+                let mut sent = true;
                 while let Some(chunk) = p.held.pop_front() {
-                    self.dispatch(Job {
+                    sent &= self.dispatch(Job {
                         room: room.clone(),
                         chunk,
                     });
+                }
+                drop(p);
+                if !sent {
+                    self.fail_undispatched(room);
                 }
             }
         }

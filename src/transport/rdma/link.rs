@@ -6,6 +6,8 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use parking_lot::{Condvar, Mutex};
 
 use super::verbs::{Device, Endpoint, EndpointInfo, Region, WriteOp};
@@ -54,9 +56,13 @@ pub struct RdmaLink {
     index: usize,
     device: Arc<Device>,
     depth: u32,
+    /// The replacement announced to the peer and not yet connected.
+    pending: Mutex<Option<Endpoint>>,
     /// The peer's answer to a reconnection request.
     answer: Mutex<Option<EndpointInfo>>,
     answered: Condvar,
+    /// The peer is lost or the engine stops: no replacement will be answered.
+    closed: AtomicBool,
     reconnect: ReconnectFn,
     /// Our regions, indexed like our registered KV and aux buffers.
     local_kv: Arc<Vec<Region>>,
@@ -107,8 +113,10 @@ impl RdmaLink {
             index: setup.index,
             device: setup.device,
             depth: setup.depth,
+            pending: Mutex::new(None),
             answer: Mutex::new(None),
             answered: Condvar::new(),
+            closed: AtomicBool::new(false),
             reconnect: setup.reconnect,
             local_kv: setup.local_kv,
             local_aux: setup.local_aux,
@@ -127,16 +135,41 @@ impl RdmaLink {
         self.answered.notify_all();
     }
 
-    /// Replaces the broken queue pair: a new one, announced to the peer over the control
-    /// connection, connected to the one it answers with within `stall`.
-    fn replace(&self, ep: &mut Endpoint) -> io::Result<()> {
-        let mut fresh = self.device.endpoint(self.depth)?;
+    /// The peer is gone: a wait for an answer ends now.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let _guard = self.answer.lock();
+        self.answered.notify_all();
+    }
+
+    /// Announces a replacement queue pair to the peer. Sent as soon as a write fails,
+    /// before the failed batch releases its room: the peer shuts its side of queue pair
+    /// `index` when it reads this, which is before any acknowledgement we send after it
+    /// on the same ordered control connection, so no packet still on its way can land
+    /// once the peer considers the room drained.
+    fn request_replacement(&self) -> io::Result<()> {
+        let fresh = self.device.endpoint(self.depth)?;
         self.answer.lock().take();
         (self.reconnect)(self.index, fresh.info())?;
+        *self.pending.lock() = Some(fresh);
+        Ok(())
+    }
+
+    /// Replaces the broken queue pair with the announced one once the peer answers
+    /// (announcing one first if that failed before), within `stall`.
+    fn replace(&self, ep: &mut Endpoint) -> io::Result<()> {
+        if self.pending.lock().is_none() {
+            self.request_replacement()?;
+        }
         let mut answer = self.answer.lock();
         let deadline = std::time::Instant::now() + self.stall;
         while answer.is_none() {
+            if self.closed.load(Ordering::SeqCst) {
+                return Err(io::Error::other("the peer is gone"));
+            }
             if self.answered.wait_until(&mut answer, deadline).timed_out() {
+                // Ask again on the next use, with a new queue pair.
+                self.pending.lock().take();
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "the peer did not answer the request for a new queue pair",
@@ -145,6 +178,7 @@ impl RdmaLink {
         }
         let remote = answer.take().expect("checked above");
         drop(answer);
+        let mut fresh = self.pending.lock().take().expect("announced above");
         fresh.connect(&remote)?;
         *ep = fresh;
         Ok(())
@@ -177,7 +211,8 @@ impl RdmaLink {
             ));
         }
         let offset = hdr.first_page as u64 * remote.item_len;
-        if offset + bytes.len() as u64 > remote.len {
+        let remote_addr = remote.addr.checked_add(offset);
+        if remote_addr.is_none() || offset + bytes.len() as u64 > remote.len {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
@@ -198,7 +233,7 @@ impl RdmaLink {
             addr,
             len: bytes.len(),
             lkey: local.lkey(),
-            remote_addr: remote.addr + offset,
+            remote_addr: remote_addr.expect("checked above"),
             rkey,
         })
     }
@@ -217,7 +252,17 @@ impl DataLink for RdmaLink {
                     io::Error::new(e.kind(), format!("replacing a broken queue pair: {e}"))
                 })?;
             }
-            ep.write(&ops, self.slice, self.stall)?;
+            if let Err(e) = ep.write(&ops, self.slice, self.stall) {
+                // Nothing of the batch is outstanding on our side now; have the peer
+                // shut its side before anything is acknowledged.
+                if let Err(r) = self.request_replacement() {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("{e} (and announcing a new queue pair failed: {r})"),
+                    ));
+                }
+                return Err(e);
+            }
         }
         // Every write of the batch completed: tell the decode side how far the room got
         // (it re-arms its deadline and counts pages, as it would from TCP data frames).
