@@ -408,16 +408,10 @@ impl Shared {
         pages_sent: u32,
         aux_sent: bool,
     ) {
-        let Some(room) = self.rooms.get_generation(id, generation) else {
-            self.metrics
-                .unknown_room_frames
-                .fetch_add(1, Ordering::Relaxed);
+        let Some((room, idx)) = self.decode_room_of(peer, id, generation) else {
             return;
         };
         let Some(d) = ext(&room) else { return };
-        let Some(idx) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) else {
-            return;
-        };
         let n_kv = peer.kv_map.get().map_or(0, Vec::len) as u64;
         let n_aux = peer.aux_count.get().copied().unwrap_or(0) as u64;
         let any_aux = d
@@ -504,6 +498,27 @@ impl Shared {
         }
     }
 
+    /// The decode room a prefill engine's message names, and that engine's position in
+    /// it; an unknown room (or generation) is counted.
+    fn decode_room_of(
+        &self,
+        peer: &Arc<Peer>,
+        id: u64,
+        generation: u64,
+    ) -> Option<(Arc<ERoom>, usize)> {
+        let Some(room) = self.rooms.get_generation(id, generation) else {
+            self.metrics
+                .unknown_room_frames
+                .fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        let idx = ext(&room)?
+            .peers
+            .iter()
+            .position(|p| Arc::ptr_eq(p, peer))?;
+        Some((room, idx))
+    }
+
     /// RDMA: a prefill engine's writes of one batch of the room completed. Counts them
     /// as TCP data frames would be counted, and re-arms the no-progress deadline.
     pub(crate) fn decode_on_progress(
@@ -513,19 +528,13 @@ impl Shared {
         generation: u64,
         (pages, aux_rows, bytes): (u32, u32, u64),
     ) {
-        let Some(room) = self.rooms.get_generation(id, generation) else {
-            self.metrics
-                .unknown_room_frames
-                .fetch_add(1, Ordering::Relaxed);
+        let Some((room, idx)) = self.decode_room_of(peer, id, generation) else {
             return;
         };
         let Some(d) = ext(&room) else { return };
         if room.state().is_terminal() {
             return;
         }
-        let Some(idx) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) else {
-            return;
-        };
         {
             let mut st = d.inner.lock();
             if !st.sent {

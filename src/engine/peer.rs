@@ -386,19 +386,25 @@ impl Shared {
             Message::Transport { transport, qps } => (transport, qps),
             other => return Err(format!("expected Transport, got {}", other.kind().name())),
         };
-        let ours = self.wire_transport();
-        if transport != ours {
-            let why = format!(
-                "transport mismatch: this {} engine moves data over {}, {} over {}",
-                self.role,
-                transport_name(ours),
-                peer.name,
-                transport_name(transport)
-            );
-            self.lose_peer_with(peer, Cause::Mismatch, why.clone());
-            return Err(why);
-        }
+        self.agree_transport(peer, transport)?;
         Ok(qps)
+    }
+
+    /// Both engines must move data the same way: a mismatch fails the peer as MISMATCH.
+    fn agree_transport(&self, peer: &Arc<Peer>, theirs: WireTransport) -> Result<(), String> {
+        let ours = self.wire_transport();
+        if theirs == ours {
+            return Ok(());
+        }
+        let why = format!(
+            "transport mismatch: this {} engine moves data over {}, {} over {}",
+            self.role,
+            transport_name(ours),
+            peer.name,
+            transport_name(theirs)
+        );
+        self.lose_peer_with(peer, Cause::Mismatch, why.clone());
+        Err(why)
     }
 
     /// Decode side, after the registration exchange: agree on the transport and, over
@@ -472,19 +478,9 @@ impl Shared {
             other => return Err(format!("expected Transport, got {}", other.kind().name())),
         };
         let Some(dev) = self.rdma.as_ref().filter(|_| asked == ours) else {
+            // TCP, or a mismatch: our answer tells the peer which, then agree or fail.
             reply(s, Vec::new())?;
-            if asked != ours {
-                let why = format!(
-                    "transport mismatch: this {} engine moves data over {}, {} over {}",
-                    self.role,
-                    transport_name(ours),
-                    peer.name,
-                    transport_name(asked)
-                );
-                self.lose_peer_with(peer, Cause::Mismatch, why.clone());
-                return Err(why);
-            }
-            return Ok(());
+            return self.agree_transport(peer, asked);
         };
         let depth = self.config.rdma_queue_depth;
         let mut eps = Vec::with_capacity(self.config.workers);
