@@ -293,6 +293,53 @@ fn an_abort_during_outstanding_writes_drains_only_after_their_completions() {
     t.assert_pages(&src2, &dst2);
 }
 
+#[test]
+fn child_prefill() {
+    common::child_prefill_main();
+}
+
+#[test]
+fn a_prefill_process_killed_mid_transfer_fails_the_room_and_nothing_lands_after() {
+    if !rdma() {
+        return; // over TCP the same is covered by tests/two_process.rs
+    }
+    let mut child = common::ChildPrefill::start();
+    let mut mem: Vec<Vec<u8>> = (0..common::BUFS)
+        .map(|_| vec![POISON; common::PAGES * common::ITEM])
+        .collect();
+    let d = common::engine("decode", &mut mem, &[("heartbeat_interval_ms", "100")]);
+    let dst: Vec<u32> = (0..common::PAGES as u32).collect();
+    d.room_create(3, RoomPeers::Prefills(vec![child.addr.clone()]))
+        .unwrap();
+    d.room_set_destination(3, &dst, None).unwrap();
+    child.send("big 3");
+    wait_until("the transfer to start", || {
+        d.room_poll(3).unwrap() != State::Bootstrapping
+            && d.room_poll(3).unwrap() != State::WaitingForInput
+    });
+    assert_eq!(
+        d.room_poll(3).unwrap(),
+        State::Transferring,
+        "the transfer ended before the kill"
+    );
+    drop(child); // SIGKILL mid-transfer
+    let t = Instant::now();
+    assert_eq!(wait_terminal(&d, 3), State::Failed);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    let why = d.room_failure(3).unwrap();
+    assert_eq!(why.cause, Cause::PeerLost, "{why}");
+    // Lost peer: its queue pairs are shut, so the room is drained at once.
+    assert!(d.room_drained(3).unwrap());
+    for b in &mut mem {
+        b.fill(POISON);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        mem.iter().all(|b| b.iter().all(|&x| x == POISON)),
+        "a write landed after the room drained"
+    );
+}
+
 #[cfg(feature = "test-hooks")]
 #[test]
 fn a_completion_error_fails_exactly_its_room_with_the_verbs_status() {

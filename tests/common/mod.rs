@@ -67,7 +67,8 @@ pub fn plan(r: u64) -> (Vec<u32>, usize) {
 }
 
 /// The prefill process: reads commands from stdin, one per line:
-/// `room R` creates room R and enqueues its chunks; `quit` exits. Listens on
+/// `room R` creates room R and enqueues its chunks; `big R` creates room R with every
+/// page, one page per chunk; `quit` exits. Listens on
 /// KVXFER_LISTEN if set. Each test binary calls this from its `child_prefill` test.
 pub fn child_prefill_main() {
     if std::env::var_os("KVXFER_CHILD").is_none() {
@@ -99,6 +100,14 @@ pub fn child_prefill_main() {
                 let parts: Vec<&[u32]> = src.chunks(per).collect();
                 for (i, part) in parts.iter().enumerate() {
                     p.enqueue_chunk(r, part, i + 1 == parts.len(), None)
+                        .unwrap();
+                }
+            }
+            (Some("big"), Some(r)) => {
+                // Every page, one page per chunk: a transfer long enough to interrupt.
+                p.room_create(r, RoomPeers::Decoders(1)).unwrap();
+                for page in 0..PAGES as u32 {
+                    p.enqueue_chunk(r, &[page], page + 1 == PAGES as u32, None)
                         .unwrap();
                 }
             }
