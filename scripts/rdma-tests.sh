@@ -4,7 +4,8 @@
 #
 # Usage: scripts/rdma-tests.sh [BUILD_DIR]      (BUILD_DIR: the CMake build, default build)
 #
-# Builds on the host: the Rust integration tests tests/rdma.rs and tests/transfer.rs
+# Builds on the host: the Rust integration tests tests/rdma_verbs.rs, tests/rdma.rs,
+# tests/transfer.rs and tests/two_process.rs
 # (feature test-hooks) and the gtest suite (already built in BUILD_DIR). Inside the guest
 # it checks that the rxe device came up, then runs each with KVXFER_TEST_TRANSPORT=rdma,
 # so every engine the suites create moves its data over RDMA. Exits nonzero if the
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 
 # Host-built test binaries (cargo prints their paths as JSON artifacts).
 bins=$(cargo test --locked --features test-hooks --no-run --message-format=json \
-         --test rdma --test transfer --test two_process 2>/dev/null |
+         --test rdma_verbs --test rdma --test transfer --test two_process 2>/dev/null |
        python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
