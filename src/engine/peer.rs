@@ -573,8 +573,9 @@ impl Shared {
     }
 
     /// A replacement queue pair after a broken one. On the decode side: the prefill
-    /// engine's new queue pair `i` (the only non-zero entry); connect a new one of ours
-    /// to it, shut the old one and answer. On the prefill side: that answer.
+    /// engine's new queue pair `i` (the first entry with a queue pair number); shut the
+    /// old one, connect a new one of ours to it and answer, echoing the request's queue
+    /// pair in entry `i + 1`. On the prefill side: that answer.
     fn on_reconnect(
         &self,
         peer: &Arc<Peer>,
@@ -587,9 +588,11 @@ impl Shared {
         match role {
             crate::Role::Prefill => {
                 let link = peer.rdma_links.read().get(i).cloned();
+                // The entry after the answer echoes the queue pair it answers.
+                let echo = qps.get(i + 1).map_or(0, |e| e.qpn);
                 match link {
                     Some(l) => {
-                        l.answer(from_wire(q));
+                        l.answer(from_wire(q), echo);
                         Ok(())
                     }
                     None => Err(format!(
@@ -627,7 +630,11 @@ impl Shared {
                     "replaced RDMA queue pair {i} of {}",
                     peer.name
                 );
-                peer.send(self, &reconnect_request(i, &info));
+                let mut answer = reconnect_request(i, &info);
+                if let Message::Transport { qps, .. } = &mut answer {
+                    qps.push(*q); // the echo: which request this answers
+                }
+                peer.send(self, &answer);
                 Ok(())
             }
         }

@@ -312,8 +312,10 @@ pub unsafe extern "C" fn kvxfer_room_failure_cause(
 /// and no transport operation can still touch its pages. Decode engine: no write into its
 /// destination pages can still land (over TCP the receiver refuses every byte for a
 /// terminal room, so this becomes true as soon as an in-progress slice of at most 256 KiB
-/// ends). Prefill engine: no worker is still reading its source pages. A live room is
-/// never drained.
+/// ends; over RDMA, once every prefill engine of the room acknowledged that its writes
+/// completed, or was lost, or `drain_timeout_ms` passed and its queue pairs were shut; a
+/// room that succeeded is drained at once). Prefill engine: no worker is still reading
+/// its source pages. A live room is never drained.
 ///
 /// Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
 #[no_mangle]
@@ -336,7 +338,11 @@ pub unsafe extern "C" fn kvxfer_room_drained(
 
 /// Releases room `room`'s bookkeeping; a live room is aborted first (FAILED, "cleared
 /// while live"). Afterwards the id may be created again. Clearing twice is harmless: the
-/// second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`.
+/// second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`. When it returns, no
+/// transport operation touches the room's memory any more: it waits for one in progress
+/// (TCP: at most 50 ms before the stalled peer is cut off; RDMA: the prefill's
+/// acknowledgement, at most `drain_timeout_ms` before the silent peer's queue pairs are
+/// shut).
 ///
 /// Errors: `KVXFER_ERR_NOT_FOUND` if the room is not present.
 #[no_mangle]

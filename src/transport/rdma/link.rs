@@ -58,8 +58,9 @@ pub struct RdmaLink {
     depth: u32,
     /// The replacement announced to the peer and not yet connected.
     pending: Mutex<Option<Endpoint>>,
-    /// The peer's answer to a reconnection request.
-    answer: Mutex<Option<EndpointInfo>>,
+    /// The peer's answer to the reconnection request in flight: the queue pair number
+    /// we announced (answers echo it; others are stale) and the answer once it came.
+    answer: Mutex<Answer>,
     answered: Condvar,
     /// The peer is lost or the engine stops: no replacement will be answered.
     closed: AtomicBool,
@@ -75,6 +76,12 @@ pub struct RdmaLink {
     stall: Duration,
     control: ControlSender,
     progress: ProgressFn,
+}
+
+#[derive(Default)]
+struct Answer {
+    expect: Option<u32>,
+    remote: Option<EndpointInfo>,
 }
 
 /// What a link needs besides its queue pair.
@@ -114,7 +121,7 @@ impl RdmaLink {
             device: setup.device,
             depth: setup.depth,
             pending: Mutex::new(None),
-            answer: Mutex::new(None),
+            answer: Mutex::new(Answer::default()),
             answered: Condvar::new(),
             closed: AtomicBool::new(false),
             reconnect: setup.reconnect,
@@ -130,9 +137,14 @@ impl RdmaLink {
     }
 
     /// The peer's queue pair for our replacement request.
-    pub fn answer(&self, remote: EndpointInfo) {
-        *self.answer.lock() = Some(remote);
-        self.answered.notify_all();
+    /// `echo` is our queue pair the answer is for; an answer to an earlier request (one
+    /// that timed out) is dropped.
+    pub fn answer(&self, remote: EndpointInfo, echo: u32) {
+        let mut a = self.answer.lock();
+        if a.expect == Some(echo) {
+            a.remote = Some(remote);
+            self.answered.notify_all();
+        }
     }
 
     /// The peer is gone: a wait for an answer ends now.
@@ -149,7 +161,10 @@ impl RdmaLink {
     /// once the peer considers the room drained.
     fn request_replacement(&self) -> io::Result<()> {
         let fresh = self.device.endpoint(self.depth)?;
-        self.answer.lock().take();
+        *self.answer.lock() = Answer {
+            expect: Some(fresh.info().qpn),
+            remote: None,
+        };
         (self.reconnect)(self.index, fresh.info())?;
         *self.pending.lock() = Some(fresh);
         Ok(())
@@ -163,7 +178,7 @@ impl RdmaLink {
         }
         let mut answer = self.answer.lock();
         let deadline = std::time::Instant::now() + self.stall;
-        while answer.is_none() {
+        while answer.remote.is_none() {
             if self.closed.load(Ordering::SeqCst) {
                 return Err(io::Error::other("the peer is gone"));
             }
@@ -176,7 +191,8 @@ impl RdmaLink {
                 ));
             }
         }
-        let remote = answer.take().expect("checked above");
+        let remote = answer.remote.take().expect("checked above");
+        answer.expect = None;
         drop(answer);
         let mut fresh = self.pending.lock().take().expect("announced above");
         fresh.connect(&remote)?;
