@@ -191,9 +191,20 @@ impl Shared {
     /// Prefill over RDMA: acknowledges the abort of `room` to `peer` once no write of
     /// the room is outstanding (at once if none is).
     fn queue_ack(&self, room: &ERoom, peer: Arc<Peer>, generation: u64) {
-        self.pending_acks
-            .lock()
-            .push((room.id(), room.generation(), peer, generation));
+        {
+            let mut pending = self.pending_acks.lock();
+            // One entry per (room, peer, generation): repeated aborts from a peer do not
+            // grow the list while a batch is in flight.
+            let known = pending.iter().any(|(id, room_gen, p, g)| {
+                *id == room.id()
+                    && *room_gen == room.generation()
+                    && Arc::ptr_eq(p, &peer)
+                    && *g == generation
+            });
+            if !known {
+                pending.push((room.id(), room.generation(), peer, generation));
+            }
+        }
         self.send_due_acks();
     }
 
