@@ -28,16 +28,6 @@ impl SendConn {
         }
     }
 
-    /// Writes a data frame: prefix (frame header + data header) and `bytes` in one
-    /// vectored write sequence.
-    pub fn send_data(&self, hdr: &DataHeader, bytes: &[u8]) -> io::Result<()> {
-        let mut prefix = [0u8; DATA_FRAME_PREFIX_LEN];
-        hdr.encode_frame(&mut prefix)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        let mut s = self.stream.lock();
-        write_all_vectored(&mut *s, &mut [IoSlice::new(&prefix), IoSlice::new(bytes)])
-    }
-
     /// Writes several data frames with one vectored write sequence under one lock.
     pub fn send_batch(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()> {
         let mut prefixes = vec![[0u8; DATA_FRAME_PREFIX_LEN]; runs.len()];

@@ -671,21 +671,29 @@ impl Endpoint {
         self.depth
     }
 
+    /// Ok if the endpoint is connected (`connected`) or still fresh (`!connected`);
+    /// otherwise the error naming its state.
+    fn require(&self, connected: bool) -> io::Result<()> {
+        match (&self.state, connected) {
+            (EpState::Connected, true) | (EpState::Fresh, false) => Ok(()),
+            (EpState::Broken(r), _) => Err(io::Error::other(format!("endpoint is broken: {r}"))),
+            (EpState::Fresh, true) => Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "endpoint is not connected",
+            )),
+            (EpState::Connected, false) => Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "endpoint is already connected",
+            )),
+        }
+    }
+
     /// Moves the QP through INIT, RTR and RTS towards `remote`, allowing the peer to
     /// write into our regions. Path MTU is the smaller of both ports'; local ACK timeout
     /// 14 (about 67 ms), 7 retries, 7 RNR retries. Any failure leaves the endpoint
     /// broken.
     pub fn connect(&mut self, remote: &EndpointInfo) -> io::Result<()> {
-        match &self.state {
-            EpState::Fresh => {}
-            EpState::Connected => {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    "endpoint is already connected",
-                ))
-            }
-            EpState::Broken(r) => return Err(io::Error::other(format!("endpoint is broken: {r}"))),
-        }
+        self.require(false)?;
         if !(1..=5).contains(&remote.mtu) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -791,16 +799,7 @@ impl Endpoint {
     /// moved to ERR, its flushed work requests are drained before returning (nothing is
     /// left outstanding), and every later call fails at once.
     pub fn write(&mut self, ops: &[WriteOp], slice: usize, stall: Duration) -> io::Result<()> {
-        match &self.state {
-            EpState::Connected => {}
-            EpState::Fresh => {
-                return Err(io::Error::new(
-                    io::ErrorKind::NotConnected,
-                    "endpoint is not connected",
-                ))
-            }
-            EpState::Broken(r) => return Err(io::Error::other(format!("endpoint is broken: {r}"))),
-        }
+        self.require(true)?;
         let slice = if slice == 0 {
             MAX_WR_LEN
         } else {
