@@ -12,6 +12,9 @@
 //!   just written one batch of a chunk's frames and not yet the next one (nor the
 //!   chunk's Done, nor its state change). While it is armed for a room, that room's
 //!   batches hold one frame each, so the point falls between two frames.
+//! - `"rdma.batch_done"` (src/transport/rdma/link.rs): a batch's RDMA WRITEs completed,
+//!   and the worker still counts them on the room (its io count), so an acknowledgement
+//!   of an abort must wait.
 //! - `"worker.before_complete"` (same function): every byte of the room's last chunk is
 //!   written; the worker has not yet claimed SUCCESS nor sent Done.
 //!
@@ -119,7 +122,6 @@ pub fn inject_fault(name: &str, room: u64) {
 }
 
 /// Engine side: whether fault `name` was injected for `room` (and takes it).
-#[allow(dead_code)]
 pub(crate) fn take_fault(name: &str, room: u64) -> bool {
     if INJECTED.load(Ordering::Relaxed) == 0 {
         return false;

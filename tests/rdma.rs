@@ -103,11 +103,13 @@ impl Pair {
         }
     }
 
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     fn poisoned(&self, dst: &[u32]) -> bool {
         dst.iter()
             .all(|&d| (0..BUFS).all(|b| self.dmem[b].page(d).iter().all(|&x| x == POISON)))
     }
 
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     fn repoison(&self, dst: &[u32]) {
         for &d in dst {
             for b in 0..BUFS {
@@ -254,34 +256,45 @@ fn many_rooms_at_once_arrive_byte_for_byte_over_rdma() {
     assert_eq!(m.rooms_succeeded, rooms);
 }
 
+#[cfg(feature = "test-hooks")]
 #[test]
 fn an_abort_during_outstanding_writes_drains_only_after_their_completions() {
     if !rdma() {
         return;
     }
-    // One worker, one big chunk: 4 buffers x 256 pages x 16 KiB = 16 MiB of writes,
-    // which soft-RoCE moves in a fraction of a second; the abort lands among them.
+    // One worker, one big chunk: 4 buffers x 256 pages x 16 KiB = 16 MiB of writes. The
+    // worker is held (test-only pause point) right after its first batch's writes
+    // completed, while it still counts them on the room: the abort lands then.
     let t = Pair::new("rdma", &[("workers", "1")], &[]);
     let src: Vec<u32> = (0..PAGES as u32).collect();
     let dst: Vec<u32> = (0..PAGES as u32).collect();
+    kvxfer::testing::pause_at("rdma.batch_done", 5);
     t.create(5, &dst);
     t.send(5, &src, PAGES);
-    wait_until("the first completed writes", || {
-        t.d.room_poll(5).unwrap() == State::Transferring || t.d.room_poll(5).unwrap().is_terminal()
-    });
+    assert!(
+        kvxfer::testing::wait_paused("rdma.batch_done", 5, LIMIT),
+        "the worker never finished a batch"
+    );
     t.d.room_abort(5, "client cancelled mid-write").unwrap();
     assert_eq!(wait_terminal(&t.d, 5), State::Failed, "decode");
     assert_eq!(wait_terminal(&t.p, 5), State::Failed, "prefill");
-    // Drained on the decode side means the prefill acknowledged, which it does only
-    // once the room's posted writes completed: the prefill is drained by then too.
+    // The prefill still counts the batch: no acknowledgement, so the decode room must
+    // not be drained, however long we wait.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        assert!(!t.p.room_drained(5).unwrap());
+        assert!(
+            !t.d.room_drained(5).unwrap(),
+            "decode drained while the prefill still held a batch of writes"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    kvxfer::testing::release("rdma.batch_done", 5);
     wait_until("the decode room to drain", || t.d.room_drained(5).unwrap());
-    assert!(
-        t.p.room_drained(5).unwrap(),
-        "decode drained while the prefill still had writes outstanding"
-    );
+    assert!(t.p.room_drained(5).unwrap());
     let why = t.p.room_failure(5).unwrap();
     assert!(why.message.contains("client cancelled mid-write"), "{why}");
-    // Nothing lands after the drain.
+    // Nothing lands after the drain: no later batch of the room was posted.
     t.repoison(&dst);
     std::thread::sleep(Duration::from_millis(500));
     assert!(t.poisoned(&dst), "a write landed after the room drained");

@@ -167,9 +167,8 @@ impl Shared {
             self.arm(room, State::WaitingForInput);
         }
         self.decode_send_destination(room);
-        if pages.is_empty() && aux.is_none() {
-            // Nothing to receive: completion still needs every prefill's Done.
-        }
+        // Nothing to receive (no pages, no aux slot) still completes only on every
+        // prefill's Done.
         Ok(())
     }
 
@@ -257,7 +256,7 @@ impl Shared {
             None => Err(Refuse::Discard),
             Some(room) => self.check_data(peer, room, h),
         };
-        let (room, buffer) = match target {
+        let (room, buffer, idx) = match target {
             Ok(t) => t,
             Err(Refuse::Discard) => {
                 self.metrics.dropped_frames.fetch_add(1, Ordering::Relaxed);
@@ -304,11 +303,6 @@ impl Shared {
             .bytes_received
             .fetch_add(h.byte_len as u64, Ordering::Relaxed);
         if written {
-            let idx = d
-                .peers
-                .iter()
-                .position(|p| Arc::ptr_eq(p, peer))
-                .unwrap_or(0);
             let mut st = d.inner.lock();
             match h.target {
                 Target::Kv => st.progress[idx].kv_pages += h.n_pages as u64,
@@ -321,19 +315,19 @@ impl Shared {
 
     /// Checks a data frame: the room pulls from this peer, is live, has a destination,
     /// and the frame's pages are granted to it, in registered buffers, with the right
-    /// length. Returns the room and our buffer the frame fills.
+    /// length. Returns the room, our buffer the frame fills, and the peer's position.
     fn check_data(
         &self,
         peer: &Arc<Peer>,
         room: &Arc<ERoom>,
         h: &DataHeader,
-    ) -> std::result::Result<(Arc<ERoom>, u32), Refuse> {
+    ) -> std::result::Result<(Arc<ERoom>, u32, usize), Refuse> {
         let proto_err =
             |why: String| Refuse::Protocol(format!("a bad data frame for room {}: {why}", h.room));
         let d = ext(room).ok_or(Refuse::Discard)?;
-        if !d.peers.iter().any(|p| Arc::ptr_eq(p, peer)) {
+        let Some(idx) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) else {
             return Err(proto_err("the room does not pull from this engine".into()));
-        }
+        };
         if room.state().is_terminal() {
             return Err(Refuse::Discard);
         }
@@ -395,7 +389,7 @@ impl Shared {
         // never sees the new state with the old state's deadline.
         room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
         let _ = room.advance(Event::Start);
-        Ok((room.clone(), local.unwrap_or(h.buffer)))
+        Ok((room.clone(), local.unwrap_or(h.buffer), idx))
     }
 
     /// A prefill engine's Done: check it delivered everything, then complete the room

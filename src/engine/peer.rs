@@ -18,52 +18,15 @@ use crate::proto::{
     PROTO_VERSION,
 };
 use crate::room::{Cause, FailureReason};
-use crate::transport::rdma::link::{
-    ControlSender, LinkSetup, ProgressFn, RdmaLink, ReconnectFn, RemoteBuffer,
-};
-use crate::transport::rdma::verbs::{Endpoint, EndpointInfo, Region};
+use crate::transport::rdma::link::{replacement, ControlSender, LinkSetup, RdmaLink, RemoteBuffer};
+use crate::transport::rdma::verbs::{Endpoint, Region};
 use crate::transport::tcp::{self, SendConn};
 use crate::transport::DataLink;
-
-/// The Transport message that names queue pair `index` only.
-fn reconnect_request(index: usize, info: &EndpointInfo) -> Message {
-    // Other entries are placeholders (queue pair number 0, a valid MTU for the codec).
-    let placeholder = proto::QpInfo {
-        mtu: 1,
-        ..Default::default()
-    };
-    let mut qps = vec![placeholder; index + 1];
-    qps[index] = to_wire(info);
-    Message::Transport {
-        transport: WireTransport::Rdma,
-        qps,
-    }
-}
 
 fn transport_name(t: WireTransport) -> &'static str {
     match t {
         WireTransport::Tcp => "TCP",
         WireTransport::Rdma => "RDMA",
-    }
-}
-
-fn to_wire(e: &EndpointInfo) -> proto::QpInfo {
-    proto::QpInfo {
-        qpn: e.qpn,
-        psn: e.psn,
-        lid: e.lid,
-        gid: e.gid,
-        mtu: e.mtu,
-    }
-}
-
-fn from_wire(q: &proto::QpInfo) -> EndpointInfo {
-    EndpointInfo {
-        qpn: q.qpn,
-        psn: q.psn,
-        lid: q.lid,
-        gid: q.gid,
-        mtu: q.mtu,
     }
 }
 
@@ -431,11 +394,11 @@ impl Shared {
             let mut ep = dev
                 .endpoint(1)
                 .map_err(|e| format!("cannot create an RDMA queue pair: {e}"))?;
-            ep.connect(&from_wire(remote))
+            ep.connect(remote)
                 .map_err(|e| format!("cannot connect an RDMA queue pair to {}: {e}", peer.name))?;
             eps.push(ep);
         }
-        let infos = eps.iter().map(|e| to_wire(&e.info())).collect();
+        let infos = eps.iter().map(|e| e.info()).collect();
         peer.qps.lock().extend(eps);
         if peer.is_lost() {
             // Lost meanwhile: its loss pass may have missed these.
@@ -490,7 +453,7 @@ impl Shared {
                     .map_err(|e| format!("cannot create an RDMA queue pair: {e}"))?,
             );
         }
-        reply(s, eps.iter().map(|e| to_wire(&e.info())).collect())?;
+        reply(s, eps.iter().map(|e| e.info()).collect())?;
         let remotes = self.expect_transport(s, peer)?;
         if remotes.len() != eps.len() {
             return Err(format!(
@@ -511,36 +474,12 @@ impl Shared {
         );
         let mut links: Vec<Arc<RdmaLink>> = Vec::with_capacity(eps.len());
         for (index, (mut ep, remote)) in eps.into_iter().zip(&remotes).enumerate() {
-            ep.connect(&from_wire(remote))
+            ep.connect(remote)
                 .map_err(|e| format!("cannot connect an RDMA queue pair to {}: {e}", peer.name))?;
             let weak = Arc::downgrade(peer);
             let control: ControlSender = Box::new(move |frame| match weak.upgrade() {
                 Some(p) if p.send_frame(frame) => Ok(()),
                 _ => Err(std::io::Error::other("the control connection is gone")),
-            });
-            let weak = Arc::downgrade(peer);
-            let reconnect: ReconnectFn = Box::new(move |index, info| {
-                let mut f = Vec::new();
-                reconnect_request(index, &info)
-                    .encode(&mut f)
-                    .map_err(|e| std::io::Error::other(e.to_string()))?;
-                match weak.upgrade() {
-                    Some(p) if p.send_frame(f) => Ok(()),
-                    _ => Err(std::io::Error::other("the control connection is gone")),
-                }
-            });
-            let progress: ProgressFn = Box::new(|room, generation, pages, aux_rows, bytes| {
-                let mut f = Vec::with_capacity(48);
-                Message::Progress {
-                    room,
-                    generation,
-                    pages,
-                    aux_rows,
-                    bytes,
-                }
-                .encode(&mut f)
-                .ok()?;
-                Some(f)
             });
             links.push(Arc::new(RdmaLink::new(
                 ep,
@@ -548,7 +487,6 @@ impl Shared {
                     index,
                     device: dev.clone(),
                     depth,
-                    reconnect,
                     local_kv: local_kv.clone(),
                     local_aux: local_aux.clone(),
                     remote_kv: remote_kv.clone(),
@@ -556,7 +494,6 @@ impl Shared {
                     slice: self.config.rdma_slice_bytes,
                     stall: Duration::from_millis(self.config.transfer_timeout_ms),
                     control,
-                    progress,
                 },
             )));
         }
@@ -592,7 +529,7 @@ impl Shared {
                 let echo = qps.get(i + 1).map_or(0, |e| e.qpn);
                 match link {
                     Some(l) => {
-                        l.answer(from_wire(q), echo);
+                        l.answer(*q, echo);
                         Ok(())
                     }
                     None => Err(format!(
@@ -619,7 +556,7 @@ impl Shared {
                 let mut ep = dev
                     .endpoint(1)
                     .map_err(|e| format!("cannot create an RDMA queue pair: {e}"))?;
-                ep.connect(&from_wire(q))
+                ep.connect(q)
                     .map_err(|e| format!("cannot connect a replacement queue pair: {e}"))?;
                 let info = ep.info();
                 qps_now[i] = ep;
@@ -630,11 +567,7 @@ impl Shared {
                     "replaced RDMA queue pair {i} of {}",
                     peer.name
                 );
-                let mut answer = reconnect_request(i, &info);
-                if let Message::Transport { qps, .. } = &mut answer {
-                    qps.push(*q); // the echo: which request this answers
-                }
-                peer.send(self, &answer);
+                peer.send(self, &replacement(i, info, Some(*q)));
                 Ok(())
             }
         }

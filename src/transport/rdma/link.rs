@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::{Condvar, Mutex};
 
 use super::verbs::{Device, Endpoint, EndpointInfo, Region, WriteOp};
-use crate::proto::{BufferInfo, DataHeader, Target};
+use crate::proto::{BufferInfo, DataHeader, Message, Target, WireTransport};
 use crate::transport::DataLink;
 
 /// Where one remote buffer lives: address, key and size.
@@ -41,13 +41,22 @@ impl From<&BufferInfo> for RemoteBuffer {
 /// Sends one encoded control frame to the link's peer (its control connection).
 pub type ControlSender = Box<dyn Fn(Vec<u8>) -> io::Result<()> + Send + Sync>;
 
-/// Encodes the progress of one batch: room, generation, the KV page writes and aux rows
-/// it completed, and their bytes.
-pub type ProgressFn = Box<dyn Fn(u64, u64, u32, u32, u64) -> Option<Vec<u8>> + Send + Sync>;
-
-/// Asks the peer for a replacement queue pair: sends our new endpoint as queue pair
-/// `index` (a control frame), whose answer comes to [`RdmaLink::answer`].
-pub type ReconnectFn = Box<dyn Fn(usize, EndpointInfo) -> io::Result<()> + Send + Sync>;
+/// The Transport message that names queue pair `index` (and, in an answer, echoes the
+/// requester's queue pair after it): a replacement for a broken one. Other entries are
+/// placeholders (queue pair number 0, a valid MTU for the codec).
+pub fn replacement(index: usize, info: EndpointInfo, echo: Option<EndpointInfo>) -> Message {
+    let placeholder = EndpointInfo {
+        mtu: 1,
+        ..Default::default()
+    };
+    let mut qps = vec![placeholder; index + 1];
+    qps[index] = info;
+    qps.extend(echo);
+    Message::Transport {
+        transport: WireTransport::Rdma,
+        qps,
+    }
+}
 
 /// One RC queue pair to one decode engine, used by one prefill worker. A queue pair
 /// broken by a completion error is replaced on the next use.
@@ -64,7 +73,7 @@ pub struct RdmaLink {
     answered: Condvar,
     /// The peer is lost or the engine stops: no replacement will be answered.
     closed: AtomicBool,
-    reconnect: ReconnectFn,
+
     /// Our regions, indexed like our registered KV and aux buffers.
     local_kv: Arc<Vec<Region>>,
     local_aux: Arc<Vec<Region>>,
@@ -75,7 +84,6 @@ pub struct RdmaLink {
     slice: usize,
     stall: Duration,
     control: ControlSender,
-    progress: ProgressFn,
 }
 
 #[derive(Default)]
@@ -92,8 +100,7 @@ pub struct LinkSetup {
     pub device: Arc<Device>,
     /// Most writes outstanding.
     pub depth: u32,
-    /// Asks the peer for a replacement queue pair.
-    pub reconnect: ReconnectFn,
+
     /// Our KV regions.
     pub local_kv: Arc<Vec<Region>>,
     /// Our aux regions.
@@ -108,8 +115,6 @@ pub struct LinkSetup {
     pub stall: Duration,
     /// Sends control frames to the peer.
     pub control: ControlSender,
-    /// Encodes the progress frame of a completed batch (room, generation, pages, aux).
-    pub progress: ProgressFn,
 }
 
 impl RdmaLink {
@@ -124,7 +129,7 @@ impl RdmaLink {
             answer: Mutex::new(Answer::default()),
             answered: Condvar::new(),
             closed: AtomicBool::new(false),
-            reconnect: setup.reconnect,
+
             local_kv: setup.local_kv,
             local_aux: setup.local_aux,
             remote_kv: setup.remote_kv,
@@ -132,8 +137,15 @@ impl RdmaLink {
             slice: setup.slice,
             stall: setup.stall,
             control: setup.control,
-            progress: setup.progress,
         }
+    }
+
+    /// Sends a control message to the peer.
+    fn send(&self, msg: &Message) -> io::Result<()> {
+        let mut frame = Vec::with_capacity(64);
+        msg.encode(&mut frame)
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        (self.control)(frame)
     }
 
     /// The peer's queue pair for our replacement request.
@@ -165,7 +177,7 @@ impl RdmaLink {
             expect: Some(fresh.info().qpn),
             remote: None,
         };
-        (self.reconnect)(self.index, fresh.info())?;
+        self.send(&replacement(self.index, fresh.info(), None))?;
         *self.pending.lock() = Some(fresh);
         Ok(())
     }
@@ -239,12 +251,13 @@ impl RdmaLink {
                 ),
             ));
         }
-        #[allow(unused_mut)]
-        let mut rkey = remote.rkey;
+        let rkey = remote.rkey;
         #[cfg(feature = "test-hooks")]
-        if crate::testing::take_fault("rdma.bad_rkey", hdr.room) {
-            rkey ^= 0x00ff_ff00;
-        }
+        let rkey = if crate::testing::take_fault("rdma.bad_rkey", hdr.room) {
+            rkey ^ 0x00ff_ff00
+        } else {
+            rkey
+        };
         Ok(WriteOp {
             addr,
             len: bytes.len(),
@@ -285,6 +298,8 @@ impl DataLink for RdmaLink {
         let Some((first, _)) = runs.first() else {
             return Ok(());
         };
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("rdma.batch_done", first.room);
         let (mut pages, mut aux, mut bytes) = (0u32, 0u32, 0u64);
         for (hdr, b) in runs {
             match hdr.target {
@@ -293,10 +308,13 @@ impl DataLink for RdmaLink {
             }
             bytes += b.len() as u64;
         }
-        if let Some(frame) = (self.progress)(first.room, first.generation, pages, aux, bytes) {
-            (self.control)(frame)?;
-        }
-        Ok(())
+        self.send(&Message::Progress {
+            room: first.room,
+            generation: first.generation,
+            pages,
+            aux_rows: aux,
+            bytes,
+        })
     }
 
     fn finish(&self, done_frame: &[u8]) -> io::Result<()> {

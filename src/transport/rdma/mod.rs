@@ -5,5 +5,3 @@
 
 pub mod link;
 pub mod verbs;
-
-pub use verbs::{Device, Endpoint, EndpointInfo, Region, WriteOp};

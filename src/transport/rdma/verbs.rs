@@ -34,20 +34,9 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
-/// Connection data of one RC queue pair, exchanged over the control connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EndpointInfo {
-    /// Queue pair number.
-    pub qpn: u32,
-    /// First packet sequence number this side sends with (24 bits).
-    pub psn: u32,
-    /// Port LID (InfiniBand; 0 on RoCE).
-    pub lid: u16,
-    /// Port GID (the one the endpoint's device chose).
-    pub gid: [u8; 16],
-    /// Active MTU of the port, as an `ibv_mtu` value (1 = 256 ... 5 = 4096).
-    pub mtu: u8,
-}
+/// Connection data of one RC queue pair, exchanged over the control connection: the
+/// wire's own type (queue pair number, 24-bit PSN, LID, GID, `ibv_mtu` value 1..=5).
+pub use crate::proto::QpInfo as EndpointInfo;
 
 /// How the port addresses packets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -659,11 +648,6 @@ impl Endpoint {
             gid: self.dev.gid,
             mtu: self.dev.mtu,
         }
-    }
-
-    /// The device this endpoint lives on.
-    pub fn device(&self) -> &Arc<Device> {
-        &self.dev
     }
 
     /// Send work requests that may be outstanding at once.
