@@ -256,6 +256,13 @@ impl Shared {
             // decode side refuses every later byte itself, so acknowledge at once. Over
             // RDMA, only once the room's posted writes have completed.
             match self.rooms.get(id).filter(|_| self.rdma.is_some()) {
+                // Failed with this destination: fail_room queued its acknowledgement.
+                Some(room)
+                    if room.state() == State::Failed
+                        && self
+                            .room_peers(&room)
+                            .iter()
+                            .any(|(p, g)| Arc::ptr_eq(p, peer) && *g == generation) => {}
                 Some(room) => self.queue_ack(&room, peer.clone(), generation),
                 None => peer.send(
                     self,
@@ -938,13 +945,13 @@ fn bind(listen: &str) -> Result<TcpListener> {
     ))
 }
 
+/// Publishes checked buffer descriptors (see `check_buffers`).
 fn register(
     slot: &OnceLock<Memory>,
     bufs: Vec<BufferDesc>,
     layers: Option<Vec<u32>>,
     what: &str,
 ) -> Result<()> {
-    check_buffers(&bufs, what)?;
     let memory = match layers {
         Some(l) => Memory::with_layers(bufs, l),
         None => Memory::new(bufs),

@@ -452,14 +452,6 @@ impl Shared {
         }
     }
 
-    /// A decode engine's Abort for room `id`.
-    ///
-    /// It fails the prefill room when the room has that decode room's destination, or
-    /// has none from that engine yet while still waiting for destinations (the decode
-    /// side gave up before its destination went out). An Abort for a room not created yet
-    /// is held like an early destination and fails the room when it is created. Anything
-    /// else (another generation of a destination we hold) is a late message for an
-    /// earlier use of the id and is dropped.
     /// Answers a destination that will never be written to with an Abort, and over
     /// RDMA with its AbortAck too: nothing of it can be outstanding, so the decode side
     /// may reuse the pages at once.
@@ -476,6 +468,14 @@ impl Shared {
         }
     }
 
+    /// A decode engine's Abort for room `id`.
+    ///
+    /// It fails the prefill room when the room has that decode room's destination, or
+    /// has none from that engine yet while still waiting for destinations (the decode
+    /// side gave up before its destination went out). An Abort for a room not created yet
+    /// is held like an early destination and fails the room when it is created. Anything
+    /// else (another generation of a destination we hold) is a late message for an
+    /// earlier use of the id and is dropped.
     pub(crate) fn prefill_on_abort(
         &self,
         peer: &Arc<Peer>,
@@ -497,7 +497,13 @@ impl Shared {
                 match from_peer {
                     Some(d) => d.generation == generation,
                     None if !p.ready() => {
-                        p.known.push((peer.clone(), generation));
+                        let seen = p
+                            .known
+                            .iter()
+                            .any(|(k, g)| Arc::ptr_eq(k, peer) && *g == generation);
+                        if !seen {
+                            p.known.push((peer.clone(), generation));
+                        }
                         true
                     }
                     None => false,

@@ -124,7 +124,8 @@ pub struct Limits {
     pub max_reason_len: u32,
     /// Most data bytes in one data frame (excluding its data header). Default 64 MiB.
     pub max_data_bytes: u32,
-    /// Most queue pairs in one `Transport` message. Default 256.
+    /// Most queue pairs in one `Transport` message. Default 512: one per prefill worker
+    /// (`workers` is at most 256) plus the echo a replacement answer carries.
     pub max_qps: u32,
 }
 
@@ -136,7 +137,7 @@ impl Default for Limits {
             max_buffers: 4096,
             max_reason_len: 1024,
             max_data_bytes: 64 << 20,
-            max_qps: 256,
+            max_qps: 512,
         }
     }
 }

@@ -1527,7 +1527,7 @@ mod tests {
             Message::decode(Kind::Transport, &payload(&ok), &limits),
             Ok(ok)
         );
-        assert_eq!(Limits::default().max_qps, 256);
+        assert_eq!(Limits::default().max_qps, 512);
     }
 
     #[test]
