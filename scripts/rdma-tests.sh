@@ -19,13 +19,13 @@ mkdir -p "$OUT"
 
 # Host-built test binaries (cargo prints their paths as JSON artifacts).
 bins=$(cargo test --locked --features test-hooks --no-run --message-format=json \
-         --test rdma_verbs --test rdma --test transfer --test two_process 2>/dev/null |
+         --test rdma_verbs --test rdma --test transfer --test two_process |
        python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["executable"])')
-[ -n "$bins" ] || { echo "rdma-tests: no test binaries built" >&2; exit 1; }
+[ "$(wc -w <<<"$bins")" = 4 ] || { echo "rdma-tests: expected 4 test binaries, got: $bins" >&2; exit 1; }
 [ -x "$BUILD/cpp-tests/kvxfer_tests" ] || { echo "rdma-tests: $BUILD/cpp-tests/kvxfer_tests missing (make build)" >&2; exit 1; }
 
 cat > "$OUT/guest.sh" <<GUEST
@@ -33,7 +33,7 @@ cat > "$OUT/guest.sh" <<GUEST
 set -uo pipefail
 cd "$ROOT"
 export KVXFER_TEST_TRANSPORT=rdma RUST_BACKTRACE=1
-if ! ibv_devinfo -d "\${RXE_DEV:-rxe0}" 2>/dev/null | grep -q PORT_ACTIVE; then
+if ! grep -q PORT_ACTIVE <<<"\$(ibv_devinfo -d "\${RXE_DEV:-rxe0}" 2>/dev/null)"; then
   echo "rdma-tests: device \${RXE_DEV:-rxe0} is not up in the guest"; exit 3
 fi
 echo "rdma-tests: \${RXE_DEV:-rxe0} is up"
@@ -43,6 +43,8 @@ for b in $(echo $bins); do
   "\$b" --test-threads=1 > "$OUT/\$(basename \$b).log" 2>&1; r=\$?
   grep -E '^test result|FAILED|panicked' "$OUT/\$(basename \$b).log" | head -40
   [ \$r = 0 ] || rc=1
+  # A binary that ran no test passes nothing.
+  grep -qE '^test result: ok\. [1-9]' "$OUT/\$(basename \$b).log" || { echo "rdma-tests: \$(basename \$b) ran no test"; rc=1; }
 done
 echo "rdma-tests: == gtest"
 "$ROOT/$BUILD/cpp-tests/kvxfer_tests" --gtest_brief=1 > "$OUT/gtest.log" 2>&1; r=\$?

@@ -159,15 +159,26 @@ fn wait_state(e: &Engine, room: u64, want: State) {
 }
 
 fn wait_terminal(e: &Engine, room: u64) -> State {
-    let t = Instant::now();
-    loop {
-        let s = e.room_poll(room).unwrap();
-        if s.is_terminal() {
-            return s;
+    common::wait_terminal(e, room, LIMIT)
+}
+
+/// Reads the control connection of a fake decode engine until it has been quiet for 3 s,
+/// collecting the rooms the prefill answered with an Abort.
+fn collect_aborts(ctrl: &TcpStream) -> std::thread::JoinHandle<std::collections::HashSet<u64>> {
+    let mut reader = ctrl.try_clone().unwrap();
+    std::thread::spawn(move || {
+        let mut rooms = std::collections::HashSet::new();
+        reader
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .unwrap();
+        let l = Limits::default();
+        while let Ok(h) = proto::read_frame_header(&mut reader, &l) {
+            if let Message::Abort { room, .. } = proto::read_control(&mut reader, &h, &l).unwrap() {
+                rooms.insert(room);
+            }
         }
-        assert!(t.elapsed() < LIMIT, "room {room} stuck in {s}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+        rooms
+    })
 }
 
 fn pages(from: u32, n: u32) -> Vec<u32> {
@@ -685,20 +696,7 @@ fn a_destination_racing_a_prefill_abort_is_always_answered() {
     let pmem: Vec<Region> = (0..BUFS).map(|b| region(move |i| src_byte(b, i))).collect();
     let p = engine("prefill", &pmem, &[]);
     let mut ctrl = fake_decode_ctrl(&p, 0xAB0);
-    let mut reader = ctrl.try_clone().unwrap();
-    let answered = std::thread::spawn(move || {
-        let mut rooms = std::collections::HashSet::new();
-        reader
-            .set_read_timeout(Some(Duration::from_secs(3)))
-            .unwrap();
-        let l = Limits::default();
-        while let Ok(h) = proto::read_frame_header(&mut reader, &l) {
-            if let Message::Abort { room, .. } = proto::read_control(&mut reader, &h, &l).unwrap() {
-                rooms.insert(room);
-            }
-        }
-        rooms
-    });
+    let answered = collect_aborts(&ctrl);
     // A second scheduler thread keeps the current room's lock busy (empty non-last
     // chunks, held until the destination comes), as a scheduler enqueueing does.
     let current = std::sync::atomic::AtomicU64::new(0);
@@ -867,20 +865,7 @@ fn a_destination_racing_a_create_then_clear_is_answered_at_once() {
     let pmem: Vec<Region> = (0..BUFS).map(|b| region(move |i| src_byte(b, i))).collect();
     let p = engine("prefill", &pmem, &[]);
     let mut ctrl = fake_decode_ctrl(&p, 0xAB1);
-    let mut reader = ctrl.try_clone().unwrap();
-    let answered = std::thread::spawn(move || {
-        let mut rooms = std::collections::HashSet::new();
-        reader
-            .set_read_timeout(Some(Duration::from_secs(3)))
-            .unwrap();
-        let l = Limits::default();
-        while let Ok(h) = proto::read_frame_header(&mut reader, &l) {
-            if let Message::Abort { room, .. } = proto::read_control(&mut reader, &h, &l).unwrap() {
-                rooms.insert(room);
-            }
-        }
-        rooms
-    });
+    let answered = collect_aborts(&ctrl);
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
     for room in 1..=ROOMS {
         send_msg(

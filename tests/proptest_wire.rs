@@ -479,7 +479,6 @@ fn a_frame_claiming_a_huge_count_fails_before_allocating() {
     let (res, largest) = largest_alloc(|| proto::read_control(&mut r, &h, &small));
     assert!(res.is_err());
     assert!(largest <= small.max_control_payload as usize, "{largest}");
-    let _ = FRAME_HEADER_LEN;
 }
 
 // ---------------------------------------------------------------------------------------
