@@ -51,7 +51,18 @@ struct DecodeState {
 struct Progress {
     kv_pages: u64,
     aux_rows: u64,
+    /// The peer's Done arrived: the pages it says it sent and whether it sent aux rows.
+    /// Over TCP the room's last frames may still be on another data connection.
+    claim: Option<(u32, bool)>,
     done: bool,
+}
+
+/// What a peer's Done claim comes to, given what has arrived so far.
+enum Settle {
+    Fail(String),
+    /// Frames the claim counts are still on their way (another data connection).
+    Wait,
+    Done,
 }
 
 struct Destination {
@@ -303,12 +314,18 @@ impl Shared {
             .bytes_received
             .fetch_add(h.byte_len as u64, Ordering::Relaxed);
         if written {
-            let mut st = d.inner.lock();
-            match h.target {
-                Target::Kv => st.progress[idx].kv_pages += h.n_pages as u64,
-                Target::Aux => st.progress[idx].aux_rows += 1,
-            }
+            let claimed = {
+                let mut st = d.inner.lock();
+                match h.target {
+                    Target::Kv => st.progress[idx].kv_pages += h.n_pages as u64,
+                    Target::Aux => st.progress[idx].aux_rows += 1,
+                }
+                st.progress[idx].claim.is_some()
+            };
             room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
+            if claimed {
+                self.decode_settle(peer, &room, idx);
+            }
         }
         Ok(())
     }
@@ -392,8 +409,9 @@ impl Shared {
         Ok((room.clone(), local.unwrap_or(h.buffer), idx))
     }
 
-    /// A prefill engine's Done: check it delivered everything, then complete the room
-    /// when every prefill engine is done.
+    /// A prefill engine's Done: its claim is checked against what arrived (see
+    /// [`Shared::decode_settle`]), and the room completes when every prefill engine is
+    /// done.
     pub(crate) fn on_done(
         &self,
         peer: &Arc<Peer>,
@@ -406,62 +424,108 @@ impl Shared {
             return;
         };
         let Some(d) = ext(&room) else { return };
+        d.inner.lock().progress[idx].claim = Some((pages_sent, aux_sent));
+        self.decode_settle(peer, &room, idx);
+    }
+
+    /// Completes the room (or fails it) once peer `idx`'s Done claim and every frame it
+    /// counts have arrived. Over RDMA, progress and Done come in order on the control
+    /// connection, so a claim short of what arrived is a broken promise at once; over
+    /// TCP the missing frames may still be on another data connection, and the room's
+    /// transfer deadline bounds the wait.
+    fn decode_settle(&self, peer: &Arc<Peer>, room: &Arc<ERoom>, idx: usize) {
+        let Some(d) = ext(room) else { return };
         let n_kv = peer.kv_map.get().map_or(0, Vec::len) as u64;
         let n_aux = peer.aux_count.get().copied().unwrap_or(0) as u64;
         let any_aux = d
             .peers
             .iter()
             .any(|p| p.aux_count.get().copied().unwrap_or(0) > 0);
-        let verdict = {
+        let ordered = self.rdma.is_some();
+        let (verdict, all_done) = {
             let mut st = d.inner.lock();
+            let pr = st.progress[idx];
+            let Some((pages_sent, aux_sent)) = pr.claim else {
+                return;
+            };
+            if pr.done {
+                return;
+            }
             let (want_pages, want_aux) = match &st.dest {
                 Some(dest) => (dest.pages.len() as u64, dest.aux.is_some()),
                 None => (0, false),
             };
-            let pr = st.progress[idx];
-            let problem = if pages_sent as u64 != want_pages {
-                Some(format!(
+            let want_writes = want_pages * n_kv;
+            let want_rows = if want_aux { n_aux } else { 0 };
+            let verdict = if pages_sent as u64 != want_pages {
+                Settle::Fail(format!(
                     "{} sent {pages_sent} pages for a destination of {want_pages}",
                     peer.name
                 ))
-            } else if pr.kv_pages != want_pages * n_kv {
-                Some(format!(
-                    "{} reported done after {} of {} page writes",
-                    peer.name,
-                    pr.kv_pages,
-                    want_pages * n_kv
-                ))
-            } else if want_aux && n_aux > 0 && (!aux_sent || pr.aux_rows != n_aux) {
-                Some(format!("{} did not send the aux rows", peer.name))
             } else if want_aux && !any_aux {
-                Some(
+                Settle::Fail(
                     "the destination has an aux slot but no prefill engine registered aux buffers"
                         .to_string(),
                 )
+            } else if want_aux && n_aux > 0 && !aux_sent {
+                Settle::Fail(format!("{} did not send the aux rows", peer.name))
+            } else if pr.kv_pages > want_writes || pr.aux_rows > want_rows {
+                Settle::Fail(format!(
+                    "{} wrote {} page writes and {} aux rows for {want_writes} and {want_rows}",
+                    peer.name, pr.kv_pages, pr.aux_rows
+                ))
+            } else if pr.kv_pages < want_writes || pr.aux_rows < want_rows {
+                if ordered {
+                    Settle::Fail(format!(
+                        "{} reported done after {} of {want_writes} page writes and {} of \
+                         {want_rows} aux rows",
+                        peer.name, pr.kv_pages, pr.aux_rows
+                    ))
+                } else {
+                    Settle::Wait
+                }
             } else {
-                None
-            };
-            if problem.is_none() {
                 st.progress[idx].done = true;
-            }
-            (problem, st.progress.iter().all(|p| p.done))
+                Settle::Done
+            };
+            (verdict, st.progress.iter().all(|p| p.done))
         };
         match verdict {
-            (Some(why), _) => {
+            Settle::Fail(why) => {
                 self.fail_room(
-                    &room,
-                    FailureReason::local(Cause::Mismatch, format!("room {id}: {why}")),
+                    room,
+                    FailureReason::local(Cause::Mismatch, format!("room {}: {why}", room.id())),
                     None,
                 );
             }
-            (None, true) => {
+            Settle::Done if all_done => {
                 if room.advance(Event::Complete).is_ok() {
                     self.metrics.succeeded();
-                    crate::log!(self.log, Debug, "room {id} received");
+                    crate::log!(self.log, Debug, "room {} received", room.id());
                 }
             }
-            (None, false) => {}
+            Settle::Done | Settle::Wait => {}
         }
+    }
+
+    /// For a transfer timeout's message: the peers whose Done arrived while frames it
+    /// counts never did.
+    pub(crate) fn decode_missing(&self, room: &ERoom) -> Option<String> {
+        let d = ext(room)?;
+        let st = d.inner.lock();
+        let missing: Vec<String> = d
+            .peers
+            .iter()
+            .zip(&st.progress)
+            .filter(|(_, pr)| pr.claim.is_some() && !pr.done)
+            .map(|(p, pr)| {
+                format!(
+                    "{} reported done but only {} page writes and {} aux rows arrived",
+                    p.name, pr.kv_pages, pr.aux_rows
+                )
+            })
+            .collect();
+        (!missing.is_empty()).then(|| missing.join("; "))
     }
 
     /// Whether no peer can still write into a decode room's pages over RDMA: the room

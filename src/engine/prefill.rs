@@ -688,15 +688,21 @@ impl Shared {
                     ),
                 ));
             }
-            let link = {
-                let data = peer.data.read();
-                if data.is_empty() {
-                    return Err(FailureReason::local(
-                        Cause::PeerLost,
-                        format!("no data connection to {}", peer.name),
-                    ));
-                }
-                data[worker % data.len()].clone()
+            let links = peer.data.read().clone();
+            if links.is_empty() {
+                return Err(FailureReason::local(
+                    Cause::PeerLost,
+                    format!("no data connection to {}", peer.name),
+                ));
+            }
+            // The worker's own link first; over TCP, where workers share connections, a
+            // batch takes any connection no other worker is writing on before waiting
+            // for its own, so that a few large rooms keep every connection busy.
+            let home = worker % links.len();
+            let write = |frames: &[(DataHeader, &[u8])]| {
+                (0..links.len())
+                    .find_map(|i| links[(home + i) % links.len()].try_write_runs(frames))
+                    .unwrap_or_else(|| links[home].write_runs(frames))
             };
             // Frames go out in batches (one vectored write on TCP, one chain of RDMA
             // writes). Each batch is counted on the room (begin_io) before the state
@@ -714,7 +720,7 @@ impl Shared {
                         "room ended while sending",
                     ));
                 }
-                link.write_runs(&batch.frames).map_err(|e| {
+                write(&batch.frames).map_err(|e| {
                     FailureReason::local(
                         Cause::Transfer,
                         format!("room {}: writing to {} failed: {e}", room.id(), peer.name),
@@ -779,7 +785,7 @@ impl Shared {
                 }
                 .encode(&mut frame)
                 .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
-                finishes.push((link.clone(), frame, peer.clone()));
+                finishes.push((links[home].clone(), frame, peer.clone()));
             } else {
                 flush(&mut batch)?;
             }

@@ -70,11 +70,14 @@ fn scan(inner: &Inner) {
             ),
             State::Success | State::Failed => continue,
         };
-        let message = format!(
+        let mut message = format!(
             "room {} exceeded its deadline {what}={ms} in state {}",
             room.id(),
             room.state()
         );
+        if let Some(missing) = inner.decode_missing(&room) {
+            message = format!("{message}: {missing}");
+        }
         inner.fail_room(&room, FailureReason::local(cause, message), None);
     }
     if inner.rdma.is_some() {

@@ -24,7 +24,16 @@ pub trait DataLink: Send + Sync {
     /// nothing more of the batch may be assumed delivered.
     fn write_runs(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()>;
 
-    /// Sends an encoded `Done` frame after every `write_runs` of the room.
+    /// As [`DataLink::write_runs`], but only if the link is free: `None`, having written
+    /// nothing, when another worker is writing on it (a TCP connection is shared by
+    /// several workers). A link that is never shared writes at once.
+    fn try_write_runs(&self, runs: &[(DataHeader, &[u8])]) -> Option<io::Result<()>> {
+        Some(self.write_runs(runs))
+    }
+
+    /// Sends an encoded `Done` frame once every `write_runs` of the room has returned.
+    /// The room's frames may have gone over other links of the same peer: the receiver
+    /// completes the room when both Done and every page it counts have arrived.
     fn finish(&self, done_frame: &[u8]) -> io::Result<()>;
 }
 

@@ -30,24 +30,51 @@ impl SendConn {
 
     /// Writes several data frames with one vectored write sequence under one lock.
     pub fn send_batch(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()> {
-        let mut prefixes = vec![[0u8; DATA_FRAME_PREFIX_LEN]; runs.len()];
-        let mut slices = Vec::with_capacity(runs.len() * 2);
-        for ((hdr, _), prefix) in runs.iter().zip(prefixes.iter_mut()) {
-            hdr.encode_frame(prefix)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        }
-        for ((_, bytes), prefix) in runs.iter().zip(&prefixes) {
-            slices.push(IoSlice::new(prefix));
-            slices.push(IoSlice::new(bytes));
-        }
-        let mut s = self.stream.lock();
-        write_all_vectored(&mut *s, &mut slices)
+        let prefixes = prefixes(runs)?;
+        write_batch(&mut self.stream.lock(), runs, &prefixes)
+    }
+
+    /// As [`SendConn::send_batch`] if no other worker is writing on the connection;
+    /// `None` otherwise, with nothing written.
+    pub fn try_send_batch(&self, runs: &[(DataHeader, &[u8])]) -> Option<io::Result<()>> {
+        let prefixes = match prefixes(runs) {
+            Ok(p) => p,
+            Err(e) => return Some(Err(e)),
+        };
+        let mut s = self.stream.try_lock()?;
+        Some(write_batch(&mut s, runs, &prefixes))
     }
 
     /// Writes an encoded control frame.
     pub fn send_frame(&self, frame: &[u8]) -> io::Result<()> {
         self.stream.lock().write_all(frame)
     }
+}
+
+/// The encoded frame prefix (frame header and data header) of each run.
+fn prefixes(runs: &[(DataHeader, &[u8])]) -> io::Result<Vec<[u8; DATA_FRAME_PREFIX_LEN]>> {
+    runs.iter()
+        .map(|(hdr, _)| {
+            let mut prefix = [0u8; DATA_FRAME_PREFIX_LEN];
+            hdr.encode_frame(&mut prefix)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+            Ok(prefix)
+        })
+        .collect()
+}
+
+/// Writes each run behind its prefix, in order, with vectored writes.
+fn write_batch(
+    s: &mut TcpStream,
+    runs: &[(DataHeader, &[u8])],
+    prefixes: &[[u8; DATA_FRAME_PREFIX_LEN]],
+) -> io::Result<()> {
+    let mut slices = Vec::with_capacity(runs.len() * 2);
+    for ((_, bytes), prefix) in runs.iter().zip(prefixes) {
+        slices.push(IoSlice::new(prefix));
+        slices.push(IoSlice::new(bytes));
+    }
+    write_all_vectored(s, &mut slices)
 }
 
 fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
@@ -68,8 +95,11 @@ impl super::DataLink for SendConn {
         self.send_batch(runs)
     }
 
+    fn try_write_runs(&self, runs: &[(DataHeader, &[u8])]) -> Option<io::Result<()>> {
+        self.try_send_batch(runs)
+    }
+
     fn finish(&self, done_frame: &[u8]) -> io::Result<()> {
-        // Same connection as the room's data, so Done arrives after every byte of it.
         self.send_frame(done_frame)
     }
 }
