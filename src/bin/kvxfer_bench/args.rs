@@ -3,6 +3,8 @@
 
 use std::fmt::Write as _;
 
+use crate::sys::Pages;
+
 pub const USAGE: &str = "\
 kvxfer-bench: the libkvxfer engine against the limits of this host, measured side by side
 
@@ -51,6 +53,9 @@ MEASUREMENT
   --baseline-write-kib N  --baseline-read-kib N   its write and read sizes [4096]
   --poll-us N               scheduler loop sleep when nothing changed [500; single-page 100]
   --max-mem-gib F           refuse to register more memory than this (both sides)
+  --pool-pages huge|4k      pages under the pools and the baselines' buffers: 2 MiB
+                            transparent huge pages, as a server's KV pool would use [huge],
+                            or 4 KiB pages
   --quick                   a smoke-test size that finishes in seconds
   --json                    the last line printed is one JSON object
 ";
@@ -115,6 +120,8 @@ pub struct Params {
     pub verify_threads: usize,
     pub baselines: bool,
     pub baseline_buf_mib: usize,
+    /// Pages backing the pools and the baselines' buffers.
+    pub pool_pages: Pages,
     pub baseline_write_kib: usize,
     pub baseline_read_kib: usize,
     pub poll_us: u64,
@@ -159,6 +166,7 @@ impl Params {
             verify_threads: 1,
             baselines: true,
             baseline_buf_mib: 64,
+            pool_pages: Pages::Huge,
             baseline_write_kib: 4096,
             baseline_read_kib: 4096,
             poll_us: 100,
@@ -314,6 +322,13 @@ impl Params {
             }
             "verify-threads" => self.verify_threads = num(k, v)?,
             "baseline-buf-mib" => self.baseline_buf_mib = num(k, v)?,
+            "pool-pages" => {
+                self.pool_pages = match v {
+                    "huge" => Pages::Huge,
+                    "4k" => Pages::Small,
+                    _ => return Err(format!("--pool-pages: '{v}' is not huge or 4k")),
+                }
+            }
             "baseline-write-kib" => self.baseline_write_kib = num(k, v)?,
             "baseline-read-kib" => self.baseline_read_kib = num(k, v)?,
             "poll-us" => self.poll_us = num(k, v)?,
@@ -477,6 +492,7 @@ impl Params {
         put("conns", self.conns.to_string());
         put("log-level", self.log_level.clone());
         put("baseline-buf-mib", self.baseline_buf_mib.to_string());
+        put("pool-pages", self.pool_pages.name().into());
         put("baseline-write-kib", self.baseline_write_kib.to_string());
         put("baseline-read-kib", self.baseline_read_kib.to_string());
         put("poll-us", self.poll_us.to_string());

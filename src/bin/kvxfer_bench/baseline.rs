@@ -14,7 +14,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::sys::{Cpu, Region};
+use crate::sys::{Cpu, Pages, Region};
 
 /// One memcpy call, and the default write and read size of the TCP baseline.
 pub const IO: usize = 4 << 20;
@@ -34,15 +34,24 @@ impl Measured {
     }
 }
 
-fn buf_len(mib: usize) -> usize {
-    mib << 20
+/// Each connection's buffer of the TCP baseline: its size and its pages.
+#[derive(Debug, Clone, Copy)]
+pub struct Buffers {
+    pub mib: usize,
+    pub pages: Pages,
+}
+
+impl Buffers {
+    fn region(self) -> Region {
+        Region::new(self.mib << 20, self.pages)
+    }
 }
 
 /// memcpy of `bytes` (or for `secs` when non-zero) between two 256 MiB regions.
-pub fn memcpy(bytes: u64, secs: f64) -> Measured {
+pub fn memcpy(bytes: u64, secs: f64, pages: Pages) -> Measured {
     let len = 256 << 20;
-    let src = Region::new(len);
-    let dst = Region::new(len);
+    let src = Region::new(len, pages);
+    let dst = Region::new(len, pages);
     // SAFETY: both regions are private to this function.
     let (s, d) = unsafe { (src.bytes_mut(), dst.bytes_mut()) };
     for (i, x) in s.iter_mut().enumerate().step_by(64) {
@@ -85,11 +94,11 @@ pub fn memcpy(bytes: u64, secs: f64) -> Measured {
 pub fn tcp_receive(
     addr: &str,
     conns: usize,
-    buf_mib: usize,
+    buf: Buffers,
     io: usize,
     wait_ready: &mut dyn FnMut() -> Result<(), String>,
 ) -> Result<Measured, String> {
-    let bufs: Vec<Region> = (0..conns).map(|_| Region::new(buf_len(buf_mib))).collect();
+    let bufs: Vec<Region> = (0..conns).map(|_| buf.region()).collect();
     wait_ready()?;
     let cpu0 = Cpu::now();
     let t = Instant::now();
@@ -144,13 +153,13 @@ pub fn tcp_send(
     conns: usize,
     bytes: u64,
     secs: f64,
-    buf_mib: usize,
+    buf: Buffers,
     io: usize,
     ready: &mut dyn FnMut() -> Result<(), String>,
 ) -> Result<Measured, String> {
     let bufs: Vec<Region> = (0..conns)
         .map(|_| {
-            let r = Region::new(buf_len(buf_mib));
+            let r = buf.region();
             // SAFETY: not shared yet.
             for (j, x) in unsafe { r.bytes_mut() }.iter_mut().enumerate().step_by(64) {
                 *x = j as u8;

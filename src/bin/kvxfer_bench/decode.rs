@@ -31,6 +31,9 @@ pub struct Report {
     pub kv_runs: Vec<(f64, f64)>,
     /// The 1-minute load average before and after the run (other work on the host).
     pub loadavg: (f64, f64),
+    /// `--pool-pages`, and the share of the decode pool the kernel put on huge pages.
+    pub pool_pages: &'static str,
+    pub pool_huge_fraction: Option<f64>,
 }
 
 /// The 1-minute load average, NaN if unknown.
@@ -203,6 +206,8 @@ pub fn run(p: &Params) -> Result<Report, String> {
     let mut report = Report {
         same_host: local,
         loadavg: (loadavg(), f64::NAN),
+        pool_pages: p.pool_pages.name(),
+        pool_huge_fraction: pool.huge_fraction,
         ..Default::default()
     };
     // The baselines move the volume a kvxfer phase is planned to move (or run as long
@@ -220,7 +225,9 @@ pub fn run(p: &Params) -> Result<Report, String> {
             report.tcp.push(m);
             report.tcp_send_cpu.push(c);
             progress_note(p, "baseline memcpy");
-            report.memcpy.push(baseline::memcpy(volume, secs));
+            report
+                .memcpy
+                .push(baseline::memcpy(volume, secs, p.pool_pages));
         }
         if rep == p.repeat {
             break;
@@ -254,7 +261,10 @@ fn tcp_baseline(
     let m = baseline::tcp_receive(
         addr,
         p.conns,
-        p.baseline_buf_mib,
+        baseline::Buffers {
+            mib: p.baseline_buf_mib,
+            pages: p.pool_pages,
+        },
         p.baseline_read_kib << 10,
         &mut || match ctl.recv()?.as_str() {
             "tcpready" => Ok(()),

@@ -7,7 +7,7 @@ use kvxfer::{BufferDesc, Engine};
 
 use crate::args::{DstOrder, Params};
 use crate::pattern::{self, mix};
-use crate::sys::Region;
+use crate::sys::{self, Pages, Region};
 
 pub struct Pool {
     pub kv: Vec<Region>,
@@ -18,6 +18,8 @@ pub struct Pool {
     pub slots: usize,
     /// Page order inside a slot (identity when contiguous).
     perm: Vec<u32>,
+    /// Share of the pool's bytes the kernel backed with huge pages, where it says.
+    pub huge_fraction: Option<f64>,
 }
 
 impl Pool {
@@ -29,10 +31,23 @@ impl Pool {
     pub fn new(p: &Params, slots: usize, order: DstOrder) -> Pool {
         let item_len = p.item_len();
         let slot_pages = p.max_pages();
-        let kv = (0..p.n_buffers())
-            .map(|_| Region::new(slots * slot_pages * item_len))
+        let huge_before = sys::huge_bytes();
+        let kv: Vec<Region> = (0..p.n_buffers())
+            .map(|_| Region::new(slots * slot_pages * item_len, p.pool_pages))
             .collect();
-        let aux = (p.aux_bytes > 0).then(|| Region::new(slots * p.aux_bytes));
+        let aux = (p.aux_bytes > 0).then(|| Region::new(slots * p.aux_bytes, p.pool_pages));
+        let total = kv.iter().chain(&aux).map(|r| r.len() as u64).sum::<u64>();
+        let huge_fraction = match (huge_before, sys::huge_bytes()) {
+            (Some(b), Some(a)) => Some(a.saturating_sub(b) as f64 / total as f64),
+            _ => None,
+        };
+        if p.pool_pages == Pages::Huge && huge_fraction.is_some_and(|f| f < 0.9) {
+            eprintln!(
+                "kvxfer-bench: only {:.0}% of the pool is on huge pages (transparent huge \
+                 pages off, or memory too fragmented); figures will be lower",
+                huge_fraction.unwrap_or(0.0) * 100.0
+            );
+        }
         let mut perm: Vec<u32> = (0..slot_pages as u32).collect();
         if order == DstOrder::Shuffled {
             for i in (1..perm.len()).rev() {
@@ -48,6 +63,7 @@ impl Pool {
             slot_pages,
             slots,
             perm,
+            huge_fraction,
         }
     }
 

@@ -124,7 +124,10 @@ pub fn serve(cli: &Params) -> Result<(), String> {
                     parse(conns)? as usize,
                     parse(bytes)? as u64,
                     parse(secs)?,
-                    p.baseline_buf_mib,
+                    baseline::Buffers {
+                        mib: p.baseline_buf_mib,
+                        pages: p.pool_pages,
+                    },
                     p.baseline_write_kib << 10,
                     &mut || send("tcpready"),
                 )?;

@@ -244,6 +244,11 @@ pub fn json(p: &Params, r: &Report) -> String {
             "loadavg",
             J::Arr(vec![J::Num(r.loadavg.0), J::Num(r.loadavg.1)]),
         ),
+        ("pool_pages", J::Str(r.pool_pages.into())),
+        (
+            "decode_pool_huge_fraction",
+            J::Num(r.pool_huge_fraction.unwrap_or(f64::NAN)),
+        ),
         ("rooms", J::Int(k.rooms)),
         ("rooms_ok", J::Int(k.ok)),
         ("rooms_per_sec", J::Num(k.rooms_per_sec())),
@@ -337,6 +342,15 @@ pub fn human(p: &Params, r: &Report) -> String {
         o,
         "  host load average {:.2} before, {:.2} after (2 cores here: other work shares them)",
         r.loadavg.0, r.loadavg.1
+    );
+    let _ = writeln!(
+        o,
+        "  pools and baseline buffers on {} pages{}",
+        r.pool_pages,
+        r.pool_huge_fraction.map_or(String::new(), |f| format!(
+            " ({:.0}% of the decode pool in huge pages)",
+            f * 100.0
+        ))
     );
     let _ = writeln!(
         o,

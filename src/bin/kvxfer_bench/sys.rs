@@ -1,49 +1,19 @@
 //! The few operating-system facilities the benchmark needs beyond std: the system-wide
 //! monotonic clock (comparable between the two processes on one host), CPU time of the
-//! process and of one thread, and page-aligned memory shared with an engine.
+//! process and of one thread, and page-aligned memory shared with an engine, on small or
+//! huge pages.
 //!
-//! Linux only: the calls are declared here against the C library std already links.
+//! Linux only, through the `libc` crate.
 
-use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
-use std::os::raw::{c_int, c_long};
 use std::ptr::NonNull;
 
-#[repr(C)]
-struct Timespec {
-    tv_sec: c_long,
-    tv_nsec: c_long,
-}
-
-#[repr(C)]
-struct Timeval {
-    tv_sec: c_long,
-    tv_usec: c_long,
-}
-
-/// `struct rusage`: two timevals, then fourteen longs.
-#[repr(C)]
-struct Rusage {
-    ru_utime: Timeval,
-    ru_stime: Timeval,
-    _rest: [c_long; 14],
-}
-
-extern "C" {
-    fn clock_gettime(clock: c_int, ts: *mut Timespec) -> c_int;
-    fn getrusage(who: c_int, usage: *mut Rusage) -> c_int;
-}
-
-const CLOCK_MONOTONIC: c_int = 1;
-const CLOCK_THREAD_CPUTIME_ID: c_int = 3;
-const RUSAGE_SELF: c_int = 0;
-
-fn clock_ns(clock: c_int) -> u64 {
-    let mut ts = Timespec {
+fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: `ts` is a valid, writable timespec; clock_gettime writes only into it.
-    let rc = unsafe { clock_gettime(clock, &mut ts) };
+    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
     assert_eq!(rc, 0, "clock_gettime({clock}) failed");
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
@@ -51,12 +21,12 @@ fn clock_ns(clock: c_int) -> u64 {
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process on this host (it is what
 /// `std::time::Instant` reads on Linux, but as a number another process can compare).
 pub fn mono_ns() -> u64 {
-    clock_ns(CLOCK_MONOTONIC)
+    clock_ns(libc::CLOCK_MONOTONIC)
 }
 
 /// CPU time of the calling thread, in nanoseconds.
 pub fn thread_cpu_ns() -> u64 {
-    clock_ns(CLOCK_THREAD_CPUTIME_ID)
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
 /// CPU time of this process (every thread), user and system, in microseconds.
@@ -69,21 +39,12 @@ pub struct Cpu {
 impl Cpu {
     /// Now, for this process.
     pub fn now() -> Cpu {
-        let mut u = Rusage {
-            ru_utime: Timeval {
-                tv_sec: 0,
-                tv_usec: 0,
-            },
-            ru_stime: Timeval {
-                tv_sec: 0,
-                tv_usec: 0,
-            },
-            _rest: [0; 14],
-        };
+        // SAFETY: an all-zero rusage is a valid value of this plain C struct.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
         // SAFETY: `u` is a valid, writable rusage; getrusage writes only into it.
-        let rc = unsafe { getrusage(RUSAGE_SELF, &mut u) };
+        let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
         assert_eq!(rc, 0, "getrusage failed");
-        let us = |t: &Timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
+        let us = |t: &libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
         Cpu {
             user_us: us(&u.ru_utime),
             sys_us: us(&u.ru_stime),
@@ -104,6 +65,27 @@ impl Cpu {
     }
 }
 
+/// Which pages back the benchmark's memory (`--pool-pages`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pages {
+    /// 4 KiB pages (transparent huge pages refused with `MADV_NOHUGEPAGE`).
+    Small,
+    /// 2 MiB transparent huge pages where the kernel has them (`MADV_HUGEPAGE` on a
+    /// 2 MiB-aligned mapping, before the first touch).
+    Huge,
+}
+
+impl Pages {
+    pub fn name(self) -> &'static str {
+        match self {
+            Pages::Small => "4k",
+            Pages::Huge => "huge",
+        }
+    }
+}
+
+const HUGE: usize = 2 << 20;
+
 /// A page-aligned, zeroed block of memory that an engine may read or write through its
 /// address while the benchmark holds it (registered memory). Every access from the
 /// benchmark goes through the methods below, whose callers promise that the engine is
@@ -111,6 +93,8 @@ impl Cpu {
 pub struct Region {
     ptr: NonNull<u8>,
     len: usize,
+    /// Bytes mapped at `ptr` (`len` rounded up to the page size used).
+    mapped: usize,
 }
 
 // SAFETY: a Region is plain memory; which thread touches which bytes when is governed by
@@ -121,25 +105,74 @@ unsafe impl Sync for Region {}
 
 const ALIGN: usize = 4096;
 
+fn mmap_anon(len: usize) -> *mut u8 {
+    // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert!(
+        p != libc::MAP_FAILED,
+        "mmap of {len} bytes failed: {}",
+        std::io::Error::last_os_error()
+    );
+    p as *mut u8
+}
+
 impl Region {
-    /// `len` zeroed bytes (`len` > 0), every page touched so that page faults are not
-    /// measured later.
-    pub fn new(len: usize) -> Region {
+    /// `len` zeroed bytes (`len` > 0) on `pages`, every page touched so that page faults
+    /// are not measured later.
+    pub fn new(len: usize, pages: Pages) -> Region {
         assert!(len > 0);
-        let layout = Layout::from_size_align(len, ALIGN).expect("region layout");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(ptr) else {
-            handle_alloc_error(layout)
+        let (ptr, mapped) = match pages {
+            Pages::Small => {
+                let mapped = len.next_multiple_of(ALIGN);
+                let p = mmap_anon(mapped);
+                // SAFETY: advice on our own fresh mapping. A kernel without THP refuses
+                // it, which leaves small pages: what was asked.
+                unsafe { libc::madvise(p.cast(), mapped, libc::MADV_NOHUGEPAGE) };
+                (p, mapped)
+            }
+            Pages::Huge => {
+                // Over-map by one huge page, keep the 2 MiB-aligned part, unmap the rest.
+                let mapped = len.next_multiple_of(HUGE);
+                let raw = mmap_anon(mapped + HUGE);
+                let head = (raw as usize).next_multiple_of(HUGE) - raw as usize;
+                // SAFETY: both ranges lie inside the mapping just made and are not used.
+                unsafe {
+                    if head > 0 {
+                        libc::munmap(raw.cast(), head);
+                    }
+                    if HUGE - head > 0 {
+                        libc::munmap(raw.add(head + mapped).cast(), HUGE - head);
+                    }
+                }
+                // SAFETY: inside the mapping (`head` < HUGE).
+                let p = unsafe { raw.add(head) };
+                // SAFETY: advice on our own mapping, before its first touch. Refused
+                // (no THP in this kernel) it leaves small pages; `huge_bytes` tells.
+                unsafe { libc::madvise(p.cast(), mapped, libc::MADV_HUGEPAGE) };
+                (p, mapped)
+            }
         };
-        let r = Region { ptr, len };
+        let r = Region {
+            ptr: NonNull::new(ptr).expect("mmap returned a non-null address"),
+            len,
+            mapped,
+        };
         r.touch();
         r
     }
 
     fn touch(&self) {
         for off in (0..self.len).step_by(ALIGN) {
-            // SAFETY: `off` < len, inside the allocation; nobody else holds it yet.
+            // SAFETY: `off` < len, inside the mapping; nobody else holds it yet.
             unsafe { self.ptr.as_ptr().add(off).write_volatile(0) };
         }
     }
@@ -199,8 +232,17 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.len, ALIGN).expect("region layout");
-        // SAFETY: allocated in `new` with this very layout, freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), layout) };
+        // SAFETY: the mapping made in `new`, unmapped once; no slice of it outlives the
+        // region (they borrow it).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.mapped) };
     }
+}
+
+/// Bytes of this process's memory in transparent huge pages (`AnonHugePages` of
+/// `/proc/self/smaps_rollup`), or `None` where the kernel does not say.
+pub fn huge_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = text.lines().find(|l| l.starts_with("AnonHugePages:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
 }

@@ -26,7 +26,7 @@ use kvxfer::{BufferDesc, Cause, Config, Engine, Role, RoomPeers, State};
 use crate::args::Params;
 use crate::pattern::mix;
 use crate::report::J;
-use crate::sys::{thread_cpu_ns, Region};
+use crate::sys::{thread_cpu_ns, Pages, Region};
 
 const BATCH: usize = 1000;
 
@@ -90,8 +90,8 @@ struct AbortRow {
 pub fn run(p: &Params) -> Result<(String, bool), String> {
     let big = if p.quick { 10_000 } else { 100_000 };
     let batches = if p.quick { 300 } else { 3000 };
-    let mem_p = Region::new(64 * 16);
-    let mem_d = Region::new(64 * 16);
+    let mem_p = Region::new(64 * 16, Pages::Small);
+    let mem_d = Region::new(64 * 16, Pages::Small);
     let pe = engine("prefill", &mem_p)?;
     let de = engine("decode", &mem_d)?;
     let peers = RoomPeers::Prefills(vec![pe.address().to_string()]);
