@@ -572,10 +572,10 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_failure_cause(const kvxfer_engine *eng
  * Stores in `*drained` whether room `room`'s memory may be reused: the room is terminal
  * and no transport operation can still touch its pages. Decode engine: no write into its
  * destination pages can still land (over TCP the receiver refuses every byte for a
- * terminal room, so this becomes true as soon as an in-progress slice of at most 256 KiB
- * ends; over RDMA, once every prefill engine of the room acknowledged that its writes
- * completed, or was lost, or `drain_timeout_ms` passed and its queue pairs were shut; a
- * room that succeeded is drained at once). Prefill engine: no worker is still reading
+ * terminal room, so this becomes true as soon as an in-progress read of at most one
+ * 4 MiB frame ends; over RDMA, once every prefill engine of the room acknowledged that
+ * its writes completed, or was lost, or `drain_timeout_ms` passed and its queue pairs
+ * were shut; a room that succeeded is drained at once). Prefill engine: no worker is still reading
  * its source pages. A live room is never drained.
  *
  * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
