@@ -288,7 +288,6 @@ impl Shared {
                 return Err(why);
             }
         };
-        let d = ext(&room).expect("checked");
         let mem = match h.target {
             Target::Kv => self.kv.get(),
             Target::Aux => self.aux.get(),
@@ -318,20 +317,37 @@ impl Shared {
             .bytes_received
             .fetch_add(h.byte_len as u64, Ordering::Relaxed);
         if written {
-            let claimed = {
-                let mut st = d.inner.lock();
-                match h.target {
-                    Target::Kv => st.progress[idx].kv_pages += h.n_pages as u64,
-                    Target::Aux => st.progress[idx].aux_rows += 1,
-                }
-                st.progress[idx].claim.is_some()
-            };
-            room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
-            if claimed {
-                self.decode_settle(peer, &room, idx);
+            match h.target {
+                Target::Kv => self.decode_count(peer, &room, idx, h.n_pages as u64, 0),
+                Target::Aux => self.decode_count(peer, &room, idx, 0, 1),
             }
         }
         Ok(())
+    }
+
+    /// Counts page writes and aux rows of peer `idx` that landed in the room's pages
+    /// (a TCP frame read, or an RDMA batch completed), re-arms the room's no-progress
+    /// deadline, and completes the room if the peer's Done was only waiting for them.
+    fn decode_count(
+        &self,
+        peer: &Arc<Peer>,
+        room: &Arc<ERoom>,
+        idx: usize,
+        kv_pages: u64,
+        aux_rows: u64,
+    ) {
+        let Some(d) = ext(room) else { return };
+        let claimed = {
+            let mut st = d.inner.lock();
+            let pr = &mut st.progress[idx];
+            pr.kv_pages += kv_pages;
+            pr.aux_rows += aux_rows;
+            pr.claim.is_some()
+        };
+        room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
+        if claimed {
+            self.decode_settle(peer, room, idx);
+        }
     }
 
     /// Checks a data frame: the room pulls from this peer, is live, has a destination,
@@ -582,7 +598,7 @@ impl Shared {
     }
 
     /// RDMA: a prefill engine's writes of one batch of the room completed. Counts them
-    /// as TCP data frames would be counted, and re-arms the no-progress deadline.
+    /// as TCP data frames are counted ([`Shared::decode_count`]).
     pub(crate) fn decode_on_progress(
         &self,
         peer: &Arc<Peer>,
@@ -597,31 +613,24 @@ impl Shared {
         if room.state().is_terminal() {
             return;
         }
-        {
-            let mut st = d.inner.lock();
-            if !st.sent {
-                drop(st);
-                self.fail_room(
-                    &room,
-                    FailureReason::local(
-                        Cause::Mismatch,
-                        format!(
-                            "room {id}: {} wrote before it had the destination",
-                            peer.name
-                        ),
+        if !d.inner.lock().sent {
+            self.fail_room(
+                &room,
+                FailureReason::local(
+                    Cause::Mismatch,
+                    format!(
+                        "room {id}: {} wrote before it had the destination",
+                        peer.name
                     ),
-                    None,
-                );
-                return;
-            }
-            let pr = &mut st.progress[idx];
-            pr.kv_pages += pages as u64;
-            pr.aux_rows += aux_rows as u64;
+                ),
+                None,
+            );
+            return;
         }
         self.metrics
             .bytes_received
             .fetch_add(bytes, Ordering::Relaxed);
-        room.set_deadline_ms(self.now_ms() + self.config.transfer_timeout_ms);
+        self.decode_count(peer, &room, idx, pages as u64, aux_rows as u64);
         let _ = room.advance(Event::Start);
     }
 
