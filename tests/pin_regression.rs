@@ -758,13 +758,12 @@ fn race(p: &Engine, ctrl: &mut TcpStream, current: &std::sync::atomic::AtomicU64
 ///
 /// Deterministic with a fake prefill engine on raw sockets: half of a data frame is
 /// sent, the room is cleared, the pages are poisoned again, the other half is sent.
-#[test]
-fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
-    let dmem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
-    let d = engine("decode", &dmem, &[]);
+/// A fake prefill engine on raw sockets (one data connection) serving decode room
+/// `room` of `d`, whose destination `dst` it has received. Returns its control and
+/// data connections and the room's generation.
+fn fake_prefill_with_room(d: &Engine, room: u64, dst: &[u32]) -> (TcpStream, TcpStream, u64) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
-    let room = 50;
     d.room_create(room, RoomPeers::Prefills(vec![addr]))
         .unwrap();
     let (mut ctrl, _) = l.accept().unwrap();
@@ -806,26 +805,41 @@ fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
     data.set_read_timeout(Some(LIMIT)).unwrap();
     assert!(matches!(recv_msg(&mut data), Message::Hello { .. }));
     send_msg(&mut data, &prefill_hello(ConnKind::Data));
-    let dst = [8u32, 9];
-    d.room_set_destination(room, &dst, None).unwrap();
+    d.room_set_destination(room, dst, None).unwrap();
     let generation = loop {
         if let Message::Destination { generation, .. } = recv_msg(&mut ctrl) {
             break generation;
         }
     };
-    // A frame for both pages of buffer 0; only the first page's bytes for now.
+    (ctrl, data, generation)
+}
+
+/// The prefix of a data frame for `n` pages of buffer 0 from `first_page`.
+fn frame_prefix(room: u64, generation: u64, first_page: u32, n: u32) -> Vec<u8> {
     let h = kvxfer::proto::DataHeader {
         room,
         generation,
         target: kvxfer::proto::Target::Kv,
         buffer: 0,
-        first_page: 8,
-        n_pages: 2,
-        byte_len: (2 * ITEM) as u32,
+        first_page,
+        n_pages: n,
+        byte_len: n * ITEM as u32,
     };
     let mut prefix = [0u8; proto::DATA_FRAME_PREFIX_LEN];
     h.encode_frame(&mut prefix).unwrap();
-    data.write_all(&prefix).unwrap();
+    prefix.to_vec()
+}
+
+#[test]
+fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
+    let dmem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
+    let d = engine("decode", &dmem, &[]);
+    let room = 50;
+    let dst = [8u32, 9];
+    let (_ctrl, mut data, generation) = fake_prefill_with_room(&d, room, &dst);
+    // A frame for both pages of buffer 0; only the first page's bytes for now.
+    data.write_all(&frame_prefix(room, generation, 8, 2))
+        .unwrap();
     data.write_all(&[0x41; ITEM]).unwrap();
     wait_until("the first half to land", || {
         dmem[0].page(8).iter().all(|&x| x == 0x41)
@@ -844,6 +858,53 @@ fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
     drop(d);
     assert!(
         !landed,
+        "bytes landed in room {room}'s pages after room_clear returned"
+    );
+}
+
+/// Clearing a room waits for a frame that is still arriving, slowly but steadily,
+/// instead of cutting the peer after 50 ms: a slow link is not a stalled peer, and
+/// cutting it would fail every other room it serves. The frame's bytes land before
+/// room_clear returns, none after, and the peer stays connected.
+#[test]
+fn clearing_a_room_mid_frame_waits_for_a_slow_but_steady_peer() {
+    const PAGES_IN_FRAME: u32 = 128; // 128 KiB: past the receiver's 64 KiB buffer
+    const STEP: usize = 4096;
+    const EVERY: Duration = Duration::from_millis(10);
+    let dmem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
+    let d = engine("decode", &dmem, &[]);
+    let room = 52;
+    let dst: Vec<u32> = (8..8 + PAGES_IN_FRAME).collect();
+    let (_ctrl, mut data, generation) = fake_prefill_with_room(&d, room, &dst);
+    data.write_all(&frame_prefix(room, generation, 8, PAGES_IN_FRAME))
+        .unwrap();
+    let body = vec![0x41u8; PAGES_IN_FRAME as usize * ITEM];
+    data.write_all(&body[..STEP]).unwrap();
+    wait_until("the first bytes to land", || dmem[0].page(8)[0] == 0x41);
+    let trickle = std::thread::spawn(move || {
+        for chunk in body[STEP..].chunks(STEP) {
+            std::thread::sleep(EVERY);
+            data.write_all(chunk).unwrap();
+        }
+        data
+    });
+    let t = std::time::Instant::now();
+    d.room_clear(room).unwrap();
+    let took = t.elapsed();
+    let _data = trickle.join().unwrap();
+    // The rest of the frame (31 steps of 10 ms) arrived while clear waited.
+    assert!(
+        took >= Duration::from_millis(200),
+        "room_clear returned after {took:?}, before the frame ended"
+    );
+    assert_eq!(d.metrics().peers_lost, 0, "the slow peer was cut");
+    for &p in &dst {
+        dmem[0].poison(p, POISON);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        dst.iter()
+            .all(|&p| dmem[0].page(p).iter().all(|&x| x == POISON)),
         "bytes landed in room {room}'s pages after room_clear returned"
     );
 }

@@ -93,19 +93,30 @@ impl DecodeRoom {
 /// Reads exactly `dst.len()` payload bytes: first what the buffer already holds, then
 /// (for a rest at least as long as the buffer) straight from the socket into `dst`, so
 /// large payloads are copied once, by the kernel, as without the buffer. A shorter rest
-/// goes through the buffer, which then also picks up the frames behind it.
-fn read_payload(s: &mut DataStream, dst: &mut [u8]) -> io::Result<()> {
+/// goes through the buffer, which then also picks up the frames behind it. `landed` is
+/// called after every read that brought bytes.
+fn read_payload(s: &mut DataStream, dst: &mut [u8], landed: &dyn Fn()) -> io::Result<()> {
     let have = s.buffer().len().min(dst.len());
     dst[..have].copy_from_slice(&s.buffer()[..have]);
     s.consume(have);
-    let rest = &mut dst[have..];
-    if rest.len() >= s.capacity() {
-        // The buffer is empty here (it held less than `dst`), so bypassing it keeps the
-        // byte order.
-        s.get_mut().read_exact(rest)
-    } else {
-        s.read_exact(rest)
+    let mut rest = &mut dst[have..];
+    if rest.len() < s.capacity() {
+        return s.read_exact(rest);
     }
+    // The buffer is empty here (it held less than `dst`), so bypassing it keeps the byte
+    // order.
+    while !rest.is_empty() {
+        match s.get_mut().read(rest) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                rest = &mut rest[n..];
+                landed();
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn ext(room: &ERoom) -> Option<&DecodeRoom> {
@@ -227,7 +238,9 @@ impl Shared {
                 }
                 Err(e) => break format!("data read failed: {e}"),
             };
-            peer.last_recv_ms.store(self.now_ms(), Ordering::Relaxed);
+            let now = self.now_ms();
+            peer.last_recv_ms.store(now, Ordering::Relaxed);
+            peer.last_data_ms.store(now, Ordering::Relaxed);
             let r = match hdr.kind {
                 Kind::Data => proto::read_data_header(&mut s, &hdr, &self.limits)
                     .map_err(|e| e.to_string())
@@ -306,7 +319,9 @@ impl Shared {
                     tcp::discard(s, (dst.len() - off) as u64)?;
                     return Ok(false);
                 }
-                read_payload(s, &mut dst[off..end])?;
+                read_payload(s, &mut dst[off..end], &|| {
+                    peer.last_data_ms.store(self.now_ms(), Ordering::Relaxed)
+                })?;
                 off = end;
             }
             Ok(true)
@@ -713,8 +728,13 @@ mod tests {
                 at += 5000;
             }
             let mut dst = vec![0u8; n];
-            read_payload(&mut s, &mut dst).unwrap();
+            let reads = std::cell::Cell::new(0);
+            read_payload(&mut s, &mut dst, &|| reads.set(reads.get() + 1)).unwrap();
             assert!(dst == bytes[at..at + n], "read {i} ({n} bytes) differs");
+            if n >= 2 * READ_BUFFER {
+                // Straight from the socket, in several reads, each reported.
+                assert!(reads.get() >= 1, "read {i}: no progress reported");
+            }
             at += n;
         }
         assert_eq!(at, total);

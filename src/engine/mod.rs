@@ -15,7 +15,7 @@ use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
@@ -780,9 +780,11 @@ impl Shared {
     }
 
     /// Clear gives the room's memory back, so no transport operation may still touch it
-    /// when clear returns. An operation in progress normally ends within microseconds
-    /// (it re-checks the state every slice); one that does not is stuck on a peer that
-    /// stopped mid-frame, whose connections are then closed, which ends it.
+    /// when clear returns. An operation in progress normally ends within a frame (it
+    /// re-checks the state before each); one that does not is stuck on a peer that
+    /// stopped mid-frame, whose connections are then closed, which ends it. A TCP
+    /// receiver still reading a slow frame is waited for as long as its bytes keep
+    /// coming (up to `transfer_timeout_ms`): only a peer silent for 50 ms is cut.
     fn wait_io_drained(&self, room: &ERoom) {
         self.wait_decode_quiet(room);
         let start = Instant::now();
@@ -790,15 +792,28 @@ impl Shared {
         // Over RDMA a batch in flight ends with its completions (a whole batch may take
         // a while on a slow device); over TCP a stalled frame ends when its peer is cut.
         let patience = if self.rdma.is_some() {
-            std::time::Duration::from_millis(self.config.drain_timeout_ms)
+            Duration::from_millis(self.config.drain_timeout_ms)
         } else {
-            std::time::Duration::from_millis(50)
+            Duration::from_millis(50)
+        };
+        let tcp_decode = self.rdma.is_none() && self.role == Role::Decode;
+        let longest = Duration::from_millis(self.config.transfer_timeout_ms).max(patience);
+        let peers = self.room_peers(room);
+        let silent = |now: u64| {
+            peers
+                .iter()
+                .map(|(p, _)| now.saturating_sub(p.last_data_ms.load(Ordering::Relaxed)))
+                .min()
+                .map_or(Duration::MAX, Duration::from_millis)
         };
         while room.io_in_flight() > 0 {
-            if !closed && start.elapsed() > patience {
-                for (peer, _) in self.room_peers(room) {
+            let waited = start.elapsed();
+            let stalled = waited > patience
+                && (!tcp_decode || silent(self.now_ms()) > patience || waited > longest);
+            if !closed && stalled {
+                for (peer, _) in &peers {
                     self.lose_peer(
-                        &peer,
+                        peer,
                         format!(
                             "stalled in the middle of a frame of room {}, which was cleared",
                             room.id()
@@ -807,7 +822,7 @@ impl Shared {
                 }
                 closed = true;
             }
-            if start.elapsed() > patience + std::time::Duration::from_secs(5) {
+            if closed && waited > longest + Duration::from_secs(5) {
                 crate::log!(
                     self.log,
                     Error,
@@ -816,7 +831,7 @@ impl Shared {
                 );
                 return;
             }
-            std::thread::sleep(std::time::Duration::from_micros(20));
+            std::thread::sleep(Duration::from_micros(20));
         }
     }
 

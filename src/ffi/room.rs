@@ -340,9 +340,11 @@ pub unsafe extern "C" fn kvxfer_room_drained(
 /// while live"). Afterwards the id may be created again. Clearing twice is harmless: the
 /// second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`. When it returns, no
 /// transport operation touches the room's memory any more: it waits for one in progress
-/// (TCP: at most 50 ms before the stalled peer is cut off; RDMA: the prefill's
-/// acknowledgement, at most `drain_timeout_ms` before the silent peer's queue pairs are
-/// shut).
+/// (TCP decode side: while the frame being read keeps arriving, at most
+/// `transfer_timeout_ms`, and a peer silent for 50 ms is cut off; TCP prefill side: at
+/// most 50 ms for the batch being written before its peer is cut off; RDMA: the
+/// prefill's acknowledgement, at most `drain_timeout_ms` before the silent peer's queue
+/// pairs are shut).
 ///
 /// Errors: `KVXFER_ERR_NOT_FOUND` if the room is not present.
 #[no_mangle]
