@@ -299,6 +299,29 @@ fn fake_prefill(d: &Engine, room: u64) -> FakePrefill {
     }
 }
 
+impl FakePrefill {
+    /// Sends Done for `room` on the data connection, claiming `pages_sent` pages.
+    fn done(&mut self, room: u64, pages_sent: u32) {
+        send(
+            &mut self.data,
+            &Message::Done {
+                room,
+                generation: self.generation,
+                pages_sent,
+                aux_sent: false,
+            },
+        );
+    }
+}
+
+/// Waits for `room` to end and checks it FAILED with `cause` and a message saying `text`.
+fn assert_failed(d: &Engine, room: u64, cause: Cause, text: &str) {
+    assert_eq!(wait_terminal(d, room), State::Failed);
+    let why = d.room_failure(room).unwrap();
+    assert_eq!(why.cause, cause);
+    assert!(why.message.contains(text), "{why}");
+}
+
 fn data_frame(
     room: u64,
     generation: u64,
@@ -424,15 +447,7 @@ fn done_ahead_of_some_frames_completes_the_room_when_they_land() {
     f.data
         .write_all(&data_frame(15, f.generation, 0, 2, 2, 0x42))
         .unwrap();
-    send(
-        &mut f.data,
-        &Message::Done {
-            room: 15,
-            generation: f.generation,
-            pages_sent: 2,
-            aux_sent: false,
-        },
-    );
+    f.done(15, 2);
     // Half the page writes arrived and Done: not complete, not failed.
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(d.room_poll(15).unwrap(), State::Transferring);
@@ -454,21 +469,12 @@ fn a_done_whose_frames_never_arrive_fails_at_the_transfer_deadline_saying_so() {
     f.data
         .write_all(&data_frame(15, f.generation, 0, 2, 2, 0x42))
         .unwrap();
-    send(
-        &mut f.data,
-        &Message::Done {
-            room: 15,
-            generation: f.generation,
-            pages_sent: 2,
-            aux_sent: false,
-        },
-    );
-    assert_eq!(wait_terminal(&d, 15), State::Failed);
-    let why = d.room_failure(15).unwrap();
-    assert_eq!(why.cause, Cause::TransferTimeout);
-    assert!(
-        why.message.contains("reported done but only 2 page writes"),
-        "{why}"
+    f.done(15, 2);
+    assert_failed(
+        &d,
+        15,
+        Cause::TransferTimeout,
+        "reported done but only 2 page writes",
     );
 }
 
@@ -477,21 +483,12 @@ fn a_done_claiming_fewer_pages_than_the_destination_fails_at_once() {
     let mut mem: Vec<Vec<u8>> = (0..2).map(|_| vec![POISON; PAGES * ITEM]).collect();
     let d = engine("decode", &mut mem, &[]);
     let mut f = fake_prefill(&d, 15);
-    send(
-        &mut f.data,
-        &Message::Done {
-            room: 15,
-            generation: f.generation,
-            pages_sent: 1,
-            aux_sent: false,
-        },
-    );
-    assert_eq!(wait_terminal(&d, 15), State::Failed);
-    let why = d.room_failure(15).unwrap();
-    assert_eq!(why.cause, Cause::Mismatch);
-    assert!(
-        why.message.contains("sent 1 pages for a destination of 2"),
-        "{why}"
+    f.done(15, 1);
+    assert_failed(
+        &d,
+        15,
+        Cause::Mismatch,
+        "sent 1 pages for a destination of 2",
     );
 }
 
