@@ -572,11 +572,11 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_failure_cause(const kvxfer_engine *eng
  * Stores in `*drained` whether room `room`'s memory may be reused: the room is terminal
  * and no transport operation can still touch its pages. Decode engine: no write into its
  * destination pages can still land (over TCP the receiver refuses every byte for a
- * terminal room, so this becomes true as soon as an in-progress read of at most one
- * 4 MiB frame ends; over RDMA, once every prefill engine of the room acknowledged that
- * its writes completed, or was lost, or `drain_timeout_ms` passed and its queue pairs
- * were shut; a room that succeeded is drained at once). Prefill engine: no worker is still reading
- * its source pages. A live room is never drained.
+ * terminal room and checks the room after every `recv`, so this becomes true as soon as
+ * the `recv` in progress returns; over RDMA, once every prefill engine of the room
+ * acknowledged that its writes completed, or was lost, or `drain_timeout_ms` passed and
+ * its queue pairs were shut; a room that succeeded is drained at once). Prefill engine:
+ * no worker is still reading its source pages. A live room is never drained.
  *
  * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
  */
@@ -587,11 +587,10 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const kvxfer_engine *engine, u
  * while live"). Afterwards the id may be created again. Clearing twice is harmless: the
  * second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`. When it returns, no
  * transport operation touches the room's memory any more: it waits for one in progress
- * (TCP decode side: while the frame being read keeps arriving, at most
- * `transfer_timeout_ms`, and a peer silent for 50 ms is cut off; TCP prefill side: at
- * most 50 ms for the batch being written before its peer is cut off; RDMA: the
- * prefill's acknowledgement, at most `drain_timeout_ms` before the silent peer's queue
- * pairs are shut).
+ * (TCP: the `recv` or the batch write in progress, at most 50 ms before a peer that
+ * stopped mid-frame is cut off; a `recv` returns as soon as any bytes arrive, however
+ * slow the link; RDMA: the prefill's acknowledgement, at most `drain_timeout_ms` before
+ * the silent peer's queue pairs are shut).
  *
  * Errors: `KVXFER_ERR_NOT_FOUND` if the room is not present.
  */

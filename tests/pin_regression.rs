@@ -862,12 +862,12 @@ fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
     );
 }
 
-/// Clearing a room waits for a frame that is still arriving, slowly but steadily,
-/// instead of cutting the peer after 50 ms: a slow link is not a stalled peer, and
-/// cutting it would fail every other room it serves. The frame's bytes land before
-/// room_clear returns, none after, and the peer stays connected.
+/// Clearing a room while one of its frames is still arriving, slowly but steadily: the
+/// receiver stops writing into the room's pages at the next bytes to arrive, so clear
+/// returns without cutting the peer (a slow link is not a stalled peer, and cutting it
+/// would fail every other room it serves), and nothing lands after clear returns.
 #[test]
-fn clearing_a_room_mid_frame_waits_for_a_slow_but_steady_peer() {
+fn clearing_a_room_mid_frame_stops_its_writes_without_cutting_a_slow_peer() {
     const PAGES_IN_FRAME: u32 = 128; // 128 KiB: past the receiver's 64 KiB buffer
     const STEP: usize = 4096;
     const EVERY: Duration = Duration::from_millis(10);
@@ -884,24 +884,21 @@ fn clearing_a_room_mid_frame_waits_for_a_slow_but_steady_peer() {
     let trickle = std::thread::spawn(move || {
         for chunk in body[STEP..].chunks(STEP) {
             std::thread::sleep(EVERY);
-            data.write_all(chunk).unwrap();
+            data.write_all(chunk)?;
         }
-        data
+        Ok::<_, std::io::Error>(data)
     });
-    let t = std::time::Instant::now();
     d.room_clear(room).unwrap();
-    let took = t.elapsed();
-    let _data = trickle.join().unwrap();
-    // The rest of the frame (31 steps of 10 ms) arrived while clear waited.
-    assert!(
-        took >= Duration::from_millis(200),
-        "room_clear returned after {took:?}, before the frame ended"
-    );
-    assert_eq!(d.metrics().peers_lost, 0, "the slow peer was cut");
+    // The scheduler gives the pages to another request: poison them again.
     for &p in &dst {
         dmem[0].poison(p, POISON);
     }
+    let _data = trickle
+        .join()
+        .unwrap()
+        .expect("the slow peer's connection was cut");
     std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(d.metrics().peers_lost, 0, "the slow peer was cut");
     assert!(
         dst.iter()
             .all(|&p| dmem[0].page(p).iter().all(|&x| x == POISON)),

@@ -15,7 +15,7 @@ use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
@@ -780,11 +780,10 @@ impl Shared {
     }
 
     /// Clear gives the room's memory back, so no transport operation may still touch it
-    /// when clear returns. An operation in progress normally ends within a frame (it
-    /// re-checks the state before each); one that does not is stuck on a peer that
-    /// stopped mid-frame, whose connections are then closed, which ends it. A TCP
-    /// receiver still reading a slow frame is waited for as long as its bytes keep
-    /// coming (up to `transfer_timeout_ms`): only a peer silent for 50 ms is cut.
+    /// when clear returns. An operation in progress normally ends within microseconds
+    /// (a TCP receiver re-checks the state after every `recv`, which returns as soon as
+    /// any bytes arrive, however slow the link); one that does not is stuck on a peer
+    /// that stopped sending mid-frame, whose connections are then closed, which ends it.
     fn wait_io_drained(&self, room: &ERoom) {
         self.wait_decode_quiet(room);
         let start = Instant::now();
@@ -792,28 +791,15 @@ impl Shared {
         // Over RDMA a batch in flight ends with its completions (a whole batch may take
         // a while on a slow device); over TCP a stalled frame ends when its peer is cut.
         let patience = if self.rdma.is_some() {
-            Duration::from_millis(self.config.drain_timeout_ms)
+            std::time::Duration::from_millis(self.config.drain_timeout_ms)
         } else {
-            Duration::from_millis(50)
-        };
-        let tcp_decode = self.rdma.is_none() && self.role == Role::Decode;
-        let longest = Duration::from_millis(self.config.transfer_timeout_ms).max(patience);
-        let peers = self.room_peers(room);
-        let silent = |now: u64| {
-            peers
-                .iter()
-                .map(|(p, _)| now.saturating_sub(p.last_data_ms.load(Ordering::Relaxed)))
-                .min()
-                .map_or(Duration::MAX, Duration::from_millis)
+            std::time::Duration::from_millis(50)
         };
         while room.io_in_flight() > 0 {
-            let waited = start.elapsed();
-            let stalled = waited > patience
-                && (!tcp_decode || silent(self.now_ms()) > patience || waited > longest);
-            if !closed && stalled {
-                for (peer, _) in &peers {
+            if !closed && start.elapsed() > patience {
+                for (peer, _) in self.room_peers(room) {
                     self.lose_peer(
-                        peer,
+                        &peer,
                         format!(
                             "stalled in the middle of a frame of room {}, which was cleared",
                             room.id()
@@ -822,7 +808,7 @@ impl Shared {
                 }
                 closed = true;
             }
-            if closed && waited > longest + Duration::from_secs(5) {
+            if start.elapsed() > patience + std::time::Duration::from_secs(5) {
                 crate::log!(
                     self.log,
                     Error,
@@ -831,7 +817,7 @@ impl Shared {
                 );
                 return;
             }
-            std::thread::sleep(Duration::from_micros(20));
+            std::thread::sleep(std::time::Duration::from_micros(20));
         }
     }
 

@@ -60,10 +60,6 @@ pub(crate) struct Peer {
     /// Engine-clock ms of the last frame received; Relaxed: read only by the watchdog
     /// to compare with a generous bound.
     pub last_recv_ms: AtomicU64,
-    /// Decode side over TCP: engine-clock ms when the last data bytes from this peer
-    /// were read (every `recv` of a payload, not only whole frames), so that clearing a
-    /// room can tell a slow frame still arriving from a stalled one. Relaxed, as above.
-    pub last_data_ms: AtomicU64,
     last_sent_ms: AtomicU64,
     hb_seq: AtomicU64,
 }
@@ -86,7 +82,6 @@ impl Peer {
             aux_count: OnceLock::new(),
             rooms: Mutex::new(HashSet::new()),
             last_recv_ms: AtomicU64::new(now_ms),
-            last_data_ms: AtomicU64::new(now_ms),
             last_sent_ms: AtomicU64::new(now_ms),
             hb_seq: AtomicU64::new(0),
         })

@@ -36,7 +36,11 @@ impl Pool {
             .map(|_| Region::new(slots * slot_pages * item_len, p.pool_pages))
             .collect();
         let aux = (p.aux_bytes > 0).then(|| Region::new(slots * p.aux_bytes, p.pool_pages));
-        let total = kv.iter().chain(&aux).map(|r| r.len() as u64).sum::<u64>();
+        let total = kv
+            .iter()
+            .chain(&aux)
+            .map(|r| r.mapped() as u64)
+            .sum::<u64>();
         let huge_fraction = match (huge_before, sys::huge_bytes()) {
             (Some(b), Some(a)) => Some(a.saturating_sub(b) as f64 / total as f64),
             _ => None,

@@ -187,6 +187,11 @@ impl Region {
         self.len
     }
 
+    /// Bytes mapped for it (`len` rounded up to its page size).
+    pub fn mapped(&self) -> usize {
+        self.mapped
+    }
+
     fn check(&self, off: usize, n_words: usize) {
         assert!(off % 8 == 0, "unaligned word offset {off}");
         assert!(
