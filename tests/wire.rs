@@ -237,11 +237,19 @@ fn a_destination_for_a_room_never_created_is_answered_with_an_abort() {
 struct FakePrefill {
     ctrl: TcpStream,
     data: TcpStream,
+    /// Data connections beyond the first (an engine with `connections_per_peer` > 1).
+    more_data: Vec<TcpStream>,
     dest: Vec<u32>,
     generation: u64,
 }
 
 fn fake_prefill(d: &Engine, room: u64) -> FakePrefill {
+    fake_prefill_with(d, room, 1)
+}
+
+/// A fake prefill engine serving decode room `room` of `d` (whose
+/// `connections_per_peer` is `conns`), once the room's destination reached it.
+fn fake_prefill_with(d: &Engine, room: u64, conns: usize) -> FakePrefill {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     d.room_create(room, RoomPeers::Prefills(vec![addr]))
@@ -267,15 +275,21 @@ fn fake_prefill(d: &Engine, room: u64) -> FakePrefill {
         }
     ));
     send(&mut ctrl, &TCP_TRANSPORT);
-    let (mut data, _) = l.accept().unwrap();
-    assert!(matches!(
-        recv(&mut data),
-        Message::Hello {
-            conn: ConnKind::Data,
-            ..
-        }
-    ));
-    send(&mut data, &hello(Role::Prefill, ConnKind::Data, 99));
+    let mut datas: Vec<TcpStream> = (0..conns)
+        .map(|_| {
+            let (mut data, _) = l.accept().unwrap();
+            assert!(matches!(
+                recv(&mut data),
+                Message::Hello {
+                    conn: ConnKind::Data,
+                    ..
+                }
+            ));
+            send(&mut data, &hello(Role::Prefill, ConnKind::Data, 99));
+            data
+        })
+        .collect();
+    let data = datas.remove(0);
     d.room_set_destination(room, &[2, 3], None).unwrap();
     loop {
         match recv(&mut ctrl) {
@@ -289,6 +303,7 @@ fn fake_prefill(d: &Engine, room: u64) -> FakePrefill {
                 return FakePrefill {
                     ctrl,
                     data,
+                    more_data: datas,
                     dest: pages,
                     generation,
                 };
@@ -454,6 +469,31 @@ fn done_ahead_of_some_frames_completes_the_room_when_they_land() {
     f.data
         .write_all(&data_frame(15, f.generation, 1, 2, 2, 0x43))
         .unwrap();
+    assert_eq!(wait_terminal(&d, 15), State::Success);
+    d.room_clear(15).unwrap();
+    drop(d);
+    assert!(mem[0][2 * ITEM..4 * ITEM].iter().all(|&x| x == 0x42));
+    assert!(mem[1][2 * ITEM..4 * ITEM].iter().all(|&x| x == 0x43));
+}
+
+/// The case above as a prefill engine makes it: two data connections, Done on one while
+/// the last frame is still on the other.
+#[test]
+fn done_on_one_connection_ahead_of_a_frame_on_another_completes_when_it_lands() {
+    let mut mem: Vec<Vec<u8>> = (0..2).map(|_| vec![POISON; PAGES * ITEM]).collect();
+    let d = engine("decode", &mut mem, &[("connections_per_peer", "2")]);
+    let mut f = fake_prefill_with(&d, 15, 2);
+    let frame = data_frame(15, f.generation, 1, 2, 2, 0x43);
+    // Half of buffer 1's frame on the second connection, then everything else on the
+    // first, Done last.
+    f.more_data[0].write_all(&frame[..frame.len() / 2]).unwrap();
+    f.data
+        .write_all(&data_frame(15, f.generation, 0, 2, 2, 0x42))
+        .unwrap();
+    f.done(15, 2);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(d.room_poll(15).unwrap(), State::Transferring);
+    f.more_data[0].write_all(&frame[frame.len() / 2..]).unwrap();
     assert_eq!(wait_terminal(&d, 15), State::Success);
     d.room_clear(15).unwrap();
     drop(d);
