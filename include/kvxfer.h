@@ -587,10 +587,11 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const kvxfer_engine *engine, u
  * while live"). Afterwards the id may be created again. Clearing twice is harmless: the
  * second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`. When it returns, no
  * transport operation touches the room's memory any more: it waits for one in progress
- * (TCP: the `recv` or the batch write in progress, at most 50 ms before a peer that
- * stopped mid-frame is cut off; a `recv` returns as soon as any bytes arrive, however
- * slow the link; RDMA: the prefill's acknowledgement, at most `drain_timeout_ms` before
- * the silent peer's queue pairs are shut).
+ * (TCP: the `recv` or the batch write in progress, which stops at the next bytes that
+ * arrive or within 10 ms of waiting, however slow the link; a frame a sender has begun
+ * is ended with zeros, so the connection stays in step; a peer that sent nothing for
+ * 50 ms in the middle of a frame is cut off; RDMA: the prefill's acknowledgement, at
+ * most `drain_timeout_ms` before the silent peer's queue pairs are shut).
  *
  * Errors: `KVXFER_ERR_NOT_FOUND` if the room is not present.
  */

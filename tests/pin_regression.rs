@@ -632,6 +632,106 @@ fn the_prefill_writes_no_done_frame_for_a_room_that_failed_first() {
     drop(p);
 }
 
+/// Clearing a prefill room whose batch is blocked on a slow reader: the worker stops
+/// reading the room's pages, ends the frame in progress with zeros and sends nothing
+/// more of the room, so room_clear returns without cutting the peer (which would fail
+/// every other room it serves), and the connection stays in step: the next room's
+/// frame and Done arrive whole behind it.
+#[test]
+fn clearing_a_prefill_room_blocked_on_a_slow_reader_keeps_the_peer_and_the_stream() {
+    const N: u32 = 64;
+    const BIG: usize = 256 * 1024; // 16 pages per 4 MiB frame: 4 frames, 16 MiB
+    let src = |i: usize| (i * 7 + i / BIG * 13) as u8 | 1;
+    let pmem = vec![Region::new(N as usize, BIG, src)];
+    let p = engine("prefill", &pmem, &[]);
+    let id = 0xC1EA;
+    let mut ctrl = TcpStream::connect(p.address()).unwrap();
+    ctrl.set_read_timeout(Some(LIMIT)).unwrap();
+    send_msg(&mut ctrl, &hello(ConnKind::Control, id));
+    assert!(matches!(recv_msg(&mut ctrl), Message::Hello { .. }));
+    assert!(matches!(recv_msg(&mut ctrl), Message::Registration(_)));
+    let buf = BufferInfo {
+        len: (N as usize * BIG) as u64,
+        item_len: BIG as u64,
+        layer_id: BufferInfo::NO_LAYER,
+        addr: 0,
+        rkey: 0,
+    };
+    send_msg(
+        &mut ctrl,
+        &Message::Registration(Registration {
+            kv: vec![buf],
+            aux: vec![],
+            layout: Layout::default(),
+        }),
+    );
+    fake_transport_as_decode(&mut ctrl);
+    let mut data = TcpStream::connect(p.address()).unwrap();
+    data.set_read_timeout(Some(LIMIT)).unwrap();
+    send_msg(&mut data, &hello(ConnKind::Data, id));
+    assert!(matches!(recv_msg(&mut data), Message::Hello { .. }));
+    let start = |room: u64, n: u32| {
+        p.room_create(room, RoomPeers::Decoders(1)).unwrap();
+        send_msg(
+            &mut ctrl.try_clone().unwrap(),
+            &Message::Destination {
+                room,
+                generation: room,
+                pages: pages(0, n),
+                aux_slot: None,
+            },
+        );
+        wait_state(&p, room, State::WaitingForInput);
+        p.enqueue_chunk(room, &pages(0, n), true, None).unwrap();
+    };
+
+    // Nobody reads: the worker blocks inside the room's 16 MiB.
+    start(60, N);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(p.room_poll(60).unwrap(), State::Transferring);
+    p.room_clear(60).unwrap();
+    assert_eq!(p.metrics().peers_lost, 0, "the slow reader was cut");
+    start(61, 16);
+
+    // Now read: room 60's frames (true bytes, then zeros to the end of the last one),
+    // then room 61's frame, whole, and its Done.
+    let l = Limits::default();
+    let mut sent_60 = Vec::new();
+    loop {
+        let h = proto::read_frame_header(&mut data, &l).unwrap();
+        if h.kind == Kind::Done {
+            let done = proto::read_control(&mut data, &h, &l).unwrap();
+            assert!(matches!(done, Message::Done { room: 61, .. }), "{done:?}");
+            break;
+        }
+        let dh = proto::read_data_header(&mut data, &h, &l).unwrap();
+        let mut payload = vec![0u8; dh.byte_len as usize];
+        std::io::Read::read_exact(&mut data, &mut payload).unwrap();
+        let at = dh.first_page as usize * BIG;
+        match dh.room {
+            60 => sent_60.push((at, payload)),
+            61 => assert!(
+                payload.iter().enumerate().all(|(i, &x)| x == src(at + i)),
+                "room 61's frame is not its pages"
+            ),
+            r => panic!("a frame for room {r}"),
+        }
+    }
+    let (last_at, last) = sent_60.pop().expect("room 60 sent something");
+    assert!(sent_60.len() < 3, "room 60 was sent whole");
+    for (at, frame) in &sent_60 {
+        assert!(frame.iter().enumerate().all(|(i, &x)| x == src(at + i)));
+    }
+    let cut = last
+        .iter()
+        .enumerate()
+        .position(|(i, &x)| x != src(last_at + i))
+        .expect("room 60's last frame ends in zeros");
+    assert!(last[cut..].iter().all(|&x| x == 0), "room 60's last frame");
+    assert_eq!(wait_terminal(&p, 61), State::Success);
+    assert_eq!(p.metrics().peers_lost, 0);
+}
+
 /// A fake decode engine's control connection to `p`, handshake done, with the
 /// registration of this file's engines (BUFS buffers of PAGES pages of ITEM bytes).
 fn fake_decode_ctrl(p: &Engine, id: u64) -> TcpStream {

@@ -780,10 +780,11 @@ impl Shared {
     }
 
     /// Clear gives the room's memory back, so no transport operation may still touch it
-    /// when clear returns. An operation in progress normally ends within microseconds
-    /// (a TCP receiver re-checks the state after every `recv`, which returns as soon as
-    /// any bytes arrive, however slow the link); one that does not is stuck on a peer
-    /// that stopped sending mid-frame, whose connections are then closed, which ends it.
+    /// when clear returns. An operation in progress normally ends within milliseconds (a
+    /// TCP receiver re-checks the state after every `recv`, which returns as soon as any
+    /// bytes arrive; a TCP sender looks after every write that waited 10 ms, and ends
+    /// the frame in progress with zeros); one that does not is stuck on a peer that
+    /// stopped sending mid-frame, whose connections are then closed, which ends it.
     fn wait_io_drained(&self, room: &ERoom) {
         self.wait_decode_quiet(room);
         let start = Instant::now();

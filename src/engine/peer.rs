@@ -880,9 +880,8 @@ impl Shared {
                 peer.track(&s);
                 self.write_msg(&mut s, &self.hello(ConnKind::Data, index))?;
                 let w = s.try_clone().map_err(|e| e.to_string())?;
-                w.set_write_timeout(Some(self.peer_deadline()))
-                    .map_err(|e| e.to_string())?;
-                peer.data.write().push(Arc::new(SendConn::new(w)));
+                let conn = SendConn::data(w, self.peer_deadline()).map_err(|e| e.to_string())?;
+                peer.data.write().push(Arc::new(conn));
                 if peer.is_lost() {
                     peer.data.write().clear();
                 }

@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::proto::{DataHeader, Message, Target};
 use crate::room::{Cause, Event, FailureReason, Refusal, State};
 use crate::transport::tcp::MAX_FRAME_BYTES;
-use crate::transport::{coalesce, Memory};
+use crate::transport::{coalesce, Memory, RoomEnded, Watch};
 
 /// The most early destinations held at once.
 pub const MAX_HELD: usize = 65_536;
@@ -699,10 +699,10 @@ impl Shared {
             // batch takes any connection no other worker is writing on before waiting
             // for its own, so that a few large rooms keep every connection busy.
             let home = worker % links.len();
-            let write = |frames: &[(DataHeader, &[u8])]| {
+            let write = |frames: &[(DataHeader, &[u8])], watch: &mut Watch<'_>| {
                 (0..links.len())
-                    .find_map(|i| links[(home + i) % links.len()].try_write_runs(frames))
-                    .unwrap_or_else(|| links[home].write_runs(frames))
+                    .find_map(|i| links[(home + i) % links.len()].try_write_runs(frames, watch))
+                    .unwrap_or_else(|| links[home].write_runs(frames, watch))
             };
             // Frames go out in batches (one vectored write on TCP, one chain of RDMA
             // writes). Each batch is counted on the room (begin_io) before the state
@@ -713,14 +713,24 @@ impl Shared {
                 if batch.frames.is_empty() {
                     return Ok(());
                 }
-                let _io = room.begin_io();
-                if room.state().is_terminal() {
-                    return Err(FailureReason::local(
-                        Cause::Aborted,
-                        "room ended while sending",
-                    ));
+                let mut io = Some(room.begin_io());
+                let ended = || room.state().is_terminal();
+                let room_ended =
+                    || FailureReason::local(Cause::Aborted, "room ended while sending");
+                if ended() {
+                    return Err(room_ended());
                 }
-                write(&batch.frames).map_err(|e| {
+                // A slow link: once the room ends, its pages are no longer read, and the
+                // io count drops before the frame in progress is ended with zeros.
+                let mut release = || drop(io.take());
+                let mut watch = Watch {
+                    ended: &ended,
+                    release: &mut release,
+                };
+                write(&batch.frames, &mut watch).map_err(|e| {
+                    if e.get_ref().is_some_and(|e| e.is::<RoomEnded>()) {
+                        return room_ended();
+                    }
                     FailureReason::local(
                         Cause::Transfer,
                         format!("room {}: writing to {} failed: {e}", room.id(), peer.name),

@@ -17,18 +17,46 @@ use crate::proto::DataHeader;
 /// Implementations: [`tcp::SendConn`] (a data frame per run on a socket; the receiver
 /// validates and reads it into the granted pages) and `rdma::RdmaLink` (one-sided writes
 /// into the peer's registered memory; `finish` goes over the control connection).
+/// What a batch write asks of its room while a slow link holds it up: `ended` (is the
+/// room terminal?) is asked whenever a write had to wait; once it says yes, the link
+/// stops reading the room's pages, calls `release` (the room's memory is no longer
+/// touched), ends the frame in progress with zeros so that the stream stays whole, sends
+/// none of the batch's other frames, and returns [`RoomEnded`].
+pub struct Watch<'a> {
+    pub ended: &'a dyn Fn() -> bool,
+    pub release: &'a mut dyn FnMut(),
+}
+
+/// The error a batch write returns when its room ended while it waited (see [`Watch`]).
+#[derive(Debug)]
+pub struct RoomEnded;
+
+impl std::fmt::Display for RoomEnded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the room ended while its frames were being written")
+    }
+}
+
+impl std::error::Error for RoomEnded {}
+
 pub trait DataLink: Send + Sync {
     /// Moves each `(hdr, bytes)` run (whole pages of one registered buffer) to where its
     /// header says. Returns once the transport no longer reads `bytes` (TCP: handed to
     /// the socket; RDMA: every write completed). An error means the link is broken, and
     /// nothing more of the batch may be assumed delivered.
-    fn write_runs(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()>;
+    /// A link may watch the room through `watch` while it waits (TCP does; an RDMA batch
+    /// ends with its completions).
+    fn write_runs(&self, runs: &[(DataHeader, &[u8])], watch: &mut Watch<'_>) -> io::Result<()>;
 
     /// As [`DataLink::write_runs`], but only if the link is free: `None`, having written
     /// nothing, when another worker is writing on it (a TCP connection is shared by
     /// several workers). A link that is never shared writes at once.
-    fn try_write_runs(&self, runs: &[(DataHeader, &[u8])]) -> Option<io::Result<()>> {
-        Some(self.write_runs(runs))
+    fn try_write_runs(
+        &self,
+        runs: &[(DataHeader, &[u8])],
+        watch: &mut Watch<'_>,
+    ) -> Option<io::Result<()>> {
+        Some(self.write_runs(runs, watch))
     }
 
     /// Sends an encoded `Done` frame once every `write_runs` of the room has returned.

@@ -3,51 +3,169 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::{RoomEnded, Watch};
 use crate::proto::{DataHeader, DATA_FRAME_PREFIX_LEN};
 
 /// Largest data frame payload the sender produces; longer runs are split so that frames
 /// of other rooms interleave and an abort takes effect within one frame.
 pub const MAX_FRAME_BYTES: usize = 4 << 20;
 
+/// How long one blocked write waits before it looks again at its room and its deadline.
+const TICK: Duration = Duration::from_millis(10);
+
+/// Zeros that end a frame whose room ended mid-frame.
+static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+
 /// One outgoing connection shared by several workers; each frame is written whole under
 /// the lock, so frames never interleave.
 #[derive(Debug)]
 pub struct SendConn {
     stream: Mutex<TcpStream>,
+    /// A write that makes no progress for this long fails (the peer stopped reading).
+    stall: Option<Duration>,
 }
 
 impl SendConn {
-    /// Wraps a connected stream.
+    /// Wraps a connected control stream: writes block as the socket says.
     pub fn new(stream: TcpStream) -> Self {
         SendConn {
             stream: Mutex::new(stream),
+            stall: None,
         }
     }
 
-    /// Writes several data frames with one vectored write sequence under one lock.
-    pub fn send_batch(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()> {
+    /// Wraps a connected data stream: a write that makes no progress for `stall` fails,
+    /// and a blocked write looks at its room every few milliseconds ([`Watch`]).
+    pub fn data(stream: TcpStream, stall: Duration) -> io::Result<Self> {
+        stream.set_write_timeout(Some(TICK.min(stall)))?;
+        Ok(SendConn {
+            stream: Mutex::new(stream),
+            stall: Some(stall),
+        })
+    }
+
+    /// Writes several data frames with vectored writes under one lock.
+    pub fn send_batch(
+        &self,
+        runs: &[(DataHeader, &[u8])],
+        watch: &mut Watch<'_>,
+    ) -> io::Result<()> {
         let prefixes = prefixes(runs)?;
-        write_batch(&mut self.stream.lock(), runs, &prefixes)
+        self.write_batch(&mut self.stream.lock(), runs, &prefixes, watch)
     }
 
     /// As [`SendConn::send_batch`] if no other worker is writing on the connection;
     /// `None` otherwise, with nothing written.
-    pub fn try_send_batch(&self, runs: &[(DataHeader, &[u8])]) -> Option<io::Result<()>> {
+    pub fn try_send_batch(
+        &self,
+        runs: &[(DataHeader, &[u8])],
+        watch: &mut Watch<'_>,
+    ) -> Option<io::Result<()>> {
         let prefixes = match prefixes(runs) {
             Ok(p) => p,
             Err(e) => return Some(Err(e)),
         };
         let mut s = self.stream.try_lock()?;
-        Some(write_batch(&mut s, runs, &prefixes))
+        Some(self.write_batch(&mut s, runs, &prefixes, watch))
     }
 
     /// Writes an encoded control frame.
     pub fn send_frame(&self, frame: &[u8]) -> io::Result<()> {
-        self.stream.lock().write_all(frame)
+        let mut s = self.stream.lock();
+        self.write_all(&mut s, &mut [IoSlice::new(frame)], &mut 0, None)
+            .map(|_| ())
+    }
+
+    /// Writes each run behind its prefix, in order. If the room ends while a write
+    /// waits, the frame in progress is ended with zeros and the others are dropped.
+    fn write_batch(
+        &self,
+        s: &mut TcpStream,
+        runs: &[(DataHeader, &[u8])],
+        prefixes: &[[u8; DATA_FRAME_PREFIX_LEN]],
+        watch: &mut Watch<'_>,
+    ) -> io::Result<()> {
+        let mut slices = Vec::with_capacity(runs.len() * 2);
+        for ((_, bytes), prefix) in runs.iter().zip(prefixes) {
+            slices.push(IoSlice::new(prefix));
+            slices.push(IoSlice::new(bytes));
+        }
+        let mut written = 0;
+        if !self.write_all(s, &mut slices, &mut written, Some(watch.ended))? {
+            return Ok(());
+        }
+        (watch.release)();
+        // The rest of the frame in progress: the rest of its prefix, then zeros.
+        let mut at = 0;
+        for (prefix, (_, bytes)) in prefixes.iter().zip(runs) {
+            let end = at + prefix.len() + bytes.len();
+            if written < end {
+                let mut tail = Vec::new();
+                if written < at + prefix.len() {
+                    tail.push(IoSlice::new(&prefix[written - at..]));
+                }
+                let mut zeros = end - written.max(at + prefix.len());
+                while zeros > 0 {
+                    let k = zeros.min(ZEROS.len());
+                    tail.push(IoSlice::new(&ZEROS[..k]));
+                    zeros -= k;
+                }
+                self.write_all(s, &mut tail, &mut 0, None)?;
+                break;
+            }
+            at = end;
+        }
+        Err(io::Error::other(RoomEnded))
+    }
+
+    /// Writes every slice (adding to `written`), retrying writes that time out while
+    /// `stall` has not passed since the last progress. After a write that waited or
+    /// wrote only part of what was asked, asks `ended`: if it says so, stops there and
+    /// returns true.
+    fn write_all(
+        &self,
+        w: &mut TcpStream,
+        mut bufs: &mut [IoSlice<'_>],
+        written: &mut usize,
+        ended: Option<&dyn Fn() -> bool>,
+    ) -> io::Result<bool> {
+        IoSlice::advance_slices(&mut bufs, 0);
+        let mut progress = Instant::now();
+        let ended = || ended.is_some_and(|f| f());
+        while !bufs.is_empty() {
+            let asked: usize = bufs.iter().map(|b| b.len()).sum();
+            match w.write_vectored(bufs) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    IoSlice::advance_slices(&mut bufs, n);
+                    *written += n;
+                    progress = Instant::now();
+                    if n < asked && ended() {
+                        return Ok(true);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if self.stall.is_none_or(|stall| progress.elapsed() >= stall) {
+                        return Err(e);
+                    }
+                    if ended() {
+                        return Ok(true);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(false)
     }
 }
 
@@ -63,40 +181,17 @@ fn prefixes(runs: &[(DataHeader, &[u8])]) -> io::Result<Vec<[u8; DATA_FRAME_PREF
         .collect()
 }
 
-/// Writes each run behind its prefix, in order, with vectored writes.
-fn write_batch(
-    s: &mut TcpStream,
-    runs: &[(DataHeader, &[u8])],
-    prefixes: &[[u8; DATA_FRAME_PREFIX_LEN]],
-) -> io::Result<()> {
-    let mut slices = Vec::with_capacity(runs.len() * 2);
-    for ((_, bytes), prefix) in runs.iter().zip(prefixes) {
-        slices.push(IoSlice::new(prefix));
-        slices.push(IoSlice::new(bytes));
-    }
-    write_all_vectored(s, &mut slices)
-}
-
-fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
-    IoSlice::advance_slices(&mut bufs, 0);
-    while !bufs.is_empty() {
-        match w.write_vectored(bufs) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 impl super::DataLink for SendConn {
-    fn write_runs(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()> {
-        self.send_batch(runs)
+    fn write_runs(&self, runs: &[(DataHeader, &[u8])], watch: &mut Watch<'_>) -> io::Result<()> {
+        self.send_batch(runs, watch)
     }
 
-    fn try_write_runs(&self, runs: &[(DataHeader, &[u8])]) -> Option<io::Result<()>> {
-        self.try_send_batch(runs)
+    fn try_write_runs(
+        &self,
+        runs: &[(DataHeader, &[u8])],
+        watch: &mut Watch<'_>,
+    ) -> Option<io::Result<()>> {
+        self.try_send_batch(runs, watch)
     }
 
     fn finish(&self, done_frame: &[u8]) -> io::Result<()> {

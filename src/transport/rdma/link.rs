@@ -12,7 +12,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::verbs::{Device, Endpoint, EndpointInfo, Region, WriteOp};
 use crate::proto::{BufferInfo, DataHeader, Message, Target, WireTransport};
-use crate::transport::DataLink;
+use crate::transport::{DataLink, Watch};
 
 /// Where one remote buffer lives: address, key and size.
 #[derive(Debug, Clone, Copy)]
@@ -269,7 +269,7 @@ impl RdmaLink {
 }
 
 impl DataLink for RdmaLink {
-    fn write_runs(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<()> {
+    fn write_runs(&self, runs: &[(DataHeader, &[u8])], _: &mut Watch<'_>) -> io::Result<()> {
         let ops = runs
             .iter()
             .map(|(hdr, bytes)| self.op(hdr, bytes))
