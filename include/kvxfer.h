@@ -590,7 +590,7 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const kvxfer_engine *engine, u
  * (TCP: the `recv` or the batch write in progress, which stops at the next bytes that
  * arrive or within 10 ms of waiting, however slow the link; a frame a sender has begun
  * is ended with zeros, so the connection stays in step; a peer that sent nothing for
- * 50 ms in the middle of a frame is cut off; RDMA: the prefill's acknowledgement, at
+ * 100 ms in the middle of a frame is cut off; RDMA: the prefill's acknowledgement, at
  * most `drain_timeout_ms` before the silent peer's queue pairs are shut).
  *
  * Errors: `KVXFER_ERR_NOT_FOUND` if the room is not present.

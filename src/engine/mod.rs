@@ -794,7 +794,7 @@ impl Shared {
         let patience = if self.rdma.is_some() {
             std::time::Duration::from_millis(self.config.drain_timeout_ms)
         } else {
-            std::time::Duration::from_millis(50)
+            std::time::Duration::from_millis(100)
         };
         while room.io_in_flight() > 0 {
             if !closed && start.elapsed() > patience {

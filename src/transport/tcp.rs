@@ -49,13 +49,24 @@ impl SendConn {
     }
 
     /// Writes several data frames with vectored writes under one lock.
+    /// While another worker holds the connection, the room is watched too: if it ends,
+    /// nothing is written.
     pub fn send_batch(
         &self,
         runs: &[(DataHeader, &[u8])],
         watch: &mut Watch<'_>,
     ) -> io::Result<()> {
         let prefixes = prefixes(runs)?;
-        self.write_batch(&mut self.stream.lock(), runs, &prefixes, watch)
+        let mut s = loop {
+            if let Some(s) = self.stream.try_lock_for(TICK) {
+                break s;
+            }
+            if (watch.ended)() {
+                (watch.release)();
+                return Err(io::Error::other(RoomEnded));
+            }
+        };
+        self.write_batch(&mut s, runs, &prefixes, watch)
     }
 
     /// As [`SendConn::send_batch`] if no other worker is writing on the connection;
@@ -95,15 +106,25 @@ impl SendConn {
             slices.push(IoSlice::new(bytes));
         }
         let mut written = 0;
-        if !self.write_all(s, &mut slices, &mut written, Some(watch.ended))? {
-            return Ok(());
+        let r = self.write_all(s, &mut slices, &mut written, Some(watch.ended));
+        if !r.as_ref().is_ok_and(|&ended| ended) {
+            if r.is_err() {
+                // Perhaps mid-frame: the stream is out of step for good. The reader sees
+                // it end instead of reading the next frame's bytes as this one's.
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            return r.map(|_| ());
         }
         (watch.release)();
-        // The rest of the frame in progress: the rest of its prefix, then zeros.
+        // The rest of the frame in progress, if one was begun: the rest of its prefix,
+        // then zeros.
         let mut at = 0;
         for (prefix, (_, bytes)) in prefixes.iter().zip(runs) {
             let end = at + prefix.len() + bytes.len();
             if written < end {
+                if written == at {
+                    break; // between two frames: nothing begun
+                }
                 let mut tail = Vec::new();
                 if written < at + prefix.len() {
                     tail.push(IoSlice::new(&prefix[written - at..]));
@@ -114,7 +135,10 @@ impl SendConn {
                     tail.push(IoSlice::new(&ZEROS[..k]));
                     zeros -= k;
                 }
-                self.write_all(s, &mut tail, &mut 0, None)?;
+                if let Err(e) = self.write_all(s, &mut tail, &mut 0, None) {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                    return Err(e);
+                }
                 break;
             }
             at = end;
@@ -155,11 +179,11 @@ impl SendConn {
                         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                     ) =>
                 {
-                    if self.stall.is_none_or(|stall| progress.elapsed() >= stall) {
-                        return Err(e);
-                    }
                     if ended() {
                         return Ok(true);
+                    }
+                    if self.stall.is_none_or(|stall| progress.elapsed() >= stall) {
+                        return Err(e);
                     }
                 }
                 Err(e) => return Err(e),
@@ -224,4 +248,94 @@ pub fn connect(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
         }
     }
     Err(last)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::net::TcpListener;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::proto::{self, Kind, Limits, Target};
+
+    /// A batch blocked on a reader that does not read, whose room ends meanwhile: the
+    /// frame in progress is ended with zeros, the others are not sent, the room's io is
+    /// released once, and the stream holds only whole frames.
+    #[test]
+    fn a_batch_whose_room_ends_while_blocked_ends_its_frame_with_zeros() {
+        const FRAME: usize = 1 << 20;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut r, _) = l.accept().unwrap();
+        let conn = SendConn::data(w, Duration::from_secs(10)).unwrap();
+        let pages: Vec<Vec<u8>> = (0..8u8).map(|k| vec![k | 0x80; FRAME]).collect();
+        let ended = AtomicBool::new(false);
+        let released = AtomicUsize::new(0);
+        let reader = std::thread::spawn(move || {
+            // Read nothing until the writer has surely blocked and seen the room end.
+            std::thread::sleep(Duration::from_millis(300));
+            let mut all = Vec::new();
+            r.read_to_end(&mut all).unwrap();
+            all
+        });
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(100));
+                ended.store(true, Ordering::SeqCst);
+            });
+            let runs: Vec<(DataHeader, &[u8])> = pages
+                .iter()
+                .enumerate()
+                .map(|(k, p)| {
+                    let h = DataHeader {
+                        room: 7,
+                        generation: 1,
+                        target: Target::Kv,
+                        buffer: 0,
+                        first_page: k as u32,
+                        n_pages: 1,
+                        byte_len: FRAME as u32,
+                    };
+                    (h, &p[..])
+                })
+                .collect();
+            let ended_now = || ended.load(Ordering::SeqCst);
+            let mut release = || {
+                released.fetch_add(1, Ordering::SeqCst);
+            };
+            let mut watch = Watch {
+                ended: &ended_now,
+                release: &mut release,
+            };
+            let e = conn.send_batch(&runs, &mut watch).unwrap_err();
+            assert!(e.get_ref().is_some_and(|e| e.is::<RoomEnded>()), "{e}");
+        });
+        assert_eq!(released.load(Ordering::SeqCst), 1);
+        drop(conn);
+        let all = reader.join().unwrap();
+        // Parse: whole frames only, each page's bytes then (in the last one) zeros.
+        let mut at = &all[..];
+        let mut frames = 0;
+        let mut zeros = false;
+        while !at.is_empty() {
+            let limits = Limits::default();
+            let h = proto::read_frame_header(&mut at, &limits).unwrap();
+            assert_eq!(h.kind, Kind::Data);
+            let d = proto::read_data_header(&mut at, &h, &limits).unwrap();
+            assert_eq!(d.first_page, frames);
+            let (payload, rest) = at.split_at(d.byte_len as usize);
+            let want = frames as u8 | 0x80;
+            let cut = payload.iter().position(|&x| x != want).unwrap_or(FRAME);
+            assert!(payload[cut..].iter().all(|&x| x == 0), "frame {frames}");
+            assert!(!zeros, "a frame after the one ended with zeros");
+            zeros = cut < FRAME;
+            at = rest;
+            frames += 1;
+        }
+        assert!(
+            (frames as usize) < pages.len() || zeros,
+            "the whole batch went out although its room ended"
+        );
+    }
 }
