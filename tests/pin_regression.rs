@@ -568,28 +568,8 @@ fn the_prefill_writes_no_done_frame_for_a_room_that_failed_first() {
     let pmem = vec![region(|i| src_byte(0, i))];
     let p = engine("prefill", &pmem, &[]);
     let id = 0xD0_0D;
-    let mut ctrl = TcpStream::connect(p.address()).unwrap();
-    ctrl.set_read_timeout(Some(LIMIT)).unwrap();
-    send_msg(&mut ctrl, &hello(ConnKind::Control, id));
-    assert!(matches!(recv_msg(&mut ctrl), Message::Hello { .. }));
-    assert!(matches!(recv_msg(&mut ctrl), Message::Registration(_)));
-    let reg = Registration {
-        kv: vec![BufferInfo {
-            len: (PAGES * ITEM) as u64,
-            item_len: ITEM as u64,
-            layer_id: BufferInfo::NO_LAYER,
-            addr: 0,
-            rkey: 0,
-        }],
-        aux: vec![],
-        layout: Layout::default(),
-    };
-    send_msg(&mut ctrl, &Message::Registration(reg));
-    fake_transport_as_decode(&mut ctrl);
-    let mut data = TcpStream::connect(p.address()).unwrap();
-    data.set_read_timeout(Some(LIMIT)).unwrap();
-    send_msg(&mut data, &hello(ConnKind::Data, id));
-    assert!(matches!(recv_msg(&mut data), Message::Hello { .. }));
+    let mut ctrl = fake_decode_ctrl_with(&p, id, 1, PAGES, ITEM);
+    let mut data = fake_decode_data(&p, id);
 
     let room = 40;
     p.room_create(room, RoomPeers::Decoders(1)).unwrap();
@@ -645,31 +625,8 @@ fn clearing_a_prefill_room_blocked_on_a_slow_reader_keeps_the_peer_and_the_strea
     let pmem = vec![Region::new(N as usize, BIG, src)];
     let p = engine("prefill", &pmem, &[]);
     let id = 0xC1EA;
-    let mut ctrl = TcpStream::connect(p.address()).unwrap();
-    ctrl.set_read_timeout(Some(LIMIT)).unwrap();
-    send_msg(&mut ctrl, &hello(ConnKind::Control, id));
-    assert!(matches!(recv_msg(&mut ctrl), Message::Hello { .. }));
-    assert!(matches!(recv_msg(&mut ctrl), Message::Registration(_)));
-    let buf = BufferInfo {
-        len: (N as usize * BIG) as u64,
-        item_len: BIG as u64,
-        layer_id: BufferInfo::NO_LAYER,
-        addr: 0,
-        rkey: 0,
-    };
-    send_msg(
-        &mut ctrl,
-        &Message::Registration(Registration {
-            kv: vec![buf],
-            aux: vec![],
-            layout: Layout::default(),
-        }),
-    );
-    fake_transport_as_decode(&mut ctrl);
-    let mut data = TcpStream::connect(p.address()).unwrap();
-    data.set_read_timeout(Some(LIMIT)).unwrap();
-    send_msg(&mut data, &hello(ConnKind::Data, id));
-    assert!(matches!(recv_msg(&mut data), Message::Hello { .. }));
+    let ctrl = fake_decode_ctrl_with(&p, id, 1, N as usize, BIG);
+    let mut data = fake_decode_data(&p, id);
     let start = |room: u64, n: u32| {
         p.room_create(room, RoomPeers::Decoders(1)).unwrap();
         send_msg(
@@ -745,26 +702,40 @@ fn clearing_a_prefill_room_blocked_on_a_slow_reader_keeps_the_peer_and_the_strea
 /// A fake decode engine's control connection to `p`, handshake done, with the
 /// registration of this file's engines (BUFS buffers of PAGES pages of ITEM bytes).
 fn fake_decode_ctrl(p: &Engine, id: u64) -> TcpStream {
+    fake_decode_ctrl_with(p, id, BUFS, PAGES, ITEM)
+}
+
+/// As [`fake_decode_ctrl`], registering `bufs` buffers of `pages` pages of `item` bytes.
+fn fake_decode_ctrl_with(p: &Engine, id: u64, bufs: usize, pages: usize, item: usize) -> TcpStream {
     let mut ctrl = TcpStream::connect(p.address()).unwrap();
     ctrl.set_read_timeout(Some(LIMIT)).unwrap();
     send_msg(&mut ctrl, &hello(ConnKind::Control, id));
     assert!(matches!(recv_msg(&mut ctrl), Message::Hello { .. }));
     assert!(matches!(recv_msg(&mut ctrl), Message::Registration(_)));
     let buf = BufferInfo {
-        len: (PAGES * ITEM) as u64,
-        item_len: ITEM as u64,
+        len: (pages * item) as u64,
+        item_len: item as u64,
         layer_id: BufferInfo::NO_LAYER,
         addr: 0,
         rkey: 0,
     };
     let reg = Registration {
-        kv: vec![buf; BUFS],
+        kv: vec![buf; bufs],
         aux: vec![],
         layout: Layout::default(),
     };
     send_msg(&mut ctrl, &Message::Registration(reg));
     fake_transport_as_decode(&mut ctrl);
     ctrl
+}
+
+/// The fake decode engine's data connection to `p`, handshake done.
+fn fake_decode_data(p: &Engine, id: u64) -> TcpStream {
+    let mut data = TcpStream::connect(p.address()).unwrap();
+    data.set_read_timeout(Some(LIMIT)).unwrap();
+    send_msg(&mut data, &hello(ConnKind::Data, id));
+    assert!(matches!(recv_msg(&mut data), Message::Hello { .. }));
+    data
 }
 
 /// The fake decode engine's transport agreement: TCP.
