@@ -56,7 +56,6 @@ impl SendConn {
         runs: &[(DataHeader, &[u8])],
         watch: &mut Watch<'_>,
     ) -> io::Result<()> {
-        let prefixes = prefixes(runs)?;
         let mut s = loop {
             if let Some(s) = self.stream.try_lock_for(TICK) {
                 break s;
@@ -66,7 +65,7 @@ impl SendConn {
                 return Err(io::Error::other(RoomEnded));
             }
         };
-        self.write_batch(&mut s, runs, &prefixes, watch)
+        self.write_batch(&mut s, runs, watch)
     }
 
     /// As [`SendConn::send_batch`] if no other worker is writing on the connection;
@@ -76,12 +75,8 @@ impl SendConn {
         runs: &[(DataHeader, &[u8])],
         watch: &mut Watch<'_>,
     ) -> Option<io::Result<()>> {
-        let prefixes = match prefixes(runs) {
-            Ok(p) => p,
-            Err(e) => return Some(Err(e)),
-        };
         let mut s = self.stream.try_lock()?;
-        Some(self.write_batch(&mut s, runs, &prefixes, watch))
+        Some(self.write_batch(&mut s, runs, watch))
     }
 
     /// Writes an encoded control frame.
@@ -97,25 +92,27 @@ impl SendConn {
         &self,
         s: &mut TcpStream,
         runs: &[(DataHeader, &[u8])],
-        prefixes: &[[u8; DATA_FRAME_PREFIX_LEN]],
         watch: &mut Watch<'_>,
     ) -> io::Result<()> {
+        let prefixes = prefixes(runs)?;
         let mut slices = Vec::with_capacity(runs.len() * 2);
-        for ((_, bytes), prefix) in runs.iter().zip(prefixes) {
+        for ((_, bytes), prefix) in runs.iter().zip(&prefixes) {
             slices.push(IoSlice::new(prefix));
             slices.push(IoSlice::new(bytes));
         }
+        // A failed write may have stopped mid-frame: the stream is out of step for good,
+        // so it is shut, and the reader sees it end instead of reading the next frame's
+        // bytes as this one's.
+        let broken = |s: &TcpStream, e: io::Error| {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+            e
+        };
         let mut written = 0;
-        let r = self.write_all(s, &mut slices, &mut written, Some(watch.ended));
-        if !r.as_ref().is_ok_and(|&ended| ended) {
-            if r.is_err() {
-                // Perhaps mid-frame: the stream is out of step for good. The reader sees
-                // it end instead of reading the next frame's bytes as this one's.
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-            return r.map(|_| ());
+        match self.write_all(s, &mut slices, &mut written, Some(watch.ended)) {
+            Ok(false) => return Ok(()),
+            Ok(true) => (watch.release)(),
+            Err(e) => return Err(broken(s, e)),
         }
-        (watch.release)();
         // The rest of the frame in progress, if one was begun: the rest of its prefix,
         // then zeros.
         let mut at = 0;
@@ -135,10 +132,8 @@ impl SendConn {
                     tail.push(IoSlice::new(&ZEROS[..k]));
                     zeros -= k;
                 }
-                if let Err(e) = self.write_all(s, &mut tail, &mut 0, None) {
-                    let _ = s.shutdown(std::net::Shutdown::Both);
-                    return Err(e);
-                }
+                self.write_all(s, &mut tail, &mut 0, None)
+                    .map_err(|e| broken(s, e))?;
                 break;
             }
             at = end;
