@@ -101,28 +101,15 @@ impl Pair {
     }
 
     fn poisoned(&self, dst: &[u32]) -> bool {
-        dst.iter().all(|&p| {
-            self.dmem
-                .iter()
-                .all(|m| m.page(p).iter().all(|&x| x == POISON))
-        })
+        common::all_filled(&self.dmem, dst, POISON)
     }
 
     fn delivered(&self, src: &[u32], dst: &[u32]) -> bool {
-        src.iter().zip(dst).all(|(&s, &d)| {
-            self.pmem
-                .iter()
-                .zip(&self.dmem)
-                .all(|(pm, dm)| pm.page(s) == dm.page(d))
-        })
+        common::first_difference(&self.pmem, src, &self.dmem, dst).is_none()
     }
 
     fn repoison(&self, dst: &[u32]) {
-        for &p in dst {
-            for m in &self.dmem {
-                m.poison(p, POISON);
-            }
-        }
+        common::fill_pages(&self.dmem, dst, POISON)
     }
 
     /// Runs a one-chunk room to SUCCESS on both sides. With one worker, once it is done

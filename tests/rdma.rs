@@ -93,29 +93,19 @@ impl Pair {
     }
 
     fn assert_pages(&self, src: &[u32], dst: &[u32]) {
-        for (&s, &d) in src.iter().zip(dst) {
-            for b in 0..BUFS {
-                assert!(
-                    self.dmem[b].page(d) == self.pmem[b].page(s),
-                    "buffer {b}: page {d} differs from source page {s}"
-                );
-            }
+        if let Some((b, s, d)) = common::first_difference(&self.pmem, src, &self.dmem, dst) {
+            panic!("buffer {b}: page {d} differs from source page {s}");
         }
     }
 
     #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     fn poisoned(&self, dst: &[u32]) -> bool {
-        dst.iter()
-            .all(|&d| (0..BUFS).all(|b| self.dmem[b].page(d).iter().all(|&x| x == POISON)))
+        common::all_filled(&self.dmem, dst, POISON)
     }
 
     #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     fn repoison(&self, dst: &[u32]) {
-        for &d in dst {
-            for b in 0..BUFS {
-                self.dmem[b].poison(d, POISON);
-            }
-        }
+        common::fill_pages(&self.dmem, dst, POISON)
     }
 }
 

@@ -273,6 +273,40 @@ impl Region {
     }
 }
 
+/// Whether page `p` of every buffer in `mem`, for every `p` in `pages`, holds only `byte`.
+#[allow(dead_code)]
+pub fn all_filled(mem: &[Region], pages: &[u32], byte: u8) -> bool {
+    pages
+        .iter()
+        .all(|&p| mem.iter().all(|m| m.page(p).iter().all(|&x| x == byte)))
+}
+
+/// Fills page `p` of every buffer in `mem` with `byte`, for every `p` in `pages`.
+#[allow(dead_code)]
+pub fn fill_pages(mem: &[Region], pages: &[u32], byte: u8) {
+    for &p in pages {
+        for m in mem {
+            m.poison(p, byte);
+        }
+    }
+}
+
+/// The first (buffer, source page, destination page) whose destination page in `dst`
+/// differs from its source page in `src`, pairing `from` with `to` page by page.
+#[allow(dead_code)]
+pub fn first_difference(
+    src: &[Region],
+    from: &[u32],
+    dst: &[Region],
+    to: &[u32],
+) -> Option<(usize, u32, u32)> {
+    from.iter().zip(to).find_map(|(&s, &d)| {
+        (0..src.len().min(dst.len()))
+            .find(|&b| src[b].page(s) != dst[b].page(d))
+            .map(|b| (b, s, d))
+    })
+}
+
 impl Drop for Region {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` came from `Box::into_raw` of a boxed slice of `len` bytes.
