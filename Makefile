@@ -35,15 +35,17 @@ build: deps
 	cmake --build build
 
 rust-checks: deps
-	cargo fmt --check
-	cargo clippy --all-targets --locked -- -D warnings
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --locked -- -D warnings
 	cargo clippy --all-targets --locked --features test-hooks -- -D warnings
 	cargo test --locked
+	# The benchmark crate (kvxfer-bench/): its unit tests and two short two-process runs.
+	cargo test --locked -p kvxfer-bench
 	# Two hosts in network namespaces (root + iproute2), with a link cut and heal.
 	cargo test --locked --test netns -- --ignored
 	# The reported silent-pin interleaving and its neighbours, held open by test-only
 	# pause points (feature test-hooks, never in a release build).
-	cargo test --locked --features test-hooks --test pin_regression --test hooks_complete
+	cargo test --locked --features test-hooks --test pin_regression --test hooks_complete --test hardening
 
 ctest: build
 	ctest --test-dir build --output-on-failure -j $(NPROC)

@@ -11,6 +11,12 @@
 
 int c_abi_smoke(char *why, size_t len);
 
+/* The named structs can be forward-declared and used by their tag. */
+struct kvxfer_metrics;
+static size_t rooms_by_state_entries(const struct kvxfer_metrics *m) {
+    return sizeof m->rooms_by_state / sizeof m->rooms_by_state[0];
+}
+
 #define FAIL(...)                                                                          \
     do {                                                                                   \
         snprintf(why, len, __VA_ARGS__);                                                   \
@@ -32,6 +38,8 @@ int c_abi_smoke(char *why, size_t len) {
     size_t n = 0;
     const char *peers[1];
     kvxfer_buffer buf;
+    struct kvxfer_metrics metrics;
+    size_t metrics_size = 0;
 
     why[0] = '\0';
     if (strcmp(kvxfer_version(), KVXFER_VERSION) != 0) {
@@ -40,6 +48,16 @@ int c_abi_smoke(char *why, size_t len) {
     if (strcmp(kvxfer_status_str(KVXFER_ERR_NOT_FOUND), "KVXFER_ERR_NOT_FOUND") != 0) {
         FAIL("kvxfer_status_str(KVXFER_ERR_NOT_FOUND) is %s",
              kvxfer_status_str(KVXFER_ERR_NOT_FOUND));
+    }
+    if (strcmp(kvxfer_room_state_str(KVXFER_ROOM_SUCCESS), "KVXFER_ROOM_SUCCESS") != 0 ||
+        strcmp(kvxfer_failure_cause_str(KVXFER_CAUSE_ABORTED), "KVXFER_CAUSE_ABORTED") != 0) {
+        FAIL("state or cause names: %s, %s", kvxfer_room_state_str(KVXFER_ROOM_SUCCESS),
+             kvxfer_failure_cause_str(KVXFER_CAUSE_ABORTED));
+    }
+    metrics_size = rooms_by_state_entries(&metrics);
+    if (metrics_size != KVXFER_ROOM_STATES) {
+        FAIL("rooms_by_state has %zu entries, KVXFER_ROOM_STATES is %d", metrics_size,
+             KVXFER_ROOM_STATES);
     }
     if ((st = kvxfer_config_new(&cfg)) != KVXFER_OK) {
         FAIL("config_new: %s", kvxfer_status_str(st));

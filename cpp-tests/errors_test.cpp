@@ -339,12 +339,12 @@ TEST_F(Errors, ErrorsThroughTheWrapperCarryTheSameStatus) {
         }
         return KVXFER_OK;
     };
-    EXPECT_EQ(code_of([&] { e.room_create(1); }), KVXFER_ERR_WRONG_STATE);
+    EXPECT_EQ(code_of([&] { e.create_prefill_room(1); }), KVXFER_ERR_WRONG_STATE);
     e.register_kv(kv_.buffers());
     EXPECT_EQ(code_of([&] { e.register_kv(kv_.buffers()); }), KVXFER_ERR_WRONG_STATE);
     EXPECT_EQ(code_of([&] { e.register_aux({}); }), KVXFER_ERR_INVALID_ARGUMENT);
-    e.room_create(1);
-    EXPECT_EQ(code_of([&] { e.room_create(2, {"127.0.0.1:1"}); }),
+    e.create_prefill_room(1);
+    EXPECT_EQ(code_of([&] { e.create_decode_room(2, {"127.0.0.1:1"}); }),
               KVXFER_ERR_INVALID_ARGUMENT);
     EXPECT_EQ(code_of([&] { e.set_destination(1, {0}); }), KVXFER_ERR_WRONG_ROLE);
     EXPECT_EQ(code_of([&] { (void)e.drained(1); }), KVXFER_OK); // both roles

@@ -284,8 +284,8 @@ TEST(RoomHpp, LifecycleThroughTheWrapper) {
     prefill.register_kv(mem.buffers());
     decode.register_kv(mem.buffers());
 
-    prefill.room_create(1);
-    decode.room_create(1, std::vector<std::string>{silent.address()});
+    prefill.create_prefill_room(1);
+    decode.create_decode_room(1, {silent.address()});
     EXPECT_EQ(prefill.poll(1), kvxfer::RoomState::Bootstrapping);
     EXPECT_EQ(decode.poll(1), kvxfer::RoomState::Bootstrapping);
     EXPECT_FALSE(decode.drained(1));
@@ -306,11 +306,11 @@ TEST(RoomHpp, LifecycleThroughTheWrapper) {
         EXPECT_EQ(e.code(), KVXFER_ERR_NOT_FOUND);
         EXPECT_EQ(e.message(), "room 1 not found");
     }
-    decode.room_create(1, {silent.address()});
+    decode.create_decode_room(1, {silent.address()});
     EXPECT_EQ(decode.poll(1), kvxfer::RoomState::Bootstrapping);
 
     try {
-        prefill.room_create(1);
+        prefill.create_prefill_room(1);
         FAIL() << "duplicate room created";
     } catch (const kvxfer::Error &e) {
         EXPECT_EQ(e.code(), KVXFER_ERR_ALREADY_EXISTS);
@@ -329,7 +329,7 @@ TEST(RoomHpp, FailureReadsReasonsLongerThanTheFirstBuffer) {
     c.set("role", "prefill");
     kvxfer::Engine e(c);
     e.register_kv(mem.buffers());
-    e.room_create(2);
+    e.create_prefill_room(2);
     std::string reason(1000, 'r');
     e.abort(2, reason);
     EXPECT_EQ(e.failure(2), "room 2 aborted: " + reason);
@@ -341,7 +341,7 @@ TEST(RoomHpp, BootstrapDeadlineThroughTheWrapper) {
     c.set("role", "prefill").set("bootstrap_timeout_ms", "100");
     kvxfer::Engine e(c);
     e.register_kv(mem.buffers());
-    e.room_create(3);
+    e.create_prefill_room(3);
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     while (!kvxfer::is_terminal(e.poll(3)) && std::chrono::steady_clock::now() < until) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));

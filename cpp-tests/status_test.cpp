@@ -3,6 +3,7 @@
 #include "support.hpp"
 
 #include <cstdio>
+#include <cstring>
 
 using namespace kvtest;
 
@@ -32,6 +33,20 @@ static_assert(KVXFER_CAUSE_ABORTED == 1 && KVXFER_CAUSE_INTERNAL == 10 &&
                   static_cast<int>(kvxfer::FailureCause::Internal) == 10,
               "failure causes are fixed");
 static_assert(sizeof(kvxfer_status) == 4, "kvxfer_status is 32 bits in C++ too");
+static_assert(static_cast<int>(kvxfer::Status::Ok) == KVXFER_OK &&
+                  static_cast<int>(kvxfer::Status::NotFound) == KVXFER_ERR_NOT_FOUND &&
+                  static_cast<int>(kvxfer::Status::Panic) == KVXFER_ERR_PANIC,
+              "kvxfer::Status mirrors kvxfer_status");
+static_assert(static_cast<int>(kvxfer::LogLevel::Error) == KVXFER_LOG_ERROR &&
+                  static_cast<int>(kvxfer::LogLevel::Trace) == KVXFER_LOG_TRACE,
+              "kvxfer::LogLevel mirrors kvxfer_log_level");
+static_assert(KVXFER_ROOM_STATES == 5 &&
+                  sizeof(kvxfer_metrics{}.rooms_by_state) == KVXFER_ROOM_STATES * sizeof(uint64_t),
+              "rooms_by_state has one entry per state");
+static_assert(KVXFER_METRICS_CAUSES > KVXFER_CAUSE_INTERNAL &&
+                  sizeof(kvxfer_metrics{}.rooms_failed_by_cause) ==
+                      KVXFER_METRICS_CAUSES * sizeof(uint64_t),
+              "rooms_failed_by_cause has an entry for every cause value");
 
 TEST(Status, StatusStrNamesEveryStatus) {
     const std::pair<kvxfer_status, const char *> names[] = {
@@ -133,6 +148,55 @@ TEST(Hpp, LastErrorAndCheckAgreeWithTheCAbi) {
         EXPECT_EQ(e.message(), msg);
         EXPECT_EQ(std::string(e.what()), "KVXFER_ERR_BAD_VALUE: " + msg);
     }
+}
+
+TEST(Status, RoomStateAndCauseNamesAreTheirCConstants) {
+    const std::pair<int32_t, const char *> states[] = {
+        {KVXFER_ROOM_FAILED, "KVXFER_ROOM_FAILED"},
+        {KVXFER_ROOM_BOOTSTRAPPING, "KVXFER_ROOM_BOOTSTRAPPING"},
+        {KVXFER_ROOM_WAITING_FOR_INPUT, "KVXFER_ROOM_WAITING_FOR_INPUT"},
+        {KVXFER_ROOM_TRANSFERRING, "KVXFER_ROOM_TRANSFERRING"},
+        {KVXFER_ROOM_SUCCESS, "KVXFER_ROOM_SUCCESS"},
+    };
+    for (const auto &s : states) {
+        EXPECT_STREQ(kvxfer_room_state_str(s.first), s.second);
+    }
+    const std::pair<int32_t, const char *> causes[] = {
+        {KVXFER_CAUSE_ABORTED, "KVXFER_CAUSE_ABORTED"},
+        {KVXFER_CAUSE_PEER_LOST, "KVXFER_CAUSE_PEER_LOST"},
+        {KVXFER_CAUSE_BOOTSTRAP_TIMEOUT, "KVXFER_CAUSE_BOOTSTRAP_TIMEOUT"},
+        {KVXFER_CAUSE_WAITING_TIMEOUT, "KVXFER_CAUSE_WAITING_TIMEOUT"},
+        {KVXFER_CAUSE_TRANSFER_TIMEOUT, "KVXFER_CAUSE_TRANSFER_TIMEOUT"},
+        {KVXFER_CAUSE_PROTOCOL, "KVXFER_CAUSE_PROTOCOL"},
+        {KVXFER_CAUSE_MISMATCH, "KVXFER_CAUSE_MISMATCH"},
+        {KVXFER_CAUSE_TRANSFER, "KVXFER_CAUSE_TRANSFER"},
+        {KVXFER_CAUSE_SHUTDOWN, "KVXFER_CAUSE_SHUTDOWN"},
+        {KVXFER_CAUSE_INTERNAL, "KVXFER_CAUSE_INTERNAL"},
+    };
+    for (const auto &c : causes) {
+        EXPECT_STREQ(kvxfer_failure_cause_str(c.first), c.second);
+    }
+    for (int32_t unknown : {-1, 5, INT32_MIN, INT32_MAX}) {
+        EXPECT_STREQ(kvxfer_room_state_str(unknown), "KVXFER_UNKNOWN_ROOM_STATE") << unknown;
+    }
+    for (int32_t unknown : {-1, 0, 11, KVXFER_METRICS_CAUSES}) {
+        EXPECT_STREQ(kvxfer_failure_cause_str(unknown), "KVXFER_UNKNOWN_CAUSE") << unknown;
+    }
+}
+
+TEST(Hpp, NamesComeFromTheCTables) {
+    EXPECT_STREQ(kvxfer::to_string(kvxfer::RoomState::Success), "SUCCESS");
+    EXPECT_EQ(kvxfer::to_string(kvxfer::RoomState::Transferring),
+              kvxfer_room_state_str(KVXFER_ROOM_TRANSFERRING) + std::strlen("KVXFER_ROOM_"))
+        << "the same static string, past its prefix";
+    EXPECT_STREQ(kvxfer::to_string(static_cast<kvxfer::RoomState>(9)),
+                 "KVXFER_UNKNOWN_ROOM_STATE");
+    EXPECT_STREQ(kvxfer::to_string(kvxfer::FailureCause::Internal), "INTERNAL");
+    EXPECT_STREQ(kvxfer::to_string(static_cast<kvxfer::FailureCause>(0)), "KVXFER_UNKNOWN_CAUSE");
+    EXPECT_STREQ(kvxfer::to_string(kvxfer::Status::BadValue), "KVXFER_ERR_BAD_VALUE");
+    kvxfer::Error e(KVXFER_ERR_WRONG_ROLE, "m");
+    EXPECT_EQ(e.status(), kvxfer::Status::WrongRole);
+    EXPECT_EQ(e.code(), KVXFER_ERR_WRONG_ROLE);
 }
 
 TEST(Hpp, EnumNamesMatchTheCNames) {

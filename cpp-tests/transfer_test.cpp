@@ -379,8 +379,8 @@ TEST(TransferHpp, ARoundTripThroughTheWrapper) {
     d.register_kv(dst.kv.buffers());
     p.register_aux(src.aux.buffers());
     d.register_aux(dst.aux.buffers());
-    p.room_create(42);
-    d.room_create(42, {p.address()});
+    p.create_prefill_room(42);
+    d.create_decode_room(42, {p.address()});
     d.set_destination(42, {3, 4, 5}, 1);
     p.enqueue_chunk(42, {7, 8}, false);
     p.enqueue_chunk(42, {9}, true, 0);

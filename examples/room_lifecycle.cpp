@@ -230,10 +230,10 @@ int run() {
     const std::string peer = prefill.address();
     for (Room &r : rooms) {
         if (r.on_prefill) {
-            prefill.room_create(r.id);
+            prefill.create_prefill_room(r.id);
         }
         if (r.on_decode) {
-            decode.room_create(r.id, {peer});
+            decode.create_decode_room(r.id, {peer});
             decode.set_destination(r.id, r.dst, r.dst_aux);
         }
         if (r.scenario == Scenario::Complete) {
@@ -385,8 +385,8 @@ int run() {
 
     // Reuse id 1 for a fresh transfer.
     const Room &first = rooms.front();
-    prefill.room_create(first.id);
-    decode.room_create(first.id, {peer});
+    prefill.create_prefill_room(first.id);
+    decode.create_decode_room(first.id, {peer});
     decode.set_destination(first.id, first.dst);
     prefill.enqueue_chunk(first.id, first.src, true);
     wait_until([&] { return kvxfer::is_terminal(decode.poll(first.id)) &&

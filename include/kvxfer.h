@@ -28,6 +28,13 @@
 #define KVXFER_MUST_USE
 #endif
 
+/* Entries of kvxfer_metrics.rooms_by_state: one per kvxfer_room_state value. */
+#define KVXFER_ROOM_STATES 5
+
+/* Entries of kvxfer_metrics.rooms_failed_by_cause, indexed by kvxfer_failure_cause
+ * value, with room for causes added later (index 0 and unused values stay 0). */
+#define KVXFER_METRICS_CAUSES 16
+
 /**
  * The result of every fallible call. `KVXFER_OK` is zero; every other value names one
  * class of failure, and the per-thread message from `kvxfer_last_error` says exactly
@@ -244,7 +251,8 @@ typedef struct kvxfer_config kvxfer_config;
 
 /**
  * A running transfer engine. Every call taking an engine is safe from any thread,
- * concurrently, except `kvxfer_engine_free`, which must not race other calls on it.
+ * concurrently, `kvxfer_engine_free` included: a call that races the free, or comes
+ * after it, fails with `KVXFER_ERR_WRONG_STATE` ("the engine was freed").
  */
 typedef struct kvxfer_engine kvxfer_engine;
 
@@ -252,15 +260,24 @@ typedef struct kvxfer_engine kvxfer_engine;
  * A log sink: called with the `ctx` given at registration, a level and one
  * NUL-terminated line (valid only during the call). It may be called from any library
  * thread, concurrently, so it must be thread-safe; it must not call back into the
- * engine that logs.
+ * engine that logs. It must return normally: a C++ sink must not throw (catch
+ * everything inside it), and no sink may `longjmp` out; unwinding into the library is
+ * undefined behaviour.
  */
 typedef void (*kvxfer_log_fn)(void *ctx, kvxfer_log_level level, const char *message);
+
+/**
+ * Releases a context the library was given ownership of, such as a log sink's `ctx`
+ * (see `kvxfer_config_set_log_sink2`). Called once; like the callback it belongs to, it
+ * must return normally (no exception, no `longjmp`).
+ */
+typedef void (*kvxfer_drop_fn)(void *ctx);
 
 /**
  * One registered memory buffer: `len` bytes at `base`, in pages (KV) or slots (aux) of
  * `item_len` bytes each. Page `p` lives at `base + p * item_len`.
  */
-typedef struct {
+typedef struct kvxfer_buffer {
   /**
    * First byte of the buffer.
    */
@@ -278,10 +295,11 @@ typedef struct {
 /**
  * Counters and gauges of one engine, for a server to export.
  *
- * Counters only grow; gauges (`rooms_by_state`, `inflight`) describe the rooms present
- * now. `rooms_created` = `rooms_succeeded` + `rooms_failed` + rooms still live.
+ * Counters only grow; gauges (`rooms_by_state`, `inflight`, `rooms_draining`) describe
+ * the rooms present now. `rooms_created` = `rooms_succeeded` + `rooms_failed` + rooms
+ * still live. Fields are only ever appended (see `kvxfer_engine_metrics`).
  */
-typedef struct {
+typedef struct kvxfer_metrics {
   /**
    * Rooms created since the engine started.
    */
@@ -298,11 +316,11 @@ typedef struct {
    * Rooms that reached FAILED, indexed by `kvxfer_failure_cause` value (index 0 and
    * values beyond the last cause stay 0).
    */
-  uint64_t rooms_failed_by_cause[16];
+  uint64_t rooms_failed_by_cause[KVXFER_METRICS_CAUSES];
   /**
    * Rooms present (not cleared), indexed by `kvxfer_room_state` value.
    */
-  uint64_t rooms_by_state[5];
+  uint64_t rooms_by_state[KVXFER_ROOM_STATES];
   /**
    * Rooms present and not terminal.
    */
@@ -348,6 +366,29 @@ typedef struct {
    * Early destinations whose room was not created in time.
    */
   uint64_t held_expired;
+  /**
+   * Aborts from decode engines (or losses of one) before their prefill room was
+   * created that the holding area had no place for: those rooms fail at their
+   * bootstrap deadline instead of at once.
+   */
+  uint64_t tombstone_overflow;
+  /**
+   * Cleared prefill rooms the holding area had no place to remember: late messages
+   * about them may be taken for a new use of their id.
+   */
+  uint64_t cleared_overflow;
+  /**
+   * Rooms cleared before they drained (`kvxfer_room_drained`), still draining in the
+   * background; the library releases them once no transport operation can touch
+   * their memory.
+   */
+  uint64_t rooms_draining;
+  /**
+   * Connections refused at authentication, on either side (see `auth` in
+   * `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete or
+   * malformed handshake, or too many connections authenticating at once.
+   */
+  uint64_t auth_failures;
 } kvxfer_metrics;
 
 #ifdef __cplusplus
@@ -355,74 +396,127 @@ extern "C" {
 #endif // __cplusplus
 
 /**
- * Creates a configuration with every key at its default and stores it in `*out`.
- *
- * Defaults: `listen=127.0.0.1:0`, `transport=auto`, `workers=4`,
- * `connections_per_peer=2`, `rdma_devices=` (all), `rdma_slice_bytes=1048576`,
- * `rdma_queue_depth=128`, `bootstrap_timeout_ms=30000`,
- * `waiting_timeout_ms=60000`, `transfer_timeout_ms=30000`,
- * `heartbeat_interval_ms=1000`, `heartbeat_misses=5`, `drain_timeout_ms=5000`,
- * `log_level=warn`. `role` has no default and must be set.
+ * Creates a configuration with every key at its default (the defaults are listed on
+ * `kvxfer_config_set`) and stores it in `*out`.
  *
  * Errors: `KVXFER_ERR_NULL_POINTER` if `out` is NULL.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_config_new(kvxfer_config **out);
+KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
 
 /**
  * Sets configuration `key` to `value` (both NUL-terminated UTF-8; copied).
  *
- * Keys: `role` (`prefill` | `decode`), `listen` (`host:port`, port 0 = any; IPv6 as
- * `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
- * reports this machine's host name), `transport` (`auto` | `tcp` | `rdma`), `workers` (1..256),
- * `connections_per_peer` (1..64, TCP only), `rdma_devices` (comma-separated names,
- * empty = every device with an active port), `rdma_slice_bytes` (4096..2^30: longest
- * single RDMA WRITE), `rdma_queue_depth` (1..4096: most writes outstanding per queue
- * pair), `bootstrap_timeout_ms`, `waiting_timeout_ms`, `transfer_timeout_ms`,
- * `heartbeat_interval_ms`, `drain_timeout_ms` (1..86400000; RDMA: longest a failed
- * decode room waits for the prefill's acknowledgement before its peer's queue pairs are
- * shut), `heartbeat_misses`
- * (1..1000), `log_level` (`error` | `warn` | `info` | `debug` | `trace`).
+ * Keys:
+ * - `role`: `prefill` | `decode`. No default: must be set.
+ * - `listen` (default `127.0.0.1:0`): `host:port` to listen on, port 0 = any; IPv6 as
+ *   `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
+ *   reports this machine's host name.
+ * - `transport` (default `auto`): `auto` | `tcp` | `rdma`.
+ * - `workers` (default `4`, 1..256): worker threads.
+ * - `connections_per_peer` (default `2`, 1..64): data connections to each peer engine
+ *   (TCP only).
+ * - `rdma_devices` (default empty: every device with an active port): comma-separated
+ *   device names.
+ * - `rdma_slice_bytes` (default `1048576`, 4096..1073741824): longest single RDMA WRITE.
+ * - `rdma_queue_depth` (default `128`, 1..4096): most writes outstanding per queue pair.
+ * - `bootstrap_timeout_ms` (default `30000`, 1..86400000): longest a room may stay
+ *   BOOTSTRAPPING.
+ * - `waiting_timeout_ms` (default `60000`, 1..86400000): longest a room may stay
+ *   WAITING_FOR_INPUT.
+ * - `transfer_timeout_ms` (default `30000`, 1..86400000): longest a TRANSFERRING room may
+ *   go without progress.
+ * - `heartbeat_interval_ms` (default `1000`, 1..86400000): time between heartbeats to
+ *   each peer engine.
+ * - `heartbeat_misses` (default `5`, 1..1000): missed heartbeats before a peer engine
+ *   counts as lost.
+ * - `drain_timeout_ms` (default `5000`, 1..86400000): RDMA: longest a failed decode room
+ *   waits for the prefill's acknowledgement before its peer's queue pairs are shut.
+ * - `log_level` (default `warn`): `error` | `warn` | `info` | `debug` | `trace`.
+ *
+ * Authentication:
+ * - `auth`: `required` | `off`. No fixed default: `required` when a key is set, `off`
+ *   otherwise.
+ * - `auth_key_file`: path of the cluster key: the file's whole content, 32 to 4096
+ *   bytes, best 32 random bytes such as `head -c 32 /dev/urandom`; the file must be a
+ *   regular file that grants nothing to group or others, mode 0600 or 0400, else the
+ *   message names the path and its mode; read when this call is made.
+ * - `auth_key`: the key in hexadecimal, 64 to 8192 digits; meant for tests, since a key
+ *   in a config string tends to reach logs and process listings; the message of a bad
+ *   value never repeats it.
+ *
+ * Whichever of `auth_key_file` and `auth_key` is set last is the key. With
+ * `auth=required` every connection between two engines proves, both ways, that both
+ * hold the key before anything else on it is acted on; engines that differ in `auth` or
+ * in key fail their rooms (decode side: `KVXFER_CAUSE_MISMATCH`, the reason naming
+ * authentication and both settings; prefill side: at `bootstrap_timeout_ms`, the
+ * reason naming the refused connection). `auth=required` without a key makes
+ * `kvxfer_engine_new` fail with `KVXFER_ERR_BAD_VALUE`.
  *
  * Errors: `KVXFER_ERR_UNKNOWN_KEY` for a key not listed, `KVXFER_ERR_BAD_VALUE` for a
  * value the key does not accept (the message names both), `KVXFER_ERR_NULL_POINTER`.
  * The configuration is unchanged on error.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_config_set(kvxfer_config *cfg, const char *key, const char *value);
+KVXFER_MUST_USE kvxfer_status kvxfer_config_set(struct kvxfer_config *cfg, const char *key, const char *value);
 
 /**
  * Routes the engine's log lines to `sink(ctx, level, line)` instead of stderr. A NULL
  * `sink` restores stderr. Lines below the `log_level` key are not passed.
  *
  * `sink` and `ctx` must stay valid until every engine created from this config is
- * freed, and `sink` must be callable from any thread, concurrently.
+ * freed, and `sink` must be callable from any thread, concurrently (see
+ * `kvxfer_log_fn`: it must not unwind). To hand `ctx` over to the library instead, use
+ * `kvxfer_config_set_log_sink2`.
  *
  * Errors: `KVXFER_ERR_NULL_POINTER` if `cfg` is NULL.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_config_set_log_sink(kvxfer_config *cfg, kvxfer_log_fn sink, void *ctx);
+KVXFER_MUST_USE kvxfer_status kvxfer_config_set_log_sink(struct kvxfer_config *cfg, kvxfer_log_fn sink, void *ctx);
+
+/**
+ * As `kvxfer_config_set_log_sink`, and the library takes `ctx` over: it calls
+ * `drop(ctx)` (if `drop` is not NULL) exactly once, after the last call of `sink` has
+ * returned: once this config and every engine created from it have been freed, or once
+ * the config's sink is replaced and no engine uses the old one. `drop` runs on the
+ * thread whose `kvxfer_config_free`, `kvxfer_engine_free` or `kvxfer_config_set_log_sink*`
+ * call released the last use, before that call returns. With a NULL `sink` the library
+ * keeps nothing and calls `drop(ctx)` before returning. This lets a host hand over a
+ * context it allocated, such as a C++ `std::function`.
+ *
+ * `sink` must be callable from any thread, concurrently, until `drop` runs. `drop` must
+ * not call back into the library, and neither may unwind (no C++ exception, no
+ * `longjmp`).
+ *
+ * Errors: `KVXFER_ERR_NULL_POINTER` if `cfg` is NULL; `ctx` then stays the caller's
+ * (`drop` is not called).
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_config_set_log_sink2(struct kvxfer_config *cfg, kvxfer_log_fn sink, void *ctx, kvxfer_drop_fn drop);
 
 /**
  * Releases a configuration. `NULL` is a no-op. Engines created from it are not
  * affected (they copied what they need).
  */
-void kvxfer_config_free(kvxfer_config *cfg);
+void kvxfer_config_free(struct kvxfer_config *cfg);
 
 /**
  * Starts an engine from `cfg` (which is copied; free it whenever you like) and stores
  * it in `*out`. The engine binds its listening socket and starts its threads before
  * this returns.
  *
- * Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set, `KVXFER_ERR_TRANSPORT_UNAVAILABLE`
+ * Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set or `auth` is `required` without a
+ * key, `KVXFER_ERR_TRANSPORT_UNAVAILABLE`
  * if the requested transport cannot run here, `KVXFER_ERR_IO` if the address cannot be
  * bound, `KVXFER_ERR_NULL_POINTER`. `*out` is written only on success.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_engine_new(const kvxfer_config *cfg, kvxfer_engine **out);
+KVXFER_MUST_USE kvxfer_status kvxfer_engine_new(const struct kvxfer_config *cfg, struct kvxfer_engine **out);
 
 /**
  * Stops an engine: every live room becomes FAILED with reason "engine shut down", every
  * library thread is joined, sockets are closed, and the handle is released. `NULL` is a
- * no-op. No other call on this engine may run concurrently or follow.
+ * no-op, and so is freeing a handle again. Calls on the engine that race the free are
+ * waited for (they never block on the network), and calls that start after it began
+ * fail with `KVXFER_ERR_WRONG_STATE`. Must not be called from inside the engine's log
+ * sink.
  */
-void kvxfer_engine_free(kvxfer_engine *engine);
+void kvxfer_engine_free(struct kvxfer_engine *engine);
 
 /**
  * Copies the `host:port` that peers connect to into `buf` (NUL-terminated) and its
@@ -431,7 +525,7 @@ void kvxfer_engine_free(kvxfer_engine *engine);
  * Errors: `KVXFER_ERR_BUFFER_TOO_SMALL` if `len` cannot hold the address and its NUL;
  * `*out_n` then holds the length needed. `KVXFER_ERR_NULL_POINTER`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_engine_address(const kvxfer_engine *engine, char *buf, size_t len, size_t *out_n);
+KVXFER_MUST_USE kvxfer_status kvxfer_engine_address(const struct kvxfer_engine *engine, char *buf, size_t len, size_t *out_n);
 
 /**
  * Registers the engine's KV buffers, once, before any room is created: `n` buffers,
@@ -441,9 +535,10 @@ KVXFER_MUST_USE kvxfer_status kvxfer_engine_address(const kvxfer_engine *engine,
  *
  * Errors: `KVXFER_ERR_INVALID_ARGUMENT` for `n` = 0 or > 4096, a NULL base, `item_len` 0
  * or `len < item_len` (the message names the buffer); `KVXFER_ERR_WRONG_STATE` if
- * already registered; `KVXFER_ERR_NULL_POINTER`.
+ * already registered, or once the first room was created or a peer connected (peers
+ * learn the registration when they connect); `KVXFER_ERR_NULL_POINTER`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_register_kv(const kvxfer_engine *engine, const kvxfer_buffer *bufs, size_t n);
+KVXFER_MUST_USE kvxfer_status kvxfer_register_kv(const struct kvxfer_engine *engine, const struct kvxfer_buffer *bufs, size_t n);
 
 /**
  * Registers the engine's KV buffers with a layer id each (`layer_ids[i]` for `bufs[i]`),
@@ -456,14 +551,14 @@ KVXFER_MUST_USE kvxfer_status kvxfer_register_kv(const kvxfer_engine *engine, co
  * Errors: as `kvxfer_register_kv`, and `KVXFER_ERR_INVALID_ARGUMENT` for a layer id
  * above `INT32_MAX`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_register_kv_layers(const kvxfer_engine *engine, const kvxfer_buffer *bufs, const uint32_t *layer_ids, size_t n);
+KVXFER_MUST_USE kvxfer_status kvxfer_register_kv_layers(const struct kvxfer_engine *engine, const struct kvxfer_buffer *bufs, const uint32_t *layer_ids, size_t n);
 
 /**
  * Registers the engine's aux buffers (per-request metadata rows, indexed by slot: slot
- * `s` of buffer `i` is at `base + s * item_len`), once. Same rules and errors as
- * `kvxfer_register_kv`.
+ * `s` of buffer `i` is at `base + s * item_len`), once, before any room is created. Same
+ * rules and errors as `kvxfer_register_kv`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_register_aux(const kvxfer_engine *engine, const kvxfer_buffer *bufs, size_t n);
+KVXFER_MUST_USE kvxfer_status kvxfer_register_aux(const struct kvxfer_engine *engine, const struct kvxfer_buffer *bufs, size_t n);
 
 /**
  * Copies the engine's metrics into `*out`. `size` must be `sizeof(kvxfer_metrics)` as
@@ -472,7 +567,7 @@ KVXFER_MUST_USE kvxfer_status kvxfer_register_aux(const kvxfer_engine *engine, c
  *
  * Errors: `KVXFER_ERR_NULL_POINTER`; `KVXFER_ERR_INVALID_ARGUMENT` if `size` is 0.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics(const kvxfer_engine *engine, kvxfer_metrics *out, size_t size);
+KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics(const struct kvxfer_engine *engine, struct kvxfer_metrics *out, size_t size);
 
 /**
  * Copies the engine's metrics in the Prometheus text exposition format (version 0.0.4;
@@ -482,7 +577,7 @@ KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics(const kvxfer_engine *engine,
  * Errors: `KVXFER_ERR_BUFFER_TOO_SMALL` (with `*out_n` = length needed; 16 KiB is
  * always enough today); `KVXFER_ERR_NULL_POINTER`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics_text(const kvxfer_engine *engine, char *buf, size_t len, size_t *out_n);
+KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics_text(const struct kvxfer_engine *engine, char *buf, size_t len, size_t *out_n);
 
 /**
  * Creates room `room` in BOOTSTRAPPING.
@@ -495,7 +590,7 @@ KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics_text(const kvxfer_engine *en
  * cleared); `KVXFER_ERR_INVALID_ARGUMENT` for bad peers; `KVXFER_ERR_WRONG_STATE` before
  * `kvxfer_register_kv`; `KVXFER_ERR_NULL_POINTER`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_room_create(const kvxfer_engine *engine, uint64_t room, const char *const *peers, size_t n_peers);
+KVXFER_MUST_USE kvxfer_status kvxfer_room_create(const struct kvxfer_engine *engine, uint64_t room, const char *const *peers, size_t n_peers);
 
 /**
  * Decode engine only: the destination of room `room`, sent to every prefill engine of
@@ -511,7 +606,7 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_create(const kvxfer_engine *engine, ui
  * `KVXFER_ERR_INVALID_ARGUMENT` for a page outside the registered buffers, a page
  * listed twice or an aux slot out of range.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_room_set_destination(const kvxfer_engine *engine, uint64_t room, const uint32_t *pages, size_t n_pages, int64_t aux_slot);
+KVXFER_MUST_USE kvxfer_status kvxfer_room_set_destination(const struct kvxfer_engine *engine, uint64_t room, const uint32_t *pages, size_t n_pages, int64_t aux_slot);
 
 /**
  * Prefill engine only: queues the next chunk of room `room`: `n_pages` source page
@@ -530,15 +625,18 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_set_destination(const kvxfer_engine *e
  * `KVXFER_ERR_INVALID_ARGUMENT` for a page or slot out of range or an aux slot without
  * `is_last`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_enqueue_chunk(const kvxfer_engine *engine, uint64_t room, const uint32_t *pages, size_t n_pages, bool is_last, int64_t aux_slot);
+KVXFER_MUST_USE kvxfer_status kvxfer_enqueue_chunk(const struct kvxfer_engine *engine, uint64_t room, const uint32_t *pages, size_t n_pages, bool is_last, int64_t aux_slot);
 
 /**
- * Stores the state of room `room` in `*state`. Never blocks: one lookup and one atomic
- * load. Terminal states (SUCCESS, FAILED) never change until the room is cleared.
+ * Stores the state of room `room` in `*state`. Never blocks on the network: a lookup
+ * under one of 64 shard read locks (held for the lookup alone; it can wait only behind
+ * a create or clear of a room in the same shard, which hold it as briefly) and one
+ * atomic load. Terminal states (SUCCESS, FAILED) never change until the room is
+ * cleared.
  *
  * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_room_poll(const kvxfer_engine *engine, uint64_t room, kvxfer_room_state *state);
+KVXFER_MUST_USE kvxfer_status kvxfer_room_poll(const struct kvxfer_engine *engine, uint64_t room, kvxfer_room_state *state);
 
 /**
  * Aborts room `room`: a live room becomes FAILED with `reason` (NUL-terminated UTF-8,
@@ -548,7 +646,7 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_poll(const kvxfer_engine *engine, uint
  * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_INVALID_ARGUMENT` for a reason that is not
  * UTF-8.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_room_abort(const kvxfer_engine *engine, uint64_t room, const char *reason);
+KVXFER_MUST_USE kvxfer_status kvxfer_room_abort(const struct kvxfer_engine *engine, uint64_t room, const char *reason);
 
 /**
  * Copies the failure reason of FAILED room `room` into `buf` (NUL-terminated) and its
@@ -558,7 +656,7 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_abort(const kvxfer_engine *engine, uin
  * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_WRONG_STATE` if the room is not FAILED;
  * `KVXFER_ERR_BUFFER_TOO_SMALL` (with `*out_n` = length needed); `KVXFER_ERR_NULL_POINTER`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_room_failure(const kvxfer_engine *engine, uint64_t room, char *buf, size_t len, size_t *out_n);
+KVXFER_MUST_USE kvxfer_status kvxfer_room_failure(const struct kvxfer_engine *engine, uint64_t room, char *buf, size_t len, size_t *out_n);
 
 /**
  * Stores the class of FAILED room `room`'s failure in `*cause` and whether the reason
@@ -566,36 +664,39 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_failure(const kvxfer_engine *engine, u
  *
  * Errors: as `kvxfer_room_failure`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_room_failure_cause(const kvxfer_engine *engine, uint64_t room, kvxfer_failure_cause *cause, bool *from_peer);
+KVXFER_MUST_USE kvxfer_status kvxfer_room_failure_cause(const struct kvxfer_engine *engine, uint64_t room, kvxfer_failure_cause *cause, bool *from_peer);
 
 /**
  * Stores in `*drained` whether room `room`'s memory may be reused: the room is terminal
- * and no transport operation can still touch its pages. Decode engine: no write into its
+ * and no transport operation can still touch its pages. This is the one test a host
+ * makes before it gives a room's pages to another request (and before it clears the
+ * room, since a cleared room can no longer be asked). Decode engine: no write into its
  * destination pages can still land (over TCP the receiver refuses every byte for a
- * terminal room and checks the room after every `recv`, so this becomes true as soon as
- * the `recv` in progress returns; over RDMA, once every prefill engine of the room
- * acknowledged that its writes completed, or was lost, or `drain_timeout_ms` passed and
- * its queue pairs were shut; a room that succeeded is drained at once). Prefill engine:
- * no worker is still reading its source pages. A live room is never drained.
+ * terminal room and checks the room before each copy and each `recv`, so this becomes
+ * true as soon as the `recv` in progress returns; over RDMA, once every prefill engine
+ * of the room acknowledged that its writes completed, or was lost, or
+ * `drain_timeout_ms` passed and its queue pairs were shut; a room that succeeded is
+ * drained at once). Prefill engine: no worker is still reading its source pages. A
+ * live room is never drained. Never blocks.
  *
  * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const kvxfer_engine *engine, uint64_t room, bool *drained);
+KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const struct kvxfer_engine *engine, uint64_t room, bool *drained);
 
 /**
  * Releases room `room`'s bookkeeping; a live room is aborted first (FAILED, "cleared
- * while live"). Afterwards the id may be created again. Clearing twice is harmless: the
- * second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`. When it returns, no
- * transport operation touches the room's memory any more: it waits for one in progress
- * (TCP: the `recv` or the batch write in progress, which stops at the next bytes that
- * arrive or within 10 ms of waiting, however slow the link; a frame a sender has begun
- * is ended with zeros, so the connection stays in step; a peer that sent nothing for
- * 100 ms in the middle of a frame is cut off; RDMA: the prefill's acknowledgement, at
- * most `drain_timeout_ms` before the silent peer's queue pairs are shut).
+ * while live"). Afterwards the id may be created again at once. Clearing twice is
+ * harmless: the second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`.
+ *
+ * Never blocks. Clearing does not make the room's memory reusable: reuse its pages
+ * only once `kvxfer_room_drained` reported true, asked before the clear. A room cleared
+ * before it drained keeps draining in the background (`rooms_draining` in the
+ * metrics) and is released once no transport operation can touch its memory; a peer
+ * that still holds it `drain_timeout_ms` after the clear is cut off.
  *
  * Errors: `KVXFER_ERR_NOT_FOUND` if the room is not present.
  */
-KVXFER_MUST_USE kvxfer_status kvxfer_room_clear(const kvxfer_engine *engine, uint64_t room);
+KVXFER_MUST_USE kvxfer_status kvxfer_room_clear(const struct kvxfer_engine *engine, uint64_t room);
 
 /**
  * The name of a status code, such as `"KVXFER_ERR_NOT_FOUND"`, as a static
@@ -620,6 +721,22 @@ size_t kvxfer_last_error(char *buf, size_t len);
  * caller compiled against, when both come from the same release). Static; never NULL.
  */
 const char *kvxfer_version(void);
+
+/**
+ * The name of a room state, such as `"KVXFER_ROOM_WAITING_FOR_INPUT"`, as a static
+ * NUL-terminated string; `"KVXFER_UNKNOWN_ROOM_STATE"` for a value that names no state.
+ *
+ * Never fails, never NULL, safe from any thread; does not change the last error.
+ */
+const char *kvxfer_room_state_str(int32_t state);
+
+/**
+ * The name of a failure cause, such as `"KVXFER_CAUSE_PEER_LOST"`, as a static
+ * NUL-terminated string; `"KVXFER_UNKNOWN_CAUSE"` for a value that names no cause.
+ *
+ * Never fails, never NULL, safe from any thread; does not change the last error.
+ */
+const char *kvxfer_failure_cause_str(int32_t cause);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -5,11 +5,15 @@
  *   per-thread message from kvxfer_last_error() (read right after the failing call).
  * - kvxfer::Config and kvxfer::Engine own their handles (std::unique_ptr with a deleter
  *   that calls the _free function); they are movable, not copyable.
- * - Room states and failure causes are enum classes with the C values.
+ * - Statuses, room states, failure causes and log levels are enum classes with the C
+ *   values; their names come from the C tables (kvxfer_status_str, ...).
+ * - A log sink may be any std::function, which the library owns and releases
+ *   (kvxfer_config_set_log_sink2).
  *
  * Nothing here adds behaviour: each member calls one C function (address() and
- * failure() may call it twice to size the buffer). The C documentation in kvxfer.h is
- * the reference for ownership, threading and errors.
+ * failure() may call it twice to size the buffer; register_kv_layers() first checks
+ * that its two vectors have one length). The C documentation in kvxfer.h is the
+ * reference for ownership, threading and errors.
  */
 
 #ifndef KVXFER_HPP
@@ -19,9 +23,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -33,6 +40,29 @@ inline std::string version() { return kvxfer_version(); }
 /// The static name of a status code, such as "KVXFER_ERR_NOT_FOUND".
 inline const char *status_name(kvxfer_status code) {
     return kvxfer_status_str(static_cast<int32_t>(code));
+}
+
+/// A call's status (values of kvxfer_status).
+enum class Status : int32_t {
+    Ok = KVXFER_OK,
+    InvalidArgument = KVXFER_ERR_INVALID_ARGUMENT,
+    NullPointer = KVXFER_ERR_NULL_POINTER,
+    NotFound = KVXFER_ERR_NOT_FOUND,
+    AlreadyExists = KVXFER_ERR_ALREADY_EXISTS,
+    WrongRole = KVXFER_ERR_WRONG_ROLE,
+    WrongState = KVXFER_ERR_WRONG_STATE,
+    Unsupported = KVXFER_ERR_UNSUPPORTED,
+    BufferTooSmall = KVXFER_ERR_BUFFER_TOO_SMALL,
+    UnknownKey = KVXFER_ERR_UNKNOWN_KEY,
+    BadValue = KVXFER_ERR_BAD_VALUE,
+    TransportUnavailable = KVXFER_ERR_TRANSPORT_UNAVAILABLE,
+    Io = KVXFER_ERR_IO,
+    Panic = KVXFER_ERR_PANIC,
+};
+
+/// The status's C name, such as "KVXFER_ERR_NOT_FOUND" (kvxfer_status_str).
+inline const char *to_string(Status s) noexcept {
+    return kvxfer_status_str(static_cast<int32_t>(s));
 }
 
 /// The message of the last failed call on this thread ("" after a successful call).
@@ -53,6 +83,8 @@ class Error : public std::runtime_error {
 
     /// The status the C call returned.
     kvxfer_status code() const noexcept { return code_; }
+    /// The same, as the enum class.
+    Status status() const noexcept { return static_cast<Status>(code_); }
     /// The library's message alone (what() is "<status name>: <message>").
     const std::string &message() const noexcept { return message_; }
 
@@ -84,15 +116,19 @@ inline bool is_terminal(RoomState s) noexcept {
     return s == RoomState::Failed || s == RoomState::Success;
 }
 
+namespace detail {
+/// `name` without `prefix` when it starts with it, else `name`.
+inline const char *without_prefix(const char *name, const char *prefix) noexcept {
+    std::size_t n = std::strlen(prefix);
+    return std::strncmp(name, prefix, n) == 0 ? name + n : name;
+}
+} // namespace detail
+
+/// The state's name without its prefix, such as "WAITING_FOR_INPUT" (from
+/// kvxfer_room_state_str; "KVXFER_UNKNOWN_ROOM_STATE" for a value that names none).
 inline const char *to_string(RoomState s) noexcept {
-    switch (s) {
-    case RoomState::Failed: return "FAILED";
-    case RoomState::Bootstrapping: return "BOOTSTRAPPING";
-    case RoomState::WaitingForInput: return "WAITING_FOR_INPUT";
-    case RoomState::Transferring: return "TRANSFERRING";
-    case RoomState::Success: return "SUCCESS";
-    }
-    return "UNKNOWN";
+    return detail::without_prefix(kvxfer_room_state_str(static_cast<int32_t>(s)),
+                                  "KVXFER_ROOM_");
 }
 
 /// The class of a room's failure (values of kvxfer_failure_cause).
@@ -109,23 +145,39 @@ enum class FailureCause : int32_t {
     Internal = KVXFER_CAUSE_INTERNAL,
 };
 
+/// The cause's name without its prefix, such as "PEER_LOST" (from
+/// kvxfer_failure_cause_str; "KVXFER_UNKNOWN_CAUSE" for a value that names none).
 inline const char *to_string(FailureCause c) noexcept {
-    switch (c) {
-    case FailureCause::Aborted: return "ABORTED";
-    case FailureCause::PeerLost: return "PEER_LOST";
-    case FailureCause::BootstrapTimeout: return "BOOTSTRAP_TIMEOUT";
-    case FailureCause::WaitingTimeout: return "WAITING_TIMEOUT";
-    case FailureCause::TransferTimeout: return "TRANSFER_TIMEOUT";
-    case FailureCause::Protocol: return "PROTOCOL";
-    case FailureCause::Mismatch: return "MISMATCH";
-    case FailureCause::Transfer: return "TRANSFER";
-    case FailureCause::Shutdown: return "SHUTDOWN";
-    case FailureCause::Internal: return "INTERNAL";
-    }
-    return "UNKNOWN";
+    return detail::without_prefix(kvxfer_failure_cause_str(static_cast<int32_t>(c)),
+                                  "KVXFER_CAUSE_");
 }
 
+/// A log line's level (values of kvxfer_log_level), most severe first.
+enum class LogLevel : int32_t {
+    Error = KVXFER_LOG_ERROR,
+    Warn = KVXFER_LOG_WARN,
+    Info = KVXFER_LOG_INFO,
+    Debug = KVXFER_LOG_DEBUG,
+    Trace = KVXFER_LOG_TRACE,
+};
+
+/// A log sink: called from library threads, concurrently, with a level and one line
+/// (valid during the call only). It must be thread-safe and must not call into the
+/// engine that logs. An exception it throws is caught and its line lost (one must not
+/// reach the library).
+using LogFunction = std::function<void(LogLevel level, std::string_view line)>;
+
 namespace detail {
+inline void log_call(void *ctx, kvxfer_log_level level, const char *line) noexcept {
+    try {
+        (*static_cast<const LogFunction *>(ctx))(static_cast<LogLevel>(level), line);
+    } catch (...) {
+        // Unwinding into the library is undefined behaviour: the line is lost instead.
+    }
+}
+
+inline void log_drop(void *ctx) noexcept { delete static_cast<LogFunction *>(ctx); }
+
 /// Calls `f(buf, len, &out_n)` with a growing buffer until it fits.
 template <class F> std::string read_string(F &&f) {
     std::string s(64, '\0');
@@ -163,9 +215,26 @@ class Config {
 
     /// Routes engine log lines to `sink(ctx, level, line)`; nullptr restores stderr.
     /// `sink` and `ctx` must outlive every engine created from this config, and `sink`
-    /// must be thread-safe (see kvxfer_config_set_log_sink).
+    /// must be thread-safe and must not throw (see kvxfer_config_set_log_sink).
     Config &set_log_sink(kvxfer_log_fn sink, void *ctx) {
         check(kvxfer_config_set_log_sink(handle_.get(), sink, ctx));
+        return *this;
+    }
+
+    /// Routes engine log lines to `sink`; an empty function restores stderr. The library
+    /// keeps its own copy of `sink`, shared by the engines created from this config, and
+    /// destroys it once this config and all those engines are gone (or the config's
+    /// sink is replaced and no engine uses the old one), after its last call returned
+    /// (kvxfer_config_set_log_sink2).
+    Config &set_log_sink(LogFunction sink) {
+        if (!sink) {
+            check(kvxfer_config_set_log_sink2(handle_.get(), nullptr, nullptr, nullptr));
+            return *this;
+        }
+        auto owned = std::make_unique<LogFunction>(std::move(sink));
+        check(kvxfer_config_set_log_sink2(handle_.get(), &detail::log_call, owned.get(),
+                                          &detail::log_drop));
+        owned.release(); // the library's now (on error it stayed ours, and is freed)
         return *this;
     }
 
@@ -214,23 +283,39 @@ class Engine {
         check(kvxfer_register_kv(handle_.get(), bufs.data(), bufs.size()));
     }
 
+    /// Instead of register_kv: buffers with a layer id each (`layer_ids[i]` for
+    /// `bufs[i]`), so pipeline stages register only their layers and pair by layer.
+    /// Vectors of different lengths throw KVXFER_ERR_INVALID_ARGUMENT.
+    void register_kv_layers(const std::vector<kvxfer_buffer> &bufs,
+                            const std::vector<uint32_t> &layer_ids) {
+        if (bufs.size() != layer_ids.size()) {
+            throw Error(KVXFER_ERR_INVALID_ARGUMENT,
+                        "register_kv_layers: " + std::to_string(bufs.size()) +
+                            " buffers but " + std::to_string(layer_ids.size()) +
+                            " layer ids");
+        }
+        check(kvxfer_register_kv_layers(handle_.get(), bufs.data(), layer_ids.data(),
+                                        bufs.size()));
+    }
+
     void register_aux(const std::vector<kvxfer_buffer> &bufs) {
         check(kvxfer_register_aux(handle_.get(), bufs.data(), bufs.size()));
     }
 
-    /// Decode engine: creates `room`, pulling from the prefill engines at `peers`.
-    void room_create(uint64_t room, const std::vector<std::string> &peers) {
+    /// Decode engine: creates `room`, pulling from the prefill engines at `prefills`
+    /// ("host:port" each, at least one).
+    void create_decode_room(uint64_t room, const std::vector<std::string> &prefills) {
         std::vector<const char *> ptrs;
-        ptrs.reserve(peers.size());
-        for (const std::string &p : peers) {
+        ptrs.reserve(prefills.size());
+        for (const std::string &p : prefills) {
             ptrs.push_back(p.c_str());
         }
         check(kvxfer_room_create(handle_.get(), room, ptrs.data(), ptrs.size()));
     }
 
     /// Prefill engine: creates `room`, expecting a destination from `n_decoders`
-    /// decode engines.
-    void room_create(uint64_t room, std::size_t n_decoders = 1) {
+    /// decode engines (0 means 1).
+    void create_prefill_room(uint64_t room, std::size_t n_decoders = 1) {
         check(kvxfer_room_create(handle_.get(), room, nullptr, n_decoders));
     }
 

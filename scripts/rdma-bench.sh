@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd -P)
 OUT=$ROOT/target/rdma-bench
 mkdir -p "$OUT"
-cargo build --locked --release --bin kvxfer-bench
+cargo build --locked --release -p kvxfer-bench
 ARGS=("$@")
 [ ${#ARGS[@]} -gt 0 ] || ARGS=(--preset llama3-8b --prompt 1024 --rooms 6 --concurrency 2 --repeat 1)
 

@@ -3,9 +3,11 @@
 
 use std::fmt;
 
+use crate::auth::Key;
 use crate::err;
 use crate::error::Result;
 use crate::log::Level;
+pub use crate::proto::AuthMode;
 
 /// Which side of the transfer an engine is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -69,6 +71,11 @@ pub struct Config {
     pub drain_timeout_ms: u64,
     /// `log_level`: the least severe level passed to the log sink.
     pub log_level: Level,
+    /// `auth`: `None` until set, meaning required when a key is set and off otherwise
+    /// (see [`Config::auth_mode`]).
+    pub auth: Option<AuthMode>,
+    /// The cluster key, from `auth_key_file` or `auth_key` (whichever was set last).
+    pub auth_key: Option<Key>,
 }
 
 impl Default for Config {
@@ -89,31 +96,129 @@ impl Default for Config {
             heartbeat_misses: 5,
             drain_timeout_ms: 5_000,
             log_level: Level::Warn,
+            auth: None,
+            auth_key: None,
         }
     }
 }
 
-/// The keys [`Config::set`] accepts, in documentation order.
-pub const KEYS: &[&str] = &[
-    "role",
-    "listen",
-    "transport",
-    "workers",
-    "connections_per_peer",
-    "rdma_devices",
-    "rdma_slice_bytes",
-    "rdma_queue_depth",
-    "bootstrap_timeout_ms",
-    "waiting_timeout_ms",
-    "transfer_timeout_ms",
-    "heartbeat_interval_ms",
-    "heartbeat_misses",
-    "drain_timeout_ms",
-    "log_level",
-];
+/// A key [`Config::set`] accepts: one row of [`KEYS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConfigKey {
+    /// The key.
+    pub name: &'static str,
+    /// Its default as a value `set` takes (setting it changes nothing), or `None` where
+    /// there is no default value: `role` must be set, `auth` follows whether a key is
+    /// set, the key files have none.
+    pub default: Option<&'static str>,
+    /// What it accepts.
+    pub accepts: Accepts,
+}
+
+/// The values a key accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accepts {
+    /// One of these words.
+    OneOf(&'static [&'static str]),
+    /// An integer from `min` to `max`, both included.
+    Int {
+        /// The smallest value.
+        min: u64,
+        /// The largest value.
+        max: u64,
+    },
+    /// Text of the key's own form (an address, device names, a path, a key).
+    Text,
+}
 
 /// The longest timeout accepted: one day.
 const MAX_TIMEOUT_MS: u64 = 86_400_000;
+
+const fn key(name: &'static str, default: Option<&'static str>, accepts: Accepts) -> ConfigKey {
+    ConfigKey {
+        name,
+        default,
+        accepts,
+    }
+}
+
+const fn int(min: u64, max: u64) -> Accepts {
+    Accepts::Int { min, max }
+}
+
+const TIMEOUT: Accepts = int(1, MAX_TIMEOUT_MS);
+
+/// Every key [`Config::set`] accepts, in documentation order, with its default and the
+/// values it takes. [`Config::set`] takes its integer ranges from here; tests check that
+/// [`Config::default`] has these defaults, that `set` takes these values, and that
+/// `kvxfer_config_set`'s documentation in `include/kvxfer.h` lists every key with its
+/// default and values.
+pub const KEYS: &[ConfigKey] = &[
+    key("role", None, Accepts::OneOf(&["prefill", "decode"])),
+    key("listen", Some("127.0.0.1:0"), Accepts::Text),
+    key(
+        "transport",
+        Some("auto"),
+        Accepts::OneOf(&["auto", "tcp", "rdma"]),
+    ),
+    key("workers", Some("4"), int(1, 256)),
+    key("connections_per_peer", Some("2"), int(1, 64)),
+    key("rdma_devices", Some(""), Accepts::Text),
+    key("rdma_slice_bytes", Some("1048576"), int(4096, 1 << 30)),
+    key("rdma_queue_depth", Some("128"), int(1, 4096)),
+    key("bootstrap_timeout_ms", Some("30000"), TIMEOUT),
+    key("waiting_timeout_ms", Some("60000"), TIMEOUT),
+    key("transfer_timeout_ms", Some("30000"), TIMEOUT),
+    key("heartbeat_interval_ms", Some("1000"), TIMEOUT),
+    key("heartbeat_misses", Some("5"), int(1, 1000)),
+    key("drain_timeout_ms", Some("5000"), TIMEOUT),
+    key(
+        "log_level",
+        Some("warn"),
+        Accepts::OneOf(&["error", "warn", "info", "debug", "trace"]),
+    ),
+    key("auth", None, Accepts::OneOf(&["required", "off"])),
+    key("auth_key_file", None, Accepts::Text),
+    key("auth_key", None, Accepts::Text),
+];
+
+/// The range of integer key `name` in [`KEYS`]. Meant for `const` contexts, where a name
+/// without a range fails the build.
+const fn range(name: &str) -> (u64, u64) {
+    let mut i = 0;
+    while i < KEYS.len() {
+        if const_eq(KEYS[i].name, name) {
+            if let Accepts::Int { min, max } = KEYS[i].accepts {
+                return (min, max);
+            }
+        }
+        i += 1;
+    }
+    panic!("not an integer key of KEYS")
+}
+
+const fn const_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// Parses integer key `key` against its range in [`KEYS`].
+macro_rules! int_key {
+    ($key:literal, $value:expr) => {{
+        const RANGE: (u64, u64) = range($key);
+        parse_int($key, $value, RANGE.0, RANGE.1)
+    }};
+}
 
 impl Config {
     /// Sets `key` to `value`, or names what is wrong. The config is unchanged on error.
@@ -139,8 +244,10 @@ impl Config {
                     _ => return Err(bad(key, value, "expected 'auto', 'tcp' or 'rdma'")),
                 }
             }
-            "workers" => self.workers = int(key, value, 1, 256)? as usize,
-            "connections_per_peer" => self.connections_per_peer = int(key, value, 1, 64)? as usize,
+            "workers" => self.workers = int_key!("workers", value)? as usize,
+            "connections_per_peer" => {
+                self.connections_per_peer = int_key!("connections_per_peer", value)? as usize
+            }
             "rdma_devices" => {
                 let names: Vec<String> = v
                     .split(',')
@@ -156,27 +263,78 @@ impl Config {
                 }
                 self.rdma_devices = names;
             }
-            "rdma_slice_bytes" => self.rdma_slice_bytes = int(key, value, 4096, 1 << 30)? as usize,
-            "rdma_queue_depth" => self.rdma_queue_depth = int(key, value, 1, 4096)? as u32,
-            "bootstrap_timeout_ms" => self.bootstrap_timeout_ms = timeout(key, value)?,
-            "waiting_timeout_ms" => self.waiting_timeout_ms = timeout(key, value)?,
-            "transfer_timeout_ms" => self.transfer_timeout_ms = timeout(key, value)?,
-            "heartbeat_interval_ms" => self.heartbeat_interval_ms = timeout(key, value)?,
-            "heartbeat_misses" => self.heartbeat_misses = int(key, value, 1, 1000)? as u32,
-            "drain_timeout_ms" => self.drain_timeout_ms = timeout(key, value)?,
+            "rdma_slice_bytes" => {
+                self.rdma_slice_bytes = int_key!("rdma_slice_bytes", value)? as usize
+            }
+            "rdma_queue_depth" => {
+                self.rdma_queue_depth = int_key!("rdma_queue_depth", value)? as u32
+            }
+            "bootstrap_timeout_ms" => {
+                self.bootstrap_timeout_ms = int_key!("bootstrap_timeout_ms", value)?
+            }
+            "waiting_timeout_ms" => {
+                self.waiting_timeout_ms = int_key!("waiting_timeout_ms", value)?
+            }
+            "transfer_timeout_ms" => {
+                self.transfer_timeout_ms = int_key!("transfer_timeout_ms", value)?
+            }
+            "heartbeat_interval_ms" => {
+                self.heartbeat_interval_ms = int_key!("heartbeat_interval_ms", value)?
+            }
+            "heartbeat_misses" => {
+                self.heartbeat_misses = int_key!("heartbeat_misses", value)? as u32
+            }
+            "drain_timeout_ms" => self.drain_timeout_ms = int_key!("drain_timeout_ms", value)?,
             "log_level" => {
                 self.log_level = Level::parse(v)
                     .ok_or_else(|| bad(key, value, "expected error, warn, info, debug or trace"))?
+            }
+            "auth" => {
+                self.auth = Some(match v {
+                    "required" => AuthMode::Required,
+                    "off" => AuthMode::Off,
+                    _ => return Err(bad(key, value, "expected 'required' or 'off'")),
+                })
+            }
+            "auth_key_file" => {
+                let k = Key::from_file(v)
+                    .map_err(|why| err!(BadValue, "bad value for config key '{key}': {why}"))?;
+                self.auth_key = Some(k);
+            }
+            "auth_key" => {
+                // The value is a secret: the message never repeats it.
+                let k = Key::from_hex(v).map_err(|why| {
+                    err!(
+                        BadValue,
+                        "bad value for config key '{key}' (value not shown): {why}"
+                    )
+                })?;
+                self.auth_key = Some(k);
             }
             _ => {
                 return Err(err!(
                     UnknownKey,
                     "unknown config key '{key}' (known keys: {})",
-                    KEYS.join(", ")
+                    KEYS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
                 ))
             }
         }
         Ok(())
+    }
+
+    /// The effective `auth` setting: as set, or `required` when a key is set and `off`
+    /// otherwise. `auth=required` without a key is an error.
+    pub fn auth_mode(&self) -> Result<AuthMode> {
+        match (self.auth, &self.auth_key) {
+            (Some(AuthMode::Required), None) => Err(err!(
+                BadValue,
+                "config key 'auth' is 'required' but no key is set: set 'auth_key_file' \
+                 (or 'auth_key')"
+            )),
+            (Some(mode), _) => Ok(mode),
+            (None, Some(_)) => Ok(AuthMode::Required),
+            (None, None) => Ok(AuthMode::Off),
+        }
     }
 
     /// The role, or an error saying it must be set.
@@ -197,7 +355,7 @@ fn bad(key: &str, value: &str, why: &str) -> crate::error::Error {
     )
 }
 
-fn int(key: &str, value: &str, min: u64, max: u64) -> Result<u64> {
+fn parse_int(key: &str, value: &str, min: u64, max: u64) -> Result<u64> {
     match value.trim().parse::<u64>() {
         Ok(n) if (min..=max).contains(&n) => Ok(n),
         _ => Err(bad(
@@ -206,10 +364,6 @@ fn int(key: &str, value: &str, min: u64, max: u64) -> Result<u64> {
             &format!("expected an integer from {min} to {max}"),
         )),
     }
-}
-
-fn timeout(key: &str, value: &str) -> Result<u64> {
-    int(key, value, 1, MAX_TIMEOUT_MS)
 }
 
 /// Splits `host:port` (IPv6 hosts in brackets), checking the port is a number.
@@ -240,7 +394,8 @@ mod tests {
 
     #[test]
     fn every_documented_key_accepts_a_good_value() {
-        let good = [
+        let key_file = private_file("good", &[7; 32]);
+        let good: [(&str, &str); 18] = [
             ("role", "decode"),
             ("listen", "[::1]:0"),
             ("transport", "tcp"),
@@ -256,6 +411,9 @@ mod tests {
             ("heartbeat_misses", "3"),
             ("drain_timeout_ms", "400"),
             ("log_level", "debug"),
+            ("auth", "required"),
+            ("auth_key_file", &key_file),
+            ("auth_key", &"ab".repeat(32)),
         ];
         assert_eq!(good.len(), KEYS.len());
         let mut c = Config::default();
@@ -268,6 +426,116 @@ mod tests {
         assert_eq!((c.rdma_slice_bytes, c.rdma_queue_depth), (65536, 32));
         assert_eq!(c.drain_timeout_ms, 400);
         assert_eq!(c.log_level, Level::Debug);
+        assert_eq!(c.auth, Some(AuthMode::Required));
+        assert_eq!(c.auth_key, Some(Key::new(vec![0xab; 32]).unwrap()));
+    }
+
+    #[test]
+    fn the_defaults_in_keys_are_the_defaults() {
+        for k in KEYS {
+            let Some(default) = k.default else { continue };
+            let mut c = Config::default();
+            c.set(k.name, default)
+                .unwrap_or_else(|e| panic!("{}={default}: {e}", k.name));
+            assert_eq!(
+                c,
+                Config::default(),
+                "{} is not {default:?} by default",
+                k.name
+            );
+        }
+        // The keys without a default value are absent until set.
+        let c = Config::default();
+        assert_eq!((c.role, c.auth, c.auth_key.is_some()), (None, None, false));
+    }
+
+    #[test]
+    fn every_key_takes_the_values_keys_lists_and_no_integer_outside_its_range() {
+        for k in KEYS {
+            let mut c = Config::default();
+            match k.accepts {
+                Accepts::OneOf(words) => {
+                    for w in words {
+                        c.set(k.name, w)
+                            .unwrap_or_else(|e| panic!("{}={w}: {e}", k.name));
+                    }
+                    assert!(c.set(k.name, "none-of-them").is_err(), "{}", k.name);
+                }
+                Accepts::Int { min, max } => {
+                    for v in [min, max] {
+                        c.set(k.name, &v.to_string())
+                            .unwrap_or_else(|e| panic!("{}={v}: {e}", k.name));
+                    }
+                    for v in [min - 1, max + 1] {
+                        let e = c.set(k.name, &v.to_string()).unwrap_err();
+                        assert!(e.message().contains(&format!("{min} to {max}")), "{e}");
+                    }
+                }
+                Accepts::Text => {}
+            }
+        }
+    }
+
+    /// A file holding `bytes`, readable only by its owner.
+    fn private_file(name: &str, bytes: &[u8]) -> String {
+        use std::os::unix::fs::PermissionsExt;
+        let p = std::env::temp_dir().join(format!("kvxfer-config-{}-{name}", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        p.to_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn auth_defaults_to_required_with_a_key_and_off_without() {
+        let mut c = Config::default();
+        assert_eq!(c.auth_mode().unwrap(), AuthMode::Off);
+        c.set("auth", "required").unwrap();
+        let e = c.auth_mode().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::BadValue);
+        assert!(e.message().contains("'auth'") && e.message().contains("auth_key_file"));
+        c.auth = None;
+        c.set("auth_key", &"01".repeat(40)).unwrap();
+        assert_eq!(c.auth_mode().unwrap(), AuthMode::Required);
+        c.set("auth", "off").unwrap();
+        assert_eq!(c.auth_mode().unwrap(), AuthMode::Off);
+    }
+
+    #[test]
+    fn bad_keys_are_refused_naming_the_file_but_never_the_key() {
+        use std::os::unix::fs::PermissionsExt;
+        let mut c = Config::default();
+        let open = private_file("open", &[7; 32]);
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = c.set("auth_key_file", &open).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::BadValue);
+        for part in ["auth_key_file", open.as_str(), "0644", "owner"] {
+            assert!(e.message().contains(part), "{}", e.message());
+        }
+        let short = private_file("short", &[7; 16]);
+        let e = c.set("auth_key_file", &short).unwrap_err();
+        assert!(
+            e.message().contains(&short) && e.message().contains("32"),
+            "{}",
+            e.message()
+        );
+        let secret = "5e".repeat(31);
+        let e = c.set("auth_key", &secret).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::BadValue);
+        assert!(e.message().contains("auth_key") && !e.message().contains(&secret));
+        let e = c.set("auth_key", &"xy".repeat(32)).unwrap_err();
+        assert!(!e.message().contains("xyxy"), "{}", e.message());
+        assert!(!format!(
+            "{:?}",
+            Config {
+                auth_key: Some(Key::new(vec![0x5e; 32]).unwrap()),
+                ..Config::default()
+            }
+        )
+        .contains("5e, 5e"));
+        assert_eq!(c, Config::default());
+        for p in [open, short] {
+            let _ = std::fs::remove_file(p);
+        }
     }
 
     #[test]
@@ -287,6 +555,8 @@ mod tests {
             ("rdma_slice_bytes", "100"),
             ("rdma_queue_depth", "0"),
             ("log_level", "loud"),
+            ("auth", "maybe"),
+            ("auth_key_file", "/nonexistent/kvxfer.key"),
         ] {
             let e = c.set(k, v).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::BadValue, "{k}={v}");

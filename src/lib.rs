@@ -1,15 +1,26 @@
 //! libkvxfer: the KV-cache transfer engine of prefill/decode disaggregated LLM serving.
 //!
-//! The safe Rust core lives in [`room`], [`engine`], [`config`] and [`log`]; the C ABI in
-//! `ffi` only converts and checks. See `DESIGN.md` in the repository for the invariants.
+//! The layers, from the C ABI down (docs/ARCHITECTURE.md draws them): `ffi` (the C ABI;
+//! it only converts and checks), [`engine`] (rooms: the scheduler's calls, each role's
+//! side, when a room changes state), `control` (peers: connections, handshake,
+//! heartbeats, loss), [`transport`] (moving bytes: TCP and RDMA), [`proto`] (the wire
+//! format), [`room`] (a room's state word and the room table), and beside them `node`
+//! (what an engine's layers share: configuration, log, clock, threads, registered
+//! memory), [`auth`], [`config`], [`log`] and `metrics`. See `DESIGN.md` of the
+//! project's shared notes for the invariants.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod error;
 
+pub mod auth;
+
 pub mod config;
+pub(crate) mod control;
 pub mod engine;
 pub mod log;
+pub(crate) mod metrics;
+pub(crate) mod node;
 pub mod proto;
 pub mod room;
 #[cfg(feature = "test-hooks")]

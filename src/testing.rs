@@ -17,12 +17,29 @@
 //!   of an abort must wait.
 //! - `"worker.before_complete"` (same function): every byte of the room's last chunk is
 //!   written; the worker has not yet claimed SUCCESS nor sent Done.
+//! - `"decode.send_destination"` (src/engine/decode.rs): a decode room found waiting
+//!   with its destination set, and its destination is about to be sent (the room's lock
+//!   not yet taken).
+//! - `"watchdog.scan"` (src/engine/watchdog.rs): the watchdog has read the room's state
+//!   and not yet its deadline.
+//! - `"prefill.on_destination"` (src/engine/prefill.rs): a control reader has a decode
+//!   engine's destination for the room in hand and has not looked at anything yet.
+//! - `"prefill.attach_lost"` (same file, `attach`): the destination was added to the
+//!   room and its engine found lost; the room is not failed yet.
 //!
 //! Faults are one-shot, per room: a test injects one ([`inject_fault`]) and the engine
 //! takes it at the named place. Faults in the engine:
 //! - `"rdma.bad_rkey"` (src/transport/rdma/link.rs): the next RDMA WRITE of the room
 //!   goes out with a wrong remote key, so the decode side's device refuses it and the
 //!   write completes in error (remote access error).
+//! - `"recv.panic"` (src/engine/decode.rs, `on_data`): the TCP receiver panics on the
+//!   room's next data frame.
+//!
+//! Faults aimed at a peer rather than a room are keyed by the port of the peer's
+//! address (decode side):
+//! - `"connect.panic"`: the connector thread to that prefill engine panics at its start.
+//! - `"spawn:<thread name>"` (src/control/mod.rs, `spawn_for_peer`): starting that thread
+//!   for that peer fails, as if the system refused a new thread.
 //!
 //! A parked thread gives up after [`PARK_LIMIT`] so that a test that fails before
 //! releasing cannot hang the engine's shutdown.

@@ -3,16 +3,20 @@
 
 use std::path::Path;
 
-/// (file, function name, whether its body starts with a boundary macro)
+/// (file, function name, whether its body starts with a boundary macro) of every
+/// `#[no_mangle]` function: the exports (an `extern "C"` callback a unit test defines is
+/// not one).
 fn exports() -> Vec<(String, String, bool)> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ffi");
     let mut out = Vec::new();
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         let src = std::fs::read_to_string(&path).unwrap();
-        let mut rest = src.as_str();
-        while let Some(i) = rest.find("extern \"C\" fn ") {
-            let after = &rest[i + "extern \"C\" fn ".len()..];
+        for export in src.split("#[no_mangle]").skip(1) {
+            let Some(i) = export.find("extern \"C\" fn ") else {
+                continue;
+            };
+            let after = &export[i + "extern \"C\" fn ".len()..];
             let name: String = after
                 .chars()
                 .take_while(|c| c.is_alphanumeric() || *c == '_')
@@ -28,7 +32,6 @@ fn exports() -> Vec<(String, String, bool)> {
                 name,
                 guarded,
             ));
-            rest = after;
         }
     }
     out

@@ -8,35 +8,25 @@ mod common;
 
 use std::time::Duration;
 
-use common::{engine, wait_state, wait_terminal, ITEM, PAGES};
+use common::{wait_terminal, Pair, LIMIT};
 use kvxfer::testing;
-use kvxfer::{RoomPeers, State};
+use kvxfer::State;
 
 #[test]
 fn an_abort_just_before_the_completion_claim_fails_both_sides() {
-    let mut pmem: Vec<Vec<u8>> = (0..2).map(|_| vec![1u8; PAGES * ITEM]).collect();
-    let mut dmem: Vec<Vec<u8>> = (0..2).map(|_| vec![0u8; PAGES * ITEM]).collect();
-    let p = engine("prefill", &mut pmem, &[]);
-    let d = engine("decode", &mut dmem, &[]);
-    let limit = Duration::from_secs(20);
+    let t = Pair::builder().build();
+    let (p, d) = (&t.p, &t.d);
 
     for (room, abort) in [(1u64, true), (2, false)] {
-        p.room_create(room, RoomPeers::Decoders(1)).unwrap();
-        d.room_create(room, RoomPeers::Prefills(vec![p.address().to_string()]))
-            .unwrap();
-        d.room_set_destination(room, &[room as u32], None).unwrap();
-        wait_state(&p, room, State::WaitingForInput);
+        t.ready(room, &[room as u32]);
         testing::pause_at("worker.before_complete", room);
         p.enqueue_chunk(room, &[7], true, None).unwrap();
-        assert!(testing::wait_paused("worker.before_complete", room, limit));
+        assert!(testing::wait_paused("worker.before_complete", room, LIMIT));
         if abort {
             p.room_abort(room, "cancelled at the last moment").unwrap();
         }
         testing::release("worker.before_complete", room);
-        let (ps, ds) = (
-            wait_terminal(&p, room, limit),
-            wait_terminal(&d, room, limit),
-        );
+        let (ps, ds) = (wait_terminal(p, room), wait_terminal(d, room));
         if abort {
             assert_eq!((ps, ds), (State::Failed, State::Failed));
             assert!(d

@@ -59,6 +59,8 @@ struct Trace {
     steps: Vec<Step>,
     /// Violations seen during this execution.
     violations: Vec<String>,
+    /// The reason code of the `fail` call whose transition won, if one did.
+    winner: Option<usize>,
 }
 
 thread_local! {
@@ -93,6 +95,7 @@ fn seen(r: &Result<(State, State), Refusal>) -> Option<u8> {
         Ok((_, to)) => *to as u8,
         Err(Refusal::Terminal(s)) => *s as u8,
         Err(Refusal::NotAllowed { from, .. }) => *from as u8,
+        Err(Refusal::Moved(s)) => *s as u8,
     })
 }
 
@@ -272,41 +275,83 @@ fn check_history() {
 
 // ---------------------------------------------------------------------------------------
 // The real rule: kvxfer's StateWord over loom's atomic, with the engine's code paths
-// (src/room/mod.rs Room::fail, src/engine/prefill.rs send_chunk, src/engine/mod.rs
+// (src/room/mod.rs Room::fail, src/engine/prefill/sender.rs send_chunk, src/engine/mod.rs
 // room_abort/room_clear, src/engine/watchdog.rs scan) reduced to their state operations.
 // Every other shared access is one loom atomic, so that the interleavings explored are
 // those of the state word.
 
 struct Room {
     word: StateWord<Traced>,
-    /// Room::fail's OnceLock: the first reason set wins (0 = none), set before the CAS.
+    /// Room::fail's OnceLock: the reason of the call that won the transition (0 = none),
+    /// recorded right after its CAS.
     reason: LoomUsize,
+    /// Model dc64da3's `Room::fail` instead: the first reason set wins, set before the
+    /// CAS, so a call that then loses the CAS can leave its reason on a room another call
+    /// failed.
+    reason_first: bool,
 }
 
 /// The reasons, by code (index + 1).
-const REASONS: [&str; 5] = [
+const REASONS: [&str; 7] = [
     "aborted by the scheduler",
     "cleared while live",
     "aborted by the peer",
     "room ended while sending",
     "deadline",
+    "lost the peer",
+    "a protocol error",
 ];
 
 impl Room {
-    /// Room::fail: nothing on a terminal room; else record the reason, then CAS to FAILED.
-    fn fail(&self, who: &'static str, why: &'static str) -> bool {
-        let s = self.word.load();
-        if s.is_terminal() {
-            step(who, why, Some(s as u8));
-            return false;
+    fn new(reason_first: bool) -> Room {
+        Room {
+            word: StateWord::with_atomic(State::Bootstrapping),
+            reason: LoomUsize::new(0),
+            reason_first,
         }
+    }
+
+    /// Room::fail: the CAS to FAILED; its winner records its reason.
+    fn fail(&self, who: &'static str, why: &'static str) -> bool {
         let code = REASONS.iter().position(|r| *r == why).expect("known") + 1;
-        let _ = self
-            .reason
-            .compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
+        if self.reason_first {
+            let s = self.word.load();
+            if s.is_terminal() {
+                step(who, why, Some(s as u8));
+                return false;
+            }
+            let _ = self
+                .reason
+                .compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
+        }
         let r = self.word.apply(Event::Fail);
         step(who, why, seen(&r));
+        if r.is_ok() {
+            TRACE.with(|t| t.borrow_mut().winner = Some(code));
+            if !self.reason_first {
+                self.reason.store(code, Ordering::SeqCst);
+            }
+        }
         r.is_ok()
+    }
+
+    /// The end-of-execution checks on the reason (DESIGN.md invariant 3).
+    fn check_reason(&self) {
+        if self.word.load() != State::Failed {
+            return;
+        }
+        let code = self.reason.load(Ordering::SeqCst);
+        if code == 0 {
+            return violation("FAILED without a reason");
+        }
+        let winner = TRACE.with(|t| t.borrow().winner);
+        if winner != Some(code) {
+            violation(format!(
+                "reason of a call that lost the transition: '{}' recorded, '{}' failed the room",
+                REASONS[code - 1],
+                winner.map_or("nobody", |w| REASONS[w - 1])
+            ));
+        }
     }
 }
 
@@ -344,6 +389,7 @@ fn send_chunk(room: &Room, is_last: bool) -> Chunk {
         // The engine returns Ok(()) on any refusal of Start: a skip.
         Err(Refusal::Terminal(s)) => return Chunk::Skipped(s),
         Err(Refusal::NotAllowed { from, .. }) => return Chunk::Skipped(from),
+        Err(Refusal::Moved(s)) => return Chunk::Skipped(s),
     }
     step(
         "worker",
@@ -399,10 +445,7 @@ fn real_worker(room: Arc<Room>) {
 }
 
 fn real_rule_execution() {
-    let room = Arc::new(Room {
-        word: StateWord::with_atomic(State::Bootstrapping),
-        reason: LoomUsize::new(0),
-    });
+    let room = Arc::new(Room::new(false));
     let table = Arc::new(Table {
         present: AtomicBool::new(true),
         room: room.clone(),
@@ -460,12 +503,32 @@ fn real_rule_execution() {
     if !end.is_terminal() {
         violation(format!("pinned: the room ended {end} after clear"));
     }
-    if end == State::Failed && room.reason.load(Ordering::SeqCst) == 0 {
-        violation("FAILED without a reason");
-    }
+    room.check_reason();
     if table.present.load(Ordering::SeqCst) {
         violation("clear left state behind: the table still holds the room");
     }
+}
+
+/// Two failures racing on a live room (a peer's loss and a protocol error), with
+/// `Room::fail` as it is or as it was at dc64da3 (`reason_first`).
+fn fail_race_execution(reason_first: bool) {
+    let room = Arc::new(Room::new(reason_first));
+    room.word.apply(Event::Ready).expect("live");
+    let a = {
+        let r = room.clone();
+        thread::spawn(move || {
+            r.fail("control", "lost the peer");
+        })
+    };
+    let b = {
+        let r = room.clone();
+        thread::spawn(move || {
+            r.fail("receiver", "a protocol error");
+        })
+    };
+    a.join().unwrap();
+    b.join().unwrap();
+    room.check_reason();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -622,6 +685,35 @@ fn the_real_rule_holds_in_every_interleaving() {
     println!("{report}");
     assert!(f.executions.load(Ordering::Relaxed) > 1000, "{report}");
     assert_eq!(f.violating.load(Ordering::Relaxed), 0, "{report}");
+}
+
+#[test]
+fn the_recorded_reason_is_always_the_winning_failure_s() {
+    let f = std::sync::Arc::new(Findings::default());
+    let took = f.run(|| fail_race_execution(false));
+    let report = f.report("Room::fail, reason recorded by the CAS winner", took);
+    println!("{report}");
+    assert!(f.executions.load(Ordering::Relaxed) > 1, "{report}");
+    assert_eq!(f.violating.load(Ordering::Relaxed), 0, "{report}");
+}
+
+/// The checker tells the two orders apart: with the reason set before the CAS, a call
+/// that loses the CAS can leave its reason on the room.
+#[test]
+fn setting_the_reason_before_the_cas_is_caught_reporting_a_loser_s_reason() {
+    let f = std::sync::Arc::new(Findings::default());
+    let took = f.run(|| fail_race_execution(true));
+    let report = f.report("Room::fail as of dc64da3, reason set before the CAS", took);
+    println!("{report}");
+    let kinds = f.by_kind.lock().unwrap().clone();
+    assert!(
+        kinds
+            .get("reason of a call that lost the transition")
+            .copied()
+            .unwrap_or(0)
+            > 0,
+        "{report}"
+    );
 }
 
 #[test]

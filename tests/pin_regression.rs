@@ -20,133 +20,35 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::Region;
-use kvxfer::log::{Level, Logger};
-use kvxfer::proto::{
-    self, BufferInfo, ConnKind, Kind, Layout, Limits, Message, ReadError, Registration, Role,
-    WireTransport, PROTO_VERSION,
+use common::fake::{self, destination, FakePrefill};
+use common::{
+    engine, poisoned, source, wait_state, wait_terminal, wait_until, Pair, Region, Rng, LIMIT,
+    POISON,
 };
+use kvxfer::proto::{self, Kind, Limits, Message, ReadError};
 use kvxfer::testing;
-use kvxfer::{Cause, Config, Engine, ErrorKind, RoomPeers, State};
+use kvxfer::{Cause, Engine, ErrorKind, RoomPeers, State};
 
 const BUFS: usize = 2;
 const PAGES: usize = 1024;
 const ITEM: usize = 1024;
-const POISON: u8 = 0xEE;
 const MID: &str = "worker.mid_chunk";
-const LIMIT: Duration = Duration::from_secs(20);
+/// One worker and one data connection: a room's chunks and every other room's queue
+/// behind each other, so a room used as a marker tells when the worker is done.
+const ONE_WORKER: &[(&str, &str)] = &[
+    ("transport", "tcp"),
+    ("workers", "1"),
+    ("connections_per_peer", "1"),
+];
 
-fn region(fill: impl Fn(usize) -> u8) -> Region {
-    Region::new(PAGES, ITEM, fill)
-}
-
-fn src_byte(b: usize, i: usize) -> u8 {
-    (b * 31 + i * 7 + i / ITEM * 13) as u8 | 1
-}
-
-fn engine(role: &str, mem: &[Region], extra: &[(&str, &str)]) -> Engine {
-    let mut c = Config::default();
-    c.set("role", role).unwrap();
-    c.set("transport", "tcp").unwrap();
-    // One worker and one data connection: a room's chunks and every other room's queue
-    // behind each other, so a room used as a marker tells when the worker is done.
-    c.set("workers", "1").unwrap();
-    c.set("connections_per_peer", "1").unwrap();
-    for (k, v) in extra {
-        c.set(k, v).unwrap();
-    }
-    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
-    e.register_kv(mem.iter().map(Region::desc).collect())
-        .unwrap();
-    e
-}
-
-/// A prefill and a decode engine in this process. Engines are declared first so they
-/// stop (and join their threads) before the memory they write is freed.
-struct Pair {
-    p: Engine,
-    d: Engine,
-    pmem: Vec<Region>,
-    dmem: Vec<Region>,
-}
-
-impl Pair {
-    fn new() -> Pair {
-        Pair::with(&[])
-    }
-
-    fn with(p_extra: &[(&str, &str)]) -> Pair {
-        let pmem: Vec<Region> = (0..BUFS).map(|b| region(move |i| src_byte(b, i))).collect();
-        let dmem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
-        let p = engine("prefill", &pmem, p_extra);
-        let d = engine("decode", &dmem, &[]);
-        Pair { p, d, pmem, dmem }
-    }
-
-    fn create(&self, room: u64) {
-        self.p.room_create(room, RoomPeers::Decoders(1)).unwrap();
-        self.d
-            .room_create(
-                room,
-                RoomPeers::Prefills(vec![self.p.address().to_string()]),
-            )
-            .unwrap();
-    }
-
-    /// Creates `room` on both sides and waits until the prefill has its destination.
-    fn ready(&self, room: u64, dst: &[u32]) {
-        self.create(room);
-        self.d.room_set_destination(room, dst, None).unwrap();
-        wait_state(&self.p, room, State::WaitingForInput);
-    }
-
-    fn poisoned(&self, dst: &[u32]) -> bool {
-        common::all_filled(&self.dmem, dst, POISON)
-    }
-
-    fn delivered(&self, src: &[u32], dst: &[u32]) -> bool {
-        common::first_difference(&self.pmem, src, &self.dmem, dst).is_none()
-    }
-
-    fn repoison(&self, dst: &[u32]) {
-        common::fill_pages(&self.dmem, dst, POISON)
-    }
-
-    /// Runs a one-chunk room to SUCCESS on both sides. With one worker, once it is done
-    /// every chunk queued before it has been handled.
-    fn marker(&self, room: u64, src: &[u32], dst: &[u32]) {
-        self.ready(room, dst);
-        self.p.enqueue_chunk(room, src, true, None).unwrap();
-        assert_eq!(wait_terminal(&self.p, room), State::Success, "marker");
-        assert_eq!(wait_terminal(&self.d, room), State::Success, "marker");
-        assert!(self.delivered(src, dst));
-    }
-
-    fn side(&self, from_decode: bool) -> &Engine {
-        if from_decode {
-            &self.d
-        } else {
-            &self.p
-        }
-    }
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < LIMIT, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-fn wait_state(e: &Engine, room: u64, want: State) {
-    wait_until(&format!("room {room} to be {want}"), || {
-        e.room_poll(room).unwrap() == want
-    });
-}
-
-fn wait_terminal(e: &Engine, room: u64) -> State {
-    common::wait_terminal(e, room, LIMIT)
+/// A prefill and a decode engine over TCP with one worker and one data connection.
+fn pair() -> Pair {
+    Pair::builder()
+        .config(ONE_WORKER)
+        .bufs(BUFS)
+        .pages(PAGES)
+        .item(ITEM)
+        .build()
 }
 
 /// Reads the control connection of a fake decode engine until it has been quiet for 3 s,
@@ -184,12 +86,12 @@ fn assert_aborted(t: &Pair, room: u64, from_decode: bool, reason: &str) {
     }
 }
 
-fn reported_sequence(from_decode: bool) {
-    let t = Pair::new();
-    let room = 7;
+/// Readies `room` (8 source pages from 100 to 8 pages from 200), enqueues it as two
+/// chunks of 4 and waits until the worker is held inside chunk 0's write window; the
+/// room's source and destination pages.
+fn held_mid_chunk(t: &Pair, room: u64) -> (Vec<u32>, Vec<u32>) {
     let (src, dst) = (pages(100, 8), pages(200, 8));
     t.ready(room, &dst);
-
     testing::pause_at(MID, room);
     t.p.enqueue_chunk(room, &src[..4], false, None).unwrap();
     t.p.enqueue_chunk(room, &src[4..], true, None).unwrap();
@@ -197,6 +99,13 @@ fn reported_sequence(from_decode: bool) {
         testing::wait_paused(MID, room, LIMIT),
         "worker never paused"
     );
+    (src, dst)
+}
+
+fn reported_sequence(from_decode: bool) {
+    let t = pair();
+    let room = 7;
+    let (src, dst) = held_mid_chunk(&t, room);
     // Inside chunk 0's write window: buffer 0's frame is out, buffer 1's is not.
     let frame = (4 * ITEM) as u64;
     assert_eq!(t.p.metrics().bytes_sent, frame);
@@ -263,7 +172,7 @@ fn the_reported_sequence_with_the_abort_from_the_decode_side_ends_failed() {
 #[test]
 fn an_abort_between_chunks_with_the_last_chunk_queued_ends_failed() {
     for from_decode in [false, true] {
-        let t = Pair::new();
+        let t = pair();
         let (room, busy) = (10, 11);
         let (src, dst) = (pages(100, 8), pages(200, 8));
         t.ready(room, &dst);
@@ -309,26 +218,17 @@ fn an_abort_between_chunks_with_the_last_chunk_queued_ends_failed() {
 #[test]
 fn an_abort_racing_the_last_chunk_ends_in_an_allowed_pair_of_states() {
     const ROOMS: u64 = 150;
-    let t = Pair::new();
-    let mut rng = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let t = pair();
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     let mut outcomes = std::collections::BTreeMap::<(&str, &str, &str), u32>::new();
     let mut failed_dst = Vec::new();
     for i in 0..ROOMS {
         let room = 1000 + i;
         let (src, dst) = (pages((i as u32 * 3) % 900, 4), pages(i as u32 * 4 + 100, 4));
         t.ready(room, &dst);
-        let from_decode = next() % 2 == 0;
-        let spins = next() % 40_000;
+        let from_decode = rng.below(2) == 0;
         t.p.enqueue_chunk(room, &src, true, None).unwrap();
-        for _ in 0..spins {
-            std::hint::spin_loop();
-        }
+        rng.spin_below(40_000);
         t.side(from_decode).room_abort(room, "racing").unwrap();
         let (ps, ds) = (wait_terminal(&t.p, room), wait_terminal(&t.d, room));
         let from = if from_decode { "decode" } else { "prefill" };
@@ -376,14 +276,9 @@ fn an_abort_racing_the_last_chunk_ends_in_an_allowed_pair_of_states() {
 
 #[test]
 fn clearing_a_room_while_its_worker_is_mid_chunk_leaves_nothing_behind() {
-    let t = Pair::new();
+    let t = pair();
     let room = 20;
-    let (src, dst) = (pages(100, 8), pages(200, 8));
-    t.ready(room, &dst);
-    testing::pause_at(MID, room);
-    t.p.enqueue_chunk(room, &src[..4], false, None).unwrap();
-    t.p.enqueue_chunk(room, &src[4..], true, None).unwrap();
-    assert!(testing::wait_paused(MID, room, LIMIT));
+    let (src, dst) = held_mid_chunk(&t, room);
     let sent = t.p.metrics().bytes_sent;
 
     t.p.room_clear(room).unwrap();
@@ -420,14 +315,8 @@ fn clearing_a_room_while_its_worker_is_mid_chunk_leaves_nothing_behind() {
 #[test]
 fn clears_racing_workers_leave_no_room_gauge_or_late_byte() {
     const ROOMS: u64 = 120;
-    let t = Pair::new();
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let t = pair();
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut cleared_dst = Vec::new();
     for i in 0..ROOMS {
         let room = 2000 + i;
@@ -435,10 +324,8 @@ fn clears_racing_workers_leave_no_room_gauge_or_late_byte() {
         t.ready(room, &dst);
         t.p.enqueue_chunk(room, &src[..3], false, None).unwrap();
         t.p.enqueue_chunk(room, &src[3..], true, None).unwrap();
-        for _ in 0..next() % 40_000 {
-            std::hint::spin_loop();
-        }
-        let (first, other) = if next() % 2 == 0 {
+        rng.spin_below(40_000);
+        let (first, other) = if rng.below(2) == 0 {
             (&t.d, &t.p)
         } else {
             (&t.p, &t.d)
@@ -473,7 +360,7 @@ fn clears_racing_workers_leave_no_room_gauge_or_late_byte() {
 
 #[test]
 fn a_destination_arriving_after_the_prefill_aborted_fails_the_decode_room() {
-    let t = Pair::new();
+    let t = pair();
     // Aborted, still present.
     t.p.room_create(30, RoomPeers::Decoders(1)).unwrap();
     t.p.room_abort(30, "preempted before the destination")
@@ -516,28 +403,6 @@ fn a_destination_arriving_after_the_prefill_aborted_fails_the_decode_room() {
     assert_eq!(t.p.metrics().inflight + t.d.metrics().inflight, 0);
 }
 
-fn send_msg(s: &mut TcpStream, m: &Message) {
-    let mut f = Vec::new();
-    m.encode(&mut f).unwrap();
-    s.write_all(&f).unwrap();
-}
-
-fn recv_msg(s: &mut TcpStream) -> Message {
-    let l = Limits::default();
-    let h = proto::read_frame_header(s, &l).unwrap();
-    proto::read_control(s, &h, &l).unwrap()
-}
-
-fn hello(conn: ConnKind, id: u64) -> Message {
-    Message::Hello {
-        proto_version: PROTO_VERSION,
-        role: Role::Decode,
-        engine_id: id,
-        conn,
-        conn_index: 0,
-    }
-}
-
 /// DESIGN.md section 2: a prefill room reaches SUCCESS when its last chunk is written
 /// and completion delivered; an abort before that makes it FAILED and the decode side is
 /// told. A Done frame written for a room that is already FAILED lets the decode engine,
@@ -552,23 +417,15 @@ fn hello(conn: ConnKind, id: u64) -> Message {
 fn the_prefill_writes_no_done_frame_for_a_room_that_failed_first() {
     // One KV buffer: the room's one page is one data frame, and the pause point after it
     // is the gap between the last data frame and Done.
-    let pmem = vec![region(|i| src_byte(0, i))];
-    let p = engine("prefill", &pmem, &[]);
+    let pmem = source(1, PAGES, ITEM);
+    let p = engine("prefill", &pmem, ONE_WORKER);
     let id = 0xD0_0D;
-    let mut ctrl = fake_decode_ctrl_with(&p, id, 1, PAGES, ITEM);
-    let mut data = fake_decode_data(&p, id);
+    let mut ctrl = fake::decode_ctrl(p.address(), id, 1, PAGES, ITEM);
+    let mut data = fake::decode_data(p.address(), id, 0);
 
     let room = 40;
     p.room_create(room, RoomPeers::Decoders(1)).unwrap();
-    send_msg(
-        &mut ctrl,
-        &Message::Destination {
-            room,
-            generation: 1,
-            pages: vec![5],
-            aux_slot: None,
-        },
-    );
+    fake::send_msg(&mut ctrl, &destination(room, 1, vec![5]));
     wait_state(&p, room, State::WaitingForInput);
     testing::pause_at(MID, room);
     p.enqueue_chunk(room, &[3], true, None).unwrap();
@@ -610,20 +467,15 @@ fn clearing_a_prefill_room_blocked_on_a_slow_reader_keeps_the_peer_and_the_strea
     const BIG: usize = 256 * 1024; // 16 pages per 4 MiB frame: 4 frames, 16 MiB
     let src = |i: usize| (i * 7 + i / BIG * 13) as u8 | 1;
     let pmem = vec![Region::new(N as usize, BIG, src)];
-    let p = engine("prefill", &pmem, &[]);
+    let p = engine("prefill", &pmem, ONE_WORKER);
     let id = 0xC1EA;
-    let ctrl = fake_decode_ctrl_with(&p, id, 1, N as usize, BIG);
-    let mut data = fake_decode_data(&p, id);
+    let ctrl = fake::decode_ctrl(p.address(), id, 1, N as usize, BIG);
+    let mut data = fake::decode_data(p.address(), id, 0);
     let start = |room: u64, n: u32| {
         p.room_create(room, RoomPeers::Decoders(1)).unwrap();
-        send_msg(
+        fake::send_msg(
             &mut ctrl.try_clone().unwrap(),
-            &Message::Destination {
-                room,
-                generation: room,
-                pages: pages(0, n),
-                aux_slot: None,
-            },
+            &destination(room, room, pages(0, n)),
         );
         wait_state(&p, room, State::WaitingForInput);
         p.enqueue_chunk(room, &pages(0, n), true, None).unwrap();
@@ -686,62 +538,6 @@ fn clearing_a_prefill_room_blocked_on_a_slow_reader_keeps_the_peer_and_the_strea
     assert_eq!(p.metrics().peers_lost, 0);
 }
 
-/// A fake decode engine's control connection to `p`, handshake done, with the
-/// registration of this file's engines (BUFS buffers of PAGES pages of ITEM bytes).
-fn fake_decode_ctrl(p: &Engine, id: u64) -> TcpStream {
-    fake_decode_ctrl_with(p, id, BUFS, PAGES, ITEM)
-}
-
-/// As [`fake_decode_ctrl`], registering `bufs` buffers of `pages` pages of `item` bytes.
-fn fake_decode_ctrl_with(p: &Engine, id: u64, bufs: usize, pages: usize, item: usize) -> TcpStream {
-    let mut ctrl = TcpStream::connect(p.address()).unwrap();
-    ctrl.set_read_timeout(Some(LIMIT)).unwrap();
-    send_msg(&mut ctrl, &hello(ConnKind::Control, id));
-    assert!(matches!(recv_msg(&mut ctrl), Message::Hello { .. }));
-    assert!(matches!(recv_msg(&mut ctrl), Message::Registration(_)));
-    let buf = BufferInfo {
-        len: (pages * item) as u64,
-        item_len: item as u64,
-        layer_id: BufferInfo::NO_LAYER,
-        addr: 0,
-        rkey: 0,
-    };
-    let reg = Registration {
-        kv: vec![buf; bufs],
-        aux: vec![],
-        layout: Layout::default(),
-    };
-    send_msg(&mut ctrl, &Message::Registration(reg));
-    fake_transport_as_decode(&mut ctrl);
-    ctrl
-}
-
-/// The fake decode engine's data connection to `p`, handshake done.
-fn fake_decode_data(p: &Engine, id: u64) -> TcpStream {
-    let mut data = TcpStream::connect(p.address()).unwrap();
-    data.set_read_timeout(Some(LIMIT)).unwrap();
-    send_msg(&mut data, &hello(ConnKind::Data, id));
-    assert!(matches!(recv_msg(&mut data), Message::Hello { .. }));
-    data
-}
-
-/// The fake decode engine's transport agreement: TCP.
-fn fake_transport_as_decode(ctrl: &mut TcpStream) {
-    send_msg(ctrl, &TCP_TRANSPORT);
-    assert!(matches!(
-        recv_msg(ctrl),
-        Message::Transport {
-            transport: WireTransport::Tcp,
-            ..
-        }
-    ));
-}
-
-const TCP_TRANSPORT: Message = Message::Transport {
-    transport: WireTransport::Tcp,
-    qps: Vec::new(),
-};
-
 /// DESIGN.md section 2: an abort on the prefill side fails the room and the decode side
 /// is told. Found by tests/storm.rs (a decode room left WAITING_FOR_INPUT until its
 /// waiting deadline): when the prefill scheduler aborts (or clears) a room while the
@@ -761,15 +557,15 @@ const TCP_TRANSPORT: Message = Message::Transport {
 #[test]
 fn a_destination_racing_a_prefill_abort_is_always_answered() {
     const ROOMS: u64 = 30_000;
-    let pmem: Vec<Region> = (0..BUFS).map(|b| region(move |i| src_byte(b, i))).collect();
-    let p = engine("prefill", &pmem, &[]);
-    let mut ctrl = fake_decode_ctrl(&p, 0xAB0);
+    let pmem = source(BUFS, PAGES, ITEM);
+    let p = engine("prefill", &pmem, ONE_WORKER);
+    let mut ctrl = fake::decode_ctrl(p.address(), 0xAB0, BUFS, PAGES, ITEM);
     let answered = collect_aborts(&ctrl);
     // A second scheduler thread keeps the current room's lock busy (empty non-last
     // chunks, held until the destination comes), as a scheduler enqueueing does.
     let current = std::sync::atomic::AtomicU64::new(0);
     let stop = std::sync::atomic::AtomicBool::new(false);
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     std::thread::scope(|s| {
         s.spawn(|| {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -792,26 +588,16 @@ fn a_destination_racing_a_prefill_abort_is_always_answered() {
     );
 }
 
-fn race(p: &Engine, ctrl: &mut TcpStream, current: &std::sync::atomic::AtomicU64, rng: &mut u64) {
+fn race(p: &Engine, ctrl: &mut TcpStream, current: &std::sync::atomic::AtomicU64, rng: &mut Rng) {
     const ROOMS: u64 = 30_000;
     for room in 1..=ROOMS {
         p.room_create(room, RoomPeers::Decoders(1)).unwrap();
         current.store(room, std::sync::atomic::Ordering::Relaxed);
-        send_msg(
+        fake::send_msg(
             ctrl,
-            &Message::Destination {
-                room,
-                generation: 1,
-                pages: vec![(room % PAGES as u64) as u32],
-                aux_slot: None,
-            },
+            &destination(room, 1, vec![(room % PAGES as u64) as u32]),
         );
-        *rng ^= *rng << 13;
-        *rng ^= *rng >> 7;
-        *rng ^= *rng << 17;
-        for _ in 0..*rng % 4000 {
-            std::hint::spin_loop();
-        }
+        rng.spin_below(4000);
         p.room_abort(room, "racing the destination").unwrap();
     }
 }
@@ -826,95 +612,29 @@ fn race(p: &Engine, ctrl: &mut TcpStream, current: &std::sync::atomic::AtomicU64
 ///
 /// Deterministic with a fake prefill engine on raw sockets: half of a data frame is
 /// sent, the room is cleared, the pages are poisoned again, the other half is sent.
-/// A fake prefill engine on raw sockets (one data connection) serving decode room
-/// `room` of `d`, whose destination `dst` it has received. Returns its control and
-/// data connections and the room's generation.
-fn fake_prefill_with_room(d: &Engine, room: u64, dst: &[u32]) -> (TcpStream, TcpStream, u64) {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    d.room_create(room, RoomPeers::Prefills(vec![addr]))
-        .unwrap();
-    let (mut ctrl, _) = l.accept().unwrap();
-    ctrl.set_read_timeout(Some(LIMIT)).unwrap();
-    assert!(matches!(recv_msg(&mut ctrl), Message::Hello { .. }));
-    let prefill_hello = |conn| Message::Hello {
-        proto_version: PROTO_VERSION,
-        role: Role::Prefill,
-        engine_id: 0xFEED,
-        conn,
-        conn_index: 0,
-    };
-    send_msg(&mut ctrl, &prefill_hello(ConnKind::Control));
-    assert!(matches!(recv_msg(&mut ctrl), Message::Registration(_)));
-    let buf = BufferInfo {
-        len: (PAGES * ITEM) as u64,
-        item_len: ITEM as u64,
-        layer_id: BufferInfo::NO_LAYER,
-        addr: 0,
-        rkey: 0,
-    };
-    send_msg(
-        &mut ctrl,
-        &Message::Registration(Registration {
-            kv: vec![buf; BUFS],
-            aux: vec![],
-            layout: Layout::default(),
-        }),
-    );
-    assert!(matches!(
-        recv_msg(&mut ctrl),
-        Message::Transport {
-            transport: WireTransport::Tcp,
-            ..
-        }
-    ));
-    send_msg(&mut ctrl, &TCP_TRANSPORT);
-    let (mut data, _) = l.accept().unwrap();
-    data.set_read_timeout(Some(LIMIT)).unwrap();
-    assert!(matches!(recv_msg(&mut data), Message::Hello { .. }));
-    send_msg(&mut data, &prefill_hello(ConnKind::Data));
-    d.room_set_destination(room, dst, None).unwrap();
-    let generation = loop {
-        if let Message::Destination { generation, .. } = recv_msg(&mut ctrl) {
-            break generation;
-        }
-    };
-    (ctrl, data, generation)
-}
-
-/// The prefix of a data frame for `n` pages of buffer 0 from `first_page`.
-fn frame_prefix(room: u64, generation: u64, first_page: u32, n: u32) -> Vec<u8> {
-    let h = kvxfer::proto::DataHeader {
-        room,
-        generation,
-        target: kvxfer::proto::Target::Kv,
-        buffer: 0,
-        first_page,
-        n_pages: n,
-        byte_len: n * ITEM as u32,
-    };
-    let mut prefix = [0u8; proto::DATA_FRAME_PREFIX_LEN];
-    h.encode_frame(&mut prefix).unwrap();
-    prefix.to_vec()
-}
-
 #[test]
 fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
-    let dmem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
-    let d = engine("decode", &dmem, &[]);
+    let dmem = poisoned(BUFS, PAGES, ITEM);
+    let d = engine("decode", &dmem, ONE_WORKER);
     let room = 50;
     let dst = [8u32, 9];
-    let (_ctrl, mut data, generation) = fake_prefill_with_room(&d, room, &dst);
+    let (mut fp, dest) = FakePrefill::serving(&d, room, &dst, BUFS, PAGES, ITEM, 1);
+    let (mut data, generation) = (fp.data.remove(0), dest.generation);
     // A frame for both pages of buffer 0; only the first page's bytes for now.
-    data.write_all(&frame_prefix(room, generation, 8, 2))
-        .unwrap();
+    data.write_all(&fake::frame_prefix(&fake::kv_header(
+        room, generation, 0, 8, 2, ITEM,
+    )))
+    .unwrap();
     data.write_all(&[0x41; ITEM]).unwrap();
     wait_until("the first half to land", || {
         dmem[0].page(8).iter().all(|&x| x == 0x41)
     });
 
+    // The scheduler aborts the room, and gives its pages to another request once they
+    // are drained (which a peer that stopped mid-frame must not hold up), then clears.
+    d.room_abort(room, "client cancelled").unwrap();
+    wait_until("drain", || d.room_drained(room).unwrap());
     d.room_clear(room).unwrap();
-    // The scheduler gives the pages to another request: poison them again.
     for &p in &dst {
         dmem[0].poison(p, POISON);
     }
@@ -926,36 +646,85 @@ fn clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards() {
     drop(d);
     assert!(
         !landed,
-        "bytes landed in room {room}'s pages after room_clear returned"
+        "bytes landed in room {room}'s pages after it was drained"
     );
 }
 
-/// Clearing a room while one of its frames is still arriving, slowly but steadily: the
-/// receiver stops writing into the room's pages at the next bytes to arrive, so clear
-/// returns without cutting the peer (a slow link is not a stalled peer, and cutting it
-/// would fail every other room it serves), and nothing lands after clear returns.
+/// room_clear on a live room in the middle of a frame never waits, and nothing lands
+/// once the pages are handed back: the cleared room keeps draining in the background.
 #[test]
-fn clearing_a_room_mid_frame_stops_its_writes_without_cutting_a_slow_peer() {
-    const PAGES_IN_FRAME: u32 = 128; // 128 KiB: past the receiver's 64 KiB buffer
-    const STEP: usize = 4096;
+fn clearing_a_live_decode_room_mid_frame_returns_at_once_and_drains_behind() {
+    let dmem = poisoned(BUFS, PAGES, ITEM);
+    let d = engine("decode", &dmem, ONE_WORKER);
+    let room = 51;
+    let dst: Vec<u32> = (8..8 + 128).collect();
+    let (mut fp, dest) = FakePrefill::serving(&d, room, &dst, BUFS, PAGES, ITEM, 1);
+    let (mut data, generation) = (fp.data.remove(0), dest.generation);
+    // A frame of 128 pages, so that its rest is read straight into the pages, of which
+    // only the first 4 KiB come: the receiver waits in a recv into the room's pages.
+    data.write_all(&fake::frame_prefix(&fake::kv_header(
+        room, generation, 0, 8, 128, ITEM,
+    )))
+    .unwrap();
+    data.write_all(&[0x41; 4096]).unwrap();
+    wait_until("the first bytes to land", || dmem[0].page(8)[0] == 0x41);
+    let t = Instant::now();
+    d.room_clear(room).unwrap();
+    assert!(
+        t.elapsed() < Duration::from_millis(50),
+        "room_clear waited {:?} for a stalled peer",
+        t.elapsed()
+    );
+    assert_eq!(d.room_poll(room).unwrap_err().kind(), ErrorKind::NotFound);
+    wait_until("the cleared room to drain", || {
+        d.metrics().rooms_draining == 0
+    });
+    for &p in &dst {
+        dmem[0].poison(p, POISON);
+    }
+    let _ = data.write_all(&vec![0x42; 64 * ITEM]);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        dst.iter()
+            .all(|&p| dmem[0].page(p).iter().all(|&x| x == POISON)),
+        "bytes landed in room {room}'s pages after it drained"
+    );
+    assert_eq!(d.metrics().peers_lost, 0, "the stalled peer was cut");
+}
+
+/// Aborting a room while one of its frames is still arriving, slowly but steadily: the
+/// receiver stops writing into the room's pages at the next bytes to arrive, so the room
+/// drains long before the frame ends, without cutting the peer (a slow link is not a
+/// stalled peer, and cutting it would fail every other room it serves), and nothing
+/// lands once it drained. The frame is `pages` pages of 1 KiB trickling in `step` bytes
+/// every 10 ms.
+fn clear_mid_frame_of_a_slow_peer(room: u64, pages: u32, step: usize) {
     const EVERY: Duration = Duration::from_millis(10);
-    let dmem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
-    let d = engine("decode", &dmem, &[]);
-    let room = 52;
-    let dst: Vec<u32> = (8..8 + PAGES_IN_FRAME).collect();
-    let (_ctrl, mut data, generation) = fake_prefill_with_room(&d, room, &dst);
-    data.write_all(&frame_prefix(room, generation, 8, PAGES_IN_FRAME))
-        .unwrap();
-    let body = vec![0x41u8; PAGES_IN_FRAME as usize * ITEM];
-    data.write_all(&body[..STEP]).unwrap();
+    let dmem = poisoned(BUFS, PAGES, ITEM);
+    let d = engine("decode", &dmem, ONE_WORKER);
+    let dst: Vec<u32> = (8..8 + pages).collect();
+    let (mut fp, dest) = FakePrefill::serving(&d, room, &dst, BUFS, PAGES, ITEM, 1);
+    let (mut data, generation) = (fp.data.remove(0), dest.generation);
+    data.write_all(&fake::frame_prefix(&fake::kv_header(
+        room, generation, 0, 8, pages, ITEM,
+    )))
+    .unwrap();
+    let body = vec![0x41u8; pages as usize * ITEM];
+    data.write_all(&body[..step]).unwrap();
     wait_until("the first bytes to land", || dmem[0].page(8)[0] == 0x41);
     let trickle = std::thread::spawn(move || {
-        for chunk in body[STEP..].chunks(STEP) {
+        for chunk in body[step..].chunks(step) {
             std::thread::sleep(EVERY);
             data.write_all(chunk)?;
         }
         Ok::<_, std::io::Error>(data)
     });
+    d.room_abort(room, "client cancelled").unwrap();
+    wait_until("drain", || d.room_drained(room).unwrap());
+    assert!(
+        !trickle.is_finished(),
+        "the room drained only once its whole frame had arrived"
+    );
     d.room_clear(room).unwrap();
     // The scheduler gives the pages to another request: poison them again.
     for &p in &dst {
@@ -970,8 +739,24 @@ fn clearing_a_room_mid_frame_stops_its_writes_without_cutting_a_slow_peer() {
     assert!(
         dst.iter()
             .all(|&p| dmem[0].page(p).iter().all(|&x| x == POISON)),
-        "bytes landed in room {room}'s pages after room_clear returned"
+        "bytes landed in room {room}'s pages after it drained"
     );
+}
+
+/// A frame longer than the receiver's 64 KiB buffer: its rest is read straight into
+/// the pages.
+#[test]
+fn clearing_a_room_mid_frame_stops_its_writes_without_cutting_a_slow_peer() {
+    clear_mid_frame_of_a_slow_peer(52, 128, 4096);
+}
+
+/// A frame whose rest is shorter than the receiver's 64 KiB buffer goes through the
+/// buffer; the room is checked after every recv there too (review F2: it was read with
+/// one `read_exact` that ended only with the frame, so bytes kept landing after the
+/// abort and clear cut the slow peer after its 100 ms patience).
+#[test]
+fn clearing_a_room_mid_frame_through_the_read_buffer_stops_its_writes_too() {
+    clear_mid_frame_of_a_slow_peer(53, 48, 1024);
 }
 
 /// A destination that reaches the prefill while its scheduler creates the room and at
@@ -988,27 +773,17 @@ fn clearing_a_room_mid_frame_stops_its_writes_without_cutting_a_slow_peer() {
 #[test]
 fn a_destination_racing_a_create_then_clear_is_answered_at_once() {
     const ROOMS: u64 = 40_000;
-    let pmem: Vec<Region> = (0..BUFS).map(|b| region(move |i| src_byte(b, i))).collect();
-    let p = engine("prefill", &pmem, &[]);
-    let mut ctrl = fake_decode_ctrl(&p, 0xAB1);
+    let pmem = source(BUFS, PAGES, ITEM);
+    let p = engine("prefill", &pmem, ONE_WORKER);
+    let mut ctrl = fake::decode_ctrl(p.address(), 0xAB1, BUFS, PAGES, ITEM);
     let answered = collect_aborts(&ctrl);
-    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     for room in 1..=ROOMS {
-        send_msg(
+        fake::send_msg(
             &mut ctrl,
-            &Message::Destination {
-                room,
-                generation: 1,
-                pages: vec![(room % PAGES as u64) as u32],
-                aux_slot: None,
-            },
+            &destination(room, 1, vec![(room % PAGES as u64) as u32]),
         );
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        for _ in 0..rng % 3000 {
-            std::hint::spin_loop();
-        }
+        rng.spin_below(3000);
         p.room_create(room, RoomPeers::Decoders(1)).unwrap();
         p.room_clear(room).unwrap();
     }

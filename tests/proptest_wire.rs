@@ -9,21 +9,26 @@
 //! Live socket: after a valid handshake as a fake decode engine with one room attached,
 //! any frame the decoder rejects makes the engine close the connection and fail the
 //! peer's room with a reason, and the engine then serves a fresh peer through a real
-//! transfer.
+//! transfer. An engine that requires authentication refuses and counts every damaged or
+//! forged handshake, and no room changes.
+
+mod common;
 
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::cell::Cell;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::time::{Duration, Instant};
 
-use kvxfer::log::{Level, Logger};
-use kvxfer::proto::{
-    self, BufferInfo, ConnKind, DataHeader, Kind, Layout, Limits, Message, ProtoError, QpInfo,
-    ReadError, Registration, Role, Target, WireTransport, DATA_FRAME_PREFIX_LEN, DATA_HEADER_LEN,
-    FRAME_HEADER_LEN, PROTO_VERSION,
+use common::fake::{self, destination, encode};
+use common::{
+    engine, first_unlike_source, poisoned, source, wait_state, wait_terminal, wait_until, Region,
 };
-use kvxfer::{BufferDesc, Cause, Config, Engine, RoomPeers, State};
+use kvxfer::proto::{
+    self, AuthMode, AuthRefusal, BufferInfo, ConnKind, DataHeader, Kind, Layout, Limits, Message,
+    ProtoError, QpInfo, ReadError, Registration, Role, Target, WireTransport,
+    DATA_FRAME_PREFIX_LEN, DATA_HEADER_LEN, FRAME_HEADER_LEN, PROTO_VERSION,
+};
+use kvxfer::{Cause, RoomPeers, State};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PropConfig, TestRunner};
 
@@ -84,12 +89,6 @@ fn largest_alloc<R>(f: impl FnOnce() -> R) -> (R, usize) {
 
 // ---------------------------------------------------------------------------------------
 // Frames.
-
-fn encode(m: &Message) -> Vec<u8> {
-    let mut out = Vec::new();
-    m.encode(&mut out).unwrap();
-    out
-}
 
 fn data_frame(h: DataHeader) -> Vec<u8> {
     let mut prefix = [0u8; DATA_FRAME_PREFIX_LEN];
@@ -173,6 +172,68 @@ fn seeds() -> Vec<Vec<u8>> {
             n_pages: 2,
             byte_len: 32,
         }),
+    ]
+    .into_iter()
+    .chain(auth_seeds())
+    .collect()
+}
+
+/// One valid frame of every authentication kind (and setting).
+fn auth_seeds() -> Vec<Vec<u8>> {
+    vec![
+        encode(&fake::auth_off_hello()),
+        encode(&Message::AuthHello {
+            auth: AuthMode::Required,
+            key_id: [3; 8],
+            nonce: [0x5a; 32],
+        }),
+        encode(&Message::AuthChallenge {
+            auth: AuthMode::Required,
+            engine_id: 77,
+            nonce: [0xa5; 32],
+        }),
+        encode(&Message::AuthChallenge {
+            auth: AuthMode::Off,
+            engine_id: 0,
+            nonce: [0; 32],
+        }),
+        encode(&Message::AuthProof { mac: [0x11; 32] }),
+        encode(&Message::AuthRefused {
+            reason: AuthRefusal::BadProof,
+            auth: AuthMode::Required,
+        }),
+    ]
+}
+
+/// Any authentication message, valid or not: either setting, with zero or random key
+/// ids, nonces and engine ids (nonzero ones are invalid with auth off).
+fn arb_auth() -> impl Strategy<Value = Message> {
+    let mode = prop_oneof![Just(AuthMode::Off), Just(AuthMode::Required)];
+    let bytes32 = prop_oneof![Just([0u8; 32]), any::<[u8; 32]>()];
+    prop_oneof![
+        (
+            mode.clone(),
+            prop_oneof![Just([0u8; 8]), any::<[u8; 8]>()],
+            bytes32.clone()
+        )
+            .prop_map(|(auth, key_id, nonce)| Message::AuthHello {
+                auth,
+                key_id,
+                nonce
+            }),
+        (
+            mode.clone(),
+            prop_oneof![Just(0u64), any::<u64>()],
+            bytes32.clone()
+        )
+            .prop_map(|(auth, engine_id, nonce)| Message::AuthChallenge {
+                auth,
+                engine_id,
+                nonce
+            }),
+        bytes32.prop_map(|mac| Message::AuthProof { mac }),
+        (prop::sample::select(AuthRefusal::ALL.to_vec()), mode)
+            .prop_map(|(reason, auth)| Message::AuthRefused { reason, auth }),
     ]
 }
 
@@ -382,6 +443,24 @@ proptest! {
         prop_assert!(largest <= bound.max(64), "allocated {} bytes for {:?}", largest, m);
     }
 
+    /// An authentication message, valid or not: `validate` and a decode of its encoding
+    /// agree, and decoding allocates nothing (every field is fixed-size).
+    #[test]
+    fn auth_messages_round_trip_or_fail_like_validate(m in arb_auth()) {
+        let limits = Limits::default();
+        let frame = encode(&m);
+        prop_assert_eq!(frame.len() as u64, FRAME_HEADER_LEN as u64 + m.payload_len());
+        prop_assert!(m.payload_len() <= 44);
+        let payload = &frame[FRAME_HEADER_LEN..];
+        let (res, largest) = largest_alloc(|| Message::decode(m.kind(), payload, &limits));
+        match (m.validate(&limits), res) {
+            (Ok(()), Ok(back)) => prop_assert_eq!(back, m),
+            (Err(want), Err(got)) => prop_assert_eq!(got, want),
+            (v, d) => prop_assert!(false, "validate {:?} but decode {:?}", v, d),
+        }
+        prop_assert_eq!(largest, 0);
+    }
+
     /// Message::decode on random payloads of every kind allocates at most the payload's
     /// length (every count is checked against the bytes that remain before allocating).
     #[test]
@@ -414,12 +493,7 @@ proptest! {
 fn a_frame_claiming_a_huge_count_fails_before_allocating() {
     let limits = Limits::default();
     // The tracking sees allocations: a valid Destination allocates its page list.
-    let ok = encode(&Message::Destination {
-        room: 1,
-        generation: 2,
-        pages: (0..64).collect(),
-        aux_slot: None,
-    });
+    let ok = encode(&destination(1, 2, (0..64).collect()));
     let (r, largest) = largest_alloc(|| Message::decode(Kind::Destination, &ok[16..], &limits));
     assert!(r.is_ok());
     assert!(largest >= 64 * 4, "{largest}");
@@ -487,101 +561,13 @@ fn a_frame_claiming_a_huge_count_fails_before_allocating() {
 const ITEM: usize = 256;
 const PAGES: usize = 16;
 
-fn registration() -> Registration {
-    Registration {
-        kv: vec![buffer((PAGES * ITEM) as u64, ITEM as u64)],
-        aux: vec![],
-        layout: Layout::default(),
-    }
-}
-
-fn send(s: &mut TcpStream, m: &Message) {
-    s.write_all(&encode(m)).unwrap();
-}
-
-fn recv(s: &mut TcpStream) -> Message {
-    let l = Limits::default();
-    let h = proto::read_frame_header(s, &l).unwrap();
-    proto::read_control(s, &h, &l).unwrap()
-}
-
-/// A fake decode engine's control connection, handshake and registration done.
-fn fake_decode(addr: &str, id: u64) -> TcpStream {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    send(
-        &mut s,
-        &Message::Hello {
-            proto_version: PROTO_VERSION,
-            role: Role::Decode,
-            engine_id: id,
-            conn: ConnKind::Control,
-            conn_index: 0,
-        },
-    );
-    assert!(matches!(recv(&mut s), Message::Hello { .. }));
-    assert!(matches!(recv(&mut s), Message::Registration(_)));
-    send(&mut s, &Message::Registration(registration()));
-    send(
-        &mut s,
-        &Message::Transport {
-            transport: WireTransport::Tcp,
-            qps: vec![],
-        },
-    );
-    assert!(matches!(recv(&mut s), Message::Transport { .. }));
-    s
-}
-
-/// The engine closes the connection: reads end in EOF or an error.
-fn closed(s: &mut TcpStream) -> bool {
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut buf = [0u8; 4096];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) | Err(_) => return true,
-            Ok(_) => continue, // heartbeats or aborts still queued
-        }
-    }
-}
-
-fn wait_terminal(e: &Engine, room: u64) -> State {
-    let t = Instant::now();
-    loop {
-        let s = e.room_poll(room).unwrap();
-        if s.is_terminal() {
-            return s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "room {room} stuck in {s}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-fn engine(role: &str, mem: &mut [Vec<u8>]) -> Engine {
-    let mut c = Config::default();
-    c.set("role", role).unwrap();
-    c.set("connections_per_peer", "1").unwrap();
-    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
-    e.register_kv(
-        mem.iter_mut()
-            .map(|b| BufferDesc {
-                base: b.as_mut_ptr() as usize,
-                len: b.len(),
-                item_len: ITEM,
-            })
-            .collect(),
-    )
-    .unwrap();
-    e
-}
+/// Every engine of this file has one data connection per peer.
+const ONE_CONN: (&str, &str) = ("connections_per_peer", "1");
 
 #[test]
 fn damaged_frames_on_a_live_socket_close_it_and_fail_the_peers_room() {
-    let mut pmem = vec![(0..PAGES * ITEM).map(|i| i as u8 | 1).collect::<Vec<u8>>()];
-    let p = engine("prefill", &mut pmem);
+    let pmem = source(1, PAGES, ITEM);
+    let p = engine("prefill", &pmem, &[ONE_CONN]);
     let limits = Limits::default();
     let mut runner = TestRunner::new(PropConfig {
         cases: 96,
@@ -594,22 +580,10 @@ fn damaged_frames_on_a_live_socket_close_it_and_fail_the_peers_room() {
         .run(&damaged(), |frame| {
             let room = next_room.get() + 1;
             next_room.set(room);
-            let mut s = fake_decode(p.address(), room);
+            let mut s = fake::decode_ctrl(p.address(), room, 1, PAGES, ITEM);
             p.room_create(room, RoomPeers::Decoders(1)).unwrap();
-            send(
-                &mut s,
-                &Message::Destination {
-                    room,
-                    generation: 1,
-                    pages: vec![2, 3],
-                    aux_slot: None,
-                },
-            );
-            let t = Instant::now();
-            while p.room_poll(room).unwrap() != State::WaitingForInput {
-                prop_assert!(t.elapsed() < Duration::from_secs(10));
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            fake::send_msg(&mut s, &destination(room, 1, vec![2, 3]));
+            wait_state(&p, room, State::WaitingForInput);
             let errors = p.metrics().protocol_errors;
             let bad = !is_valid_control_frame(&frame, &limits);
             // The engine may close the connection before it has read it all (a bad
@@ -618,7 +592,7 @@ fn damaged_frames_on_a_live_socket_close_it_and_fail_the_peers_room() {
             // End the stream: a truncated frame then ends mid-frame, a whole one at a
             // boundary; either way the peer is gone and so is its room.
             let _ = s.shutdown(Shutdown::Write);
-            prop_assert!(closed(&mut s));
+            fake::read_until_closed(&mut s);
             prop_assert_eq!(wait_terminal(&p, room), State::Failed);
             let why = p.room_failure(room).unwrap();
             prop_assert!(!why.message.is_empty());
@@ -645,8 +619,8 @@ fn damaged_frames_on_a_live_socket_close_it_and_fail_the_peers_room() {
     // random frame names: a random frame can be a well-formed Abort for a small id, and
     // an abort for a room not created yet fails the next room created with that id.)
     let id = 0x5EED_F00D_0000_0001;
-    let mut dmem = vec![vec![0xEEu8; PAGES * ITEM]];
-    let d = engine("decode", &mut dmem);
+    let dmem = poisoned(1, PAGES, ITEM);
+    let d = engine("decode", &dmem, &[ONE_CONN]);
     p.room_create(id, RoomPeers::Decoders(1)).unwrap();
     d.room_create(id, RoomPeers::Prefills(vec![p.address().to_string()]))
         .unwrap();
@@ -655,5 +629,83 @@ fn damaged_frames_on_a_live_socket_close_it_and_fail_the_peers_room() {
     assert_eq!(wait_terminal(&d, id), State::Success);
     assert_eq!(wait_terminal(&p, id), State::Success);
     drop(d);
-    assert_eq!(&dmem[0][5 * ITEM..7 * ITEM], &pmem[0][ITEM..3 * ITEM]);
+    assert_eq!(first_unlike_source(&dmem, &[1, 2], &[5, 6]), None);
+}
+
+/// A decode engine's first frames as a stranger would send them: a valid Hello, then
+/// one authentication frame (maybe damaged), or a damaged Hello alone.
+fn stranger_handshake() -> impl Strategy<Value = Vec<u8>> {
+    let hello = encode(&Message::Hello {
+        proto_version: PROTO_VERSION,
+        role: Role::Decode,
+        engine_id: 0x57,
+        conn: ConnKind::Control,
+        conn_index: 0,
+    });
+    let n = auth_seeds().len();
+    let h = hello.clone();
+    prop_oneof![
+        // Hello, then an authentication frame with edits (or none).
+        3 => (0..n, prop::collection::vec(edit(), 0..4)).prop_map(move |(i, edits)| {
+            let mut f = auth_seeds()[i].clone();
+            for e in &edits {
+                apply(&mut f, e);
+            }
+            let mut all = h.clone();
+            all.extend(f);
+            all
+        }),
+        // A damaged Hello.
+        1 => prop::collection::vec(edit(), 1..4).prop_map(move |edits| {
+            let mut f = hello.clone();
+            for e in &edits {
+                apply(&mut f, e);
+            }
+            f
+        }),
+    ]
+}
+
+#[test]
+fn damaged_or_forged_handshakes_are_refused_counted_and_change_no_room() {
+    let pmem = vec![Region::new(PAGES, ITEM, |_| 0x33)];
+    let key = "7e".repeat(32);
+    let p = engine(
+        "prefill",
+        &pmem,
+        &[
+            ONE_CONN,
+            ("auth_key", &key),
+            ("bootstrap_timeout_ms", "60000"),
+        ],
+    );
+    p.room_create(1, RoomPeers::Decoders(1)).unwrap();
+    let mut runner = TestRunner::new(PropConfig {
+        cases: 64,
+        failure_persistence: None,
+        ..PropConfig::default()
+    });
+    let cases = std::cell::Cell::new(0u64);
+    runner
+        .run(&stranger_handshake(), |bytes| {
+            let before = p.metrics().auth_failures;
+            let mut s = TcpStream::connect(p.address()).unwrap();
+            let _ = s.write_all(&bytes);
+            // The stranger has no key: whatever it sent ends the connection once it
+            // stops sending, without the prefill's Hello or Registration.
+            let _ = s.shutdown(Shutdown::Write);
+            for m in fake::frames(&fake::read_until_closed(&mut s)) {
+                prop_assert!(m.kind().is_auth(), "a {} frame to a stranger", m.kind());
+            }
+            wait_until("the refusal to be counted", || {
+                p.metrics().auth_failures > before
+            });
+            prop_assert_eq!(p.room_poll(1).unwrap(), State::Bootstrapping);
+            cases.set(cases.get() + 1);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(p.metrics().auth_failures, cases.get());
+    assert!(pmem[0].holds_only(0x33));
+    assert_eq!(p.metrics().protocol_errors, 0);
 }

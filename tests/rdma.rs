@@ -9,124 +9,47 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::Region;
-use kvxfer::log::{Level, Logger};
-use kvxfer::{Cause, Config, Engine, ErrorKind, RoomPeers, State};
+use common::{terminal_within, wait_until_within, Log, Pair, POISON};
+use kvxfer::log::Level;
+use kvxfer::{Cause, Engine, ErrorKind, RoomPeers, State};
 
 const BUFS: usize = 4;
 const PAGES: usize = 256;
 const ITEM: usize = 16 * 1024;
-const POISON: u8 = 0xEE;
+/// How long a wait may take: soft-RoCE in an emulated guest is slow.
 const LIMIT: Duration = Duration::from_secs(60);
+/// Every engine of this file has two workers.
+const WORKERS: (&str, &str) = ("workers", "2");
 
 /// Whether this run has an RDMA device (the guest of `make test-rdma`).
 fn rdma() -> bool {
     common::test_transport() == "rdma"
 }
 
-fn src_byte(b: usize, i: usize) -> u8 {
-    (b * 37 + i * 11 + i / ITEM * 5) as u8 | 1
+/// A prefill and a decode engine over `transport`, the prefill with `p_extra`.
+fn pair(transport: &str, p_extra: &[(&str, &str)]) -> Pair {
+    Pair::builder()
+        .transport(transport)
+        .config(&[WORKERS])
+        .prefill(p_extra)
+        .bufs(BUFS)
+        .pages(PAGES)
+        .item(ITEM)
+        .build()
 }
 
-fn config(role: &str, transport: &str, extra: &[(&str, &str)]) -> Config {
-    let mut c = Config::default();
-    c.set("role", role).unwrap();
-    c.set("transport", transport).unwrap();
-    c.set("workers", "2").unwrap();
-    for (k, v) in extra {
-        c.set(k, v).unwrap();
-    }
-    c
-}
-
-/// A log sink that keeps every line.
-fn capture() -> (Logger, Arc<Mutex<Vec<String>>>) {
-    let lines = Arc::new(Mutex::new(Vec::new()));
-    let l = lines.clone();
-    let sink: kvxfer::log::Sink = Arc::new(move |_, msg: &str| l.lock().unwrap().push(msg.into()));
-    (Logger::new(Level::Info, Some(sink)), lines)
-}
-
-struct Pair {
-    p: Engine,
-    d: Engine,
-    pmem: Vec<Region>,
-    dmem: Vec<Region>,
-}
-
-impl Pair {
-    fn new(transport: &str, p_extra: &[(&str, &str)], d_extra: &[(&str, &str)]) -> Pair {
-        let pmem: Vec<Region> = (0..BUFS)
-            .map(|b| Region::new(PAGES, ITEM, move |i| src_byte(b, i)))
-            .collect();
-        let dmem: Vec<Region> = (0..BUFS)
-            .map(|_| Region::new(PAGES, ITEM, |_| POISON))
-            .collect();
-        let quiet = Logger::new(Level::Error, None);
-        let p = Engine::new(config("prefill", transport, p_extra), quiet.clone()).unwrap();
-        p.register_kv(pmem.iter().map(Region::desc).collect())
-            .unwrap();
-        let d = Engine::new(config("decode", transport, d_extra), quiet).unwrap();
-        d.register_kv(dmem.iter().map(Region::desc).collect())
-            .unwrap();
-        Pair { p, d, pmem, dmem }
-    }
-
-    fn create(&self, room: u64, dst: &[u32]) {
-        self.p.room_create(room, RoomPeers::Decoders(1)).unwrap();
-        self.d
-            .room_create(room, RoomPeers::Prefills(vec![self.p.address().into()]))
-            .unwrap();
-        self.d.room_set_destination(room, dst, None).unwrap();
-    }
-
-    fn send(&self, room: u64, src: &[u32], chunk: usize) {
-        let parts: Vec<&[u32]> = src.chunks(chunk.max(1)).collect();
-        for (i, part) in parts.iter().enumerate() {
-            self.p
-                .enqueue_chunk(room, part, i + 1 == parts.len(), None)
-                .unwrap();
-        }
-    }
-
-    fn assert_pages(&self, src: &[u32], dst: &[u32]) {
-        if let Some((b, s, d)) = common::first_difference(&self.pmem, src, &self.dmem, dst) {
-            panic!("buffer {b}: page {d} differs from source page {s}");
-        }
-    }
-
-    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
-    fn poisoned(&self, dst: &[u32]) -> bool {
-        common::all_filled(&self.dmem, dst, POISON)
-    }
-
-    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
-    fn repoison(&self, dst: &[u32]) {
-        common::fill_pages(&self.dmem, dst, POISON)
-    }
-}
-
-fn wait_terminal(e: &Engine, room: u64) -> State {
-    common::wait_terminal(e, room, LIMIT)
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < LIMIT, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+/// An engine of `role` over `transport`, logging only errors, with no buffers.
+fn start(role: &str, transport: &str, extra: &[(&str, &str)]) -> Result<Engine, kvxfer::Error> {
+    let mut keys = vec![("transport", transport), WORKERS];
+    keys.extend_from_slice(extra);
+    Engine::new(common::config(role, &keys), common::quiet())
 }
 
 #[test]
 fn transport_rdma_without_a_device_fails_engine_creation_clearly() {
-    let r = Engine::new(
-        config("prefill", "rdma", &[]),
-        Logger::new(Level::Error, None),
-    );
+    let r = start("prefill", "rdma", &[]);
     if rdma() {
         r.expect("transport=rdma starts where a device is up");
         return;
@@ -141,12 +64,9 @@ fn transport_rdma_without_a_device_fails_engine_creation_clearly() {
         e.message()
     );
     // Naming devices that do not exist is no better.
-    let e = Engine::new(
-        config("decode", "rdma", &[("rdma_devices", "nosuch0")]),
-        Logger::new(Level::Error, None),
-    )
-    .err()
-    .expect("an rdma engine started with a device that does not exist");
+    let e = start("decode", "rdma", &[("rdma_devices", "nosuch0")])
+        .err()
+        .expect("an rdma engine started with a device that does not exist");
     assert_eq!(e.kind(), ErrorKind::TransportUnavailable);
     assert!(
         e.message().contains("rdma_devices=nosuch0"),
@@ -157,14 +77,15 @@ fn transport_rdma_without_a_device_fails_engine_creation_clearly() {
 
 #[test]
 fn transport_auto_uses_rdma_where_it_can_and_tcp_otherwise_and_says_which() {
-    let (log, lines) = capture();
-    let e = Engine::new(config("prefill", "auto", &[]), log).unwrap();
+    let log = Log::default();
+    let e = Engine::new(
+        common::config("prefill", &[("transport", "auto"), WORKERS]),
+        log.logger(Level::Info),
+    )
+    .unwrap();
     drop(e);
-    let lines = lines.lock().unwrap();
-    let said = lines
-        .iter()
-        .find(|l| l.contains("listening on"))
-        .expect("the engine logs its transport");
+    // The engine logs its transport.
+    let said = log.wait_for(&["listening on"]);
     if rdma() {
         assert!(said.contains("transport rdma"), "{said}");
     } else {
@@ -174,12 +95,12 @@ fn transport_auto_uses_rdma_where_it_can_and_tcp_otherwise_and_says_which() {
         );
     }
     // And auto moves bytes either way.
-    let t = Pair::new("auto", &[], &[]);
+    let t = pair("auto", &[]);
     let (src, dst): (Vec<u32>, Vec<u32>) = ((0..16).collect(), (100..116).collect());
-    t.create(1, &dst);
+    t.open(1, &dst);
     t.send(1, &src, 5);
-    assert_eq!(wait_terminal(&t.d, 1), State::Success);
-    assert_eq!(wait_terminal(&t.p, 1), State::Success);
+    assert_eq!(terminal_within(&t.d, 1, LIMIT), State::Success);
+    assert_eq!(terminal_within(&t.p, 1, LIMIT), State::Success);
     t.assert_pages(&src, &dst);
 }
 
@@ -188,20 +109,14 @@ fn a_transport_mismatch_fails_the_room_naming_both_transports() {
     if !rdma() {
         return; // needs an RDMA engine beside a TCP one
     }
-    let t = Pair::new("rdma", &[], &[]);
-    let tcp_decode = Engine::new(
-        config("decode", "tcp", &[]),
-        Logger::new(Level::Error, None),
-    )
-    .unwrap();
-    let mem: Vec<Region> = (0..BUFS).map(|_| Region::new(PAGES, ITEM, |_| 0)).collect();
-    tcp_decode
-        .register_kv(mem.iter().map(Region::desc).collect())
-        .unwrap();
+    let t = pair("rdma", &[]);
+    let mem = common::poisoned(BUFS, PAGES, ITEM);
+    let tcp_decode = start("decode", "tcp", &[]).unwrap();
+    tcp_decode.register_kv(common::descs(&mem)).unwrap();
     tcp_decode
         .room_create(9, RoomPeers::Prefills(vec![t.p.address().into()]))
         .unwrap();
-    assert_eq!(wait_terminal(&tcp_decode, 9), State::Failed);
+    assert_eq!(terminal_within(&tcp_decode, 9, LIMIT), State::Failed);
     let why = tcp_decode.room_failure(9).unwrap();
     assert_eq!(why.cause, Cause::Mismatch, "{why}");
     assert!(
@@ -215,10 +130,9 @@ fn many_rooms_at_once_arrive_byte_for_byte() {
     // Over RDMA (the guest): a small slice and queue depth, so runs split into many
     // writes, chains of WRs, and the bound on outstanding writes is reached. On the host
     // the same rooms go over TCP.
-    let t = Pair::new(
+    let t = pair(
         &common::test_transport(),
         &[("rdma_slice_bytes", "8192"), ("rdma_queue_depth", "8")],
-        &[],
     );
     let rooms = 24u64;
     let mut plans = Vec::new();
@@ -228,15 +142,23 @@ fn many_rooms_at_once_arrive_byte_for_byte() {
             .map(|i| ((r as usize * 7 + i * 3) % PAGES) as u32)
             .collect();
         let dst: Vec<u32> = (0..n).map(|i| (r as usize * 10 + i) as u32).collect();
-        t.create(r, &dst);
+        t.open(r, &dst);
         plans.push((src, dst));
     }
     for (r, (src, _)) in plans.iter().enumerate() {
         t.send(r as u64, src, 1 + r % 3);
     }
     for (r, (src, dst)) in plans.iter().enumerate() {
-        assert_eq!(wait_terminal(&t.d, r as u64), State::Success, "room {r}");
-        assert_eq!(wait_terminal(&t.p, r as u64), State::Success, "room {r}");
+        assert_eq!(
+            terminal_within(&t.d, r as u64, LIMIT),
+            State::Success,
+            "room {r}"
+        );
+        assert_eq!(
+            terminal_within(&t.p, r as u64, LIMIT),
+            State::Success,
+            "room {r}"
+        );
         assert!(t.d.room_drained(r as u64).unwrap());
         t.assert_pages(src, dst);
     }
@@ -253,19 +175,19 @@ fn an_abort_during_outstanding_writes_drains_only_after_their_completions() {
     // One worker, one big chunk: 4 buffers x 256 pages x 16 KiB = 16 MiB of writes. The
     // worker is held (test-only pause point) right after its first batch's writes
     // completed, while it still counts them on the room: the abort lands then.
-    let t = Pair::new("rdma", &[("workers", "1")], &[]);
+    let t = pair("rdma", &[("workers", "1")]);
     let src: Vec<u32> = (0..PAGES as u32).collect();
     let dst: Vec<u32> = (0..PAGES as u32).collect();
     kvxfer::testing::pause_at("rdma.batch_done", 5);
-    t.create(5, &dst);
+    t.open(5, &dst);
     t.send(5, &src, PAGES);
     assert!(
         kvxfer::testing::wait_paused("rdma.batch_done", 5, LIMIT),
         "the worker never finished a batch"
     );
     t.d.room_abort(5, "client cancelled mid-write").unwrap();
-    assert_eq!(wait_terminal(&t.d, 5), State::Failed, "decode");
-    assert_eq!(wait_terminal(&t.p, 5), State::Failed, "prefill");
+    assert_eq!(terminal_within(&t.d, 5, LIMIT), State::Failed, "decode");
+    assert_eq!(terminal_within(&t.p, 5, LIMIT), State::Failed, "prefill");
     // The prefill still counts the batch: no acknowledgement, so the decode room must
     // not be drained, however long we wait.
     let t0 = Instant::now();
@@ -278,7 +200,9 @@ fn an_abort_during_outstanding_writes_drains_only_after_their_completions() {
         std::thread::sleep(Duration::from_millis(5));
     }
     kvxfer::testing::release("rdma.batch_done", 5);
-    wait_until("the decode room to drain", || t.d.room_drained(5).unwrap());
+    wait_until_within("the decode room to drain", LIMIT, || {
+        t.d.room_drained(5).unwrap()
+    });
     assert!(t.p.room_drained(5).unwrap());
     let why = t.p.room_failure(5).unwrap();
     assert!(why.message.contains("client cancelled mid-write"), "{why}");
@@ -288,9 +212,9 @@ fn an_abort_during_outstanding_writes_drains_only_after_their_completions() {
     assert!(t.poisoned(&dst), "a write landed after the room drained");
     // The link goes on: the next room arrives whole.
     let (src2, dst2): (Vec<u32>, Vec<u32>) = ((0..8).collect(), (40..48).collect());
-    t.create(6, &dst2);
+    t.open(6, &dst2);
     t.send(6, &src2, 3);
-    assert_eq!(wait_terminal(&t.d, 6), State::Success);
+    assert_eq!(terminal_within(&t.d, 6, LIMIT), State::Success);
     t.assert_pages(&src2, &dst2);
 }
 
@@ -305,16 +229,14 @@ fn a_prefill_process_killed_mid_transfer_fails_the_room_and_nothing_lands_after(
         return; // over TCP the same is covered by tests/two_process.rs
     }
     let mut child = common::ChildPrefill::start();
-    let mut mem: Vec<Vec<u8>> = (0..common::BUFS)
-        .map(|_| vec![POISON; common::PAGES * common::ITEM])
-        .collect();
-    let d = common::engine("decode", &mut mem, &[("heartbeat_interval_ms", "100")]);
+    let mem = common::poisoned(common::BUFS, common::PAGES, common::ITEM);
+    let d = common::engine("decode", &mem, &[("heartbeat_interval_ms", "100")]);
     let dst: Vec<u32> = (0..common::PAGES as u32).collect();
     d.room_create(3, RoomPeers::Prefills(vec![child.addr.clone()]))
         .unwrap();
     d.room_set_destination(3, &dst, None).unwrap();
     child.send("big 3");
-    wait_until("the transfer to start", || {
+    wait_until_within("the transfer to start", LIMIT, || {
         d.room_poll(3).unwrap() != State::Bootstrapping
             && d.room_poll(3).unwrap() != State::WaitingForInput
     });
@@ -325,18 +247,16 @@ fn a_prefill_process_killed_mid_transfer_fails_the_room_and_nothing_lands_after(
     );
     drop(child); // SIGKILL mid-transfer
     let t = Instant::now();
-    assert_eq!(wait_terminal(&d, 3), State::Failed);
+    assert_eq!(terminal_within(&d, 3, LIMIT), State::Failed);
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     let why = d.room_failure(3).unwrap();
     assert_eq!(why.cause, Cause::PeerLost, "{why}");
     // Lost peer: its queue pairs are shut, so the room is drained at once.
     assert!(d.room_drained(3).unwrap());
-    for b in &mut mem {
-        b.fill(POISON);
-    }
+    common::fill_pages(&mem, &dst, POISON);
     std::thread::sleep(Duration::from_millis(300));
     assert!(
-        mem.iter().all(|b| b.iter().all(|&x| x == POISON)),
+        common::all_filled(&mem, &dst, POISON),
         "a write landed after the room drained"
     );
 }
@@ -347,29 +267,31 @@ fn a_completion_error_fails_exactly_its_room_with_the_verbs_status() {
     if !rdma() {
         return;
     }
-    let t = Pair::new("rdma", &[("workers", "1")], &[]);
+    let t = pair("rdma", &[("workers", "1")]);
     let (src, dst): (Vec<u32>, Vec<u32>) = ((0..8).collect(), (0..8).collect());
     kvxfer::testing::inject_fault("rdma.bad_rkey", 11);
-    t.create(11, &dst);
+    t.open(11, &dst);
     t.send(11, &src, 8);
-    assert_eq!(wait_terminal(&t.p, 11), State::Failed);
-    assert_eq!(wait_terminal(&t.d, 11), State::Failed);
+    assert_eq!(terminal_within(&t.p, 11, LIMIT), State::Failed);
+    assert_eq!(terminal_within(&t.d, 11, LIMIT), State::Failed);
     let why = t.p.room_failure(11).unwrap();
     assert_eq!(why.cause, Cause::Transfer, "{why}");
     assert!(
         why.message.to_lowercase().contains("remote access"),
         "{why}"
     );
-    wait_until("the failed room to drain", || t.d.room_drained(11).unwrap());
+    wait_until_within("the failed room to drain", LIMIT, || {
+        t.d.room_drained(11).unwrap()
+    });
     // The broken queue pair is replaced on next use: rooms before and after are intact.
     for r in 12..16u64 {
         let (src, dst): (Vec<u32>, Vec<u32>) = (
             (r as u32..r as u32 + 6).collect(),
             (r as u32 * 8..r as u32 * 8 + 6).collect(),
         );
-        t.create(r, &dst);
+        t.open(r, &dst);
         t.send(r, &src, 2);
-        assert_eq!(wait_terminal(&t.d, r), State::Success, "room {r}");
+        assert_eq!(terminal_within(&t.d, r, LIMIT), State::Success, "room {r}");
         t.assert_pages(&src, &dst);
     }
     assert_eq!(t.d.metrics().rooms_failed.iter().sum::<u64>(), 1);

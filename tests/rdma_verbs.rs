@@ -10,10 +10,15 @@
 //! `cargo test --no-run --test rdma_verbs` then
 //! `scripts/rdma-vm.sh -t 300 . -- target/debug/deps/rdma_verbs-HASH --test-threads=1`.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer::transport::rdma::verbs::{Device, Endpoint, EndpointInfo, Region, WriteOp};
+use common::Rng;
+use kvxfer::transport::rdma::verbs::{
+    Access, Device, Domain, Endpoint, EndpointInfo, Region, WriteOp,
+};
 
 /// The device the environment names, if any.
 fn dev_name() -> Option<String> {
@@ -71,9 +76,19 @@ impl Buf {
         out
     }
 
+    /// Registered for remote writes in the device's own protection domain.
     fn register(&self, dev: &Device) -> Region {
+        self.register_as(dev, Access::RemoteWrite)
+    }
+
+    fn register_as(&self, dev: &Device, access: Access) -> Region {
         // SAFETY: every test drops its regions before the buffers (declared after them).
-        unsafe { dev.register(self.addr(), self.len) }.expect("ibv_reg_mr")
+        unsafe { dev.register(self.addr(), self.len, access) }.expect("ibv_reg_mr")
+    }
+
+    fn register_in(&self, domain: &Domain) -> Region {
+        // SAFETY: as register_as.
+        unsafe { domain.register(self.addr(), self.len, Access::RemoteWrite) }.expect("ibv_reg_mr")
     }
 }
 
@@ -86,28 +101,16 @@ impl Drop for Buf {
 
 /// Two endpoints on `dev`, connected to each other.
 fn pair(dev: &Arc<Device>, depth: u32) -> (Endpoint, Endpoint) {
-    let mut a = dev.endpoint(depth).expect("endpoint a");
-    let mut b = dev.endpoint(depth).expect("endpoint b");
+    let mut a = dev
+        .endpoint(depth, Access::RemoteWrite)
+        .expect("endpoint a");
+    let mut b = dev
+        .endpoint(depth, Access::RemoteWrite)
+        .expect("endpoint b");
     let (ia, ib) = (a.info(), b.info());
     a.connect(&ib).expect("connect a to b");
     b.connect(&ia).expect("connect b to a");
     (a, b)
-}
-
-/// A small deterministic generator (xorshift) for scattered runs.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 const STALL: Duration = Duration::from_secs(20);
@@ -154,7 +157,7 @@ fn device_opens_by_name_and_by_default_with_a_routable_gid() {
         .unwrap();
     assert_eq!(named.name(), name);
 
-    let ep = dev.endpoint(8).unwrap();
+    let ep = dev.endpoint(8, Access::Local).unwrap();
     let info: EndpointInfo = ep.info();
     assert!(info.psn <= 0x00ff_ffff);
     assert!((1..=5).contains(&info.mtu));
@@ -368,13 +371,116 @@ fn an_endpoint_refuses_writes_before_connect_and_a_second_connect() {
     let Some(dev) = device("an_endpoint_refuses_writes_before_connect_and_a_second_connect") else {
         return;
     };
-    let mut a = dev.endpoint(4).unwrap();
+    let mut a = dev.endpoint(4, Access::RemoteWrite).unwrap();
     let err = a.write(&[], 0, STALL);
     assert!(err.is_err(), "write before connect");
     let (mut a, b) = pair(&dev, 4);
     assert!(a.write(&[], 0, STALL).is_ok(), "an empty batch is a no-op");
     assert!(a.connect(&b.info()).is_err(), "second connect");
     let bad_mtu = EndpointInfo { mtu: 9, ..b.info() };
-    let mut c = dev.endpoint(4).unwrap();
+    let mut c = dev.endpoint(4, Access::RemoteWrite).unwrap();
     assert!(c.connect(&bad_mtu).is_err());
+}
+
+/// Writes `src` into `dst`'s region through `a` (connected to the endpoint that owns
+/// `dst`'s side); the error, if the target device refused it.
+fn try_write(a: &mut Endpoint, src: &Buf, sr: &Region, dst: &Buf, rkey: u32) -> Result<(), String> {
+    let op = WriteOp {
+        addr: src.addr(),
+        len: 4096,
+        lkey: sr.lkey(),
+        remote_addr: dst.addr() as u64,
+        rkey,
+    };
+    a.write(&[op], 4096, STALL).map_err(|e| e.to_string())
+}
+
+/// The target device refused the write: a remote access error (the region or key does
+/// not allow it), or a remote invalid request (the queue pair allows no RDMA WRITE).
+fn assert_refused(r: Result<(), String>, what: &str) {
+    let msg = r.expect_err(what);
+    assert!(
+        msg.contains("IBV_WC_REM_ACCESS_ERR") || msg.contains("IBV_WC_REM_INV_REQ_ERR"),
+        "{what}: {msg}"
+    );
+}
+
+/// Review F4: a prefill engine's memory is never written into, so it is registered,
+/// and its queue pairs set up, for local access only: a peer's RDMA WRITE into it fails
+/// at the device, whether through a queue pair that allows remote writes into a
+/// local-only region, or one that allows none.
+#[test]
+fn local_only_regions_and_queue_pairs_refuse_remote_writes() {
+    let Some(dev) = device("local_only_regions_and_queue_pairs_refuse_remote_writes") else {
+        return;
+    };
+    let src = Buf::new(4096, |i| i as u8 | 1);
+    let dst = Buf::new(4096, |_| 0);
+    let sr = src.register(&dev);
+    let local = dst.register_as(&dev, Access::Local);
+    let (mut a, _b) = pair(&dev, 4);
+    assert_refused(
+        try_write(&mut a, &src, &sr, &dst, local.rkey()),
+        "a write into a local-only region",
+    );
+    // A writable region behind a queue pair that allows no remote access.
+    let writable = dst.register(&dev);
+    let mut c = dev.endpoint(4, Access::RemoteWrite).unwrap();
+    let mut d = dev.endpoint(4, Access::Local).unwrap();
+    let (ic, id) = (c.info(), d.info());
+    c.connect(&id).unwrap();
+    d.connect(&ic).unwrap();
+    assert_refused(
+        try_write(&mut c, &src, &sr, &dst, writable.rkey()),
+        "a write through a local-only queue pair",
+    );
+    assert!(dst.snapshot().iter().all(|&x| x == 0), "bytes landed");
+    // The control: a writable region behind a writable queue pair takes the write.
+    let (mut e, _f) = pair(&dev, 4);
+    try_write(&mut e, &src, &sr, &dst, writable.rkey()).expect("a permitted write");
+    assert!(dst.snapshot() == src.snapshot());
+    drop((sr, local, writable));
+}
+
+/// Review F4: a decode engine registers its memory for each prefill engine in a
+/// protection domain of that engine's own, so one engine's keys are refused through
+/// another engine's queue pair, and deregistering an engine's regions (when it is
+/// lost) revokes its keys.
+#[test]
+fn keys_of_one_peer_s_domain_are_refused_through_another_s_queue_pair_and_after_revocation() {
+    let Some(dev) = device("keys_of_one_peer_s_domain_are_refused") else {
+        return;
+    };
+    let src = Buf::new(4096, |i| i as u8 | 1);
+    let dst = Buf::new(4096, |_| 0);
+    let sr = src.register_as(&dev, Access::Local);
+    let (one, two) = (dev.domain().unwrap(), dev.domain().unwrap());
+    let r1 = dst.register_in(&one);
+    // Peer 2's queue pair, in domain two, connected to a prefill endpoint.
+    let connect = |domain: &Domain| {
+        let mut p = dev.endpoint(4, Access::Local).unwrap();
+        let mut d = domain.endpoint(4, Access::RemoteWrite).unwrap();
+        let (ip, id) = (p.info(), d.info());
+        p.connect(&id).unwrap();
+        d.connect(&ip).unwrap();
+        (p, d)
+    };
+    let (mut p2, _d2) = connect(&two);
+    assert_refused(
+        try_write(&mut p2, &src, &sr, &dst, r1.rkey()),
+        "peer two using peer one's key",
+    );
+    assert!(dst.snapshot().iter().all(|&x| x == 0), "bytes landed");
+    let (mut p1, _d1) = connect(&one);
+    try_write(&mut p1, &src, &sr, &dst, r1.rkey()).expect("peer one with its own key");
+    assert!(dst.snapshot() == src.snapshot());
+    // Revoked: the same write through a fresh queue pair of the same domain now fails.
+    let rkey = r1.rkey();
+    drop(r1);
+    let (mut p3, _d3) = connect(&one);
+    assert_refused(
+        try_write(&mut p3, &src, &sr, &dst, rkey),
+        "a key used after its region was deregistered",
+    );
+    drop(sr);
 }

@@ -14,19 +14,16 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::io::{BufRead, Write};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::Region;
-use kvxfer::log::{Level, Logger};
-use kvxfer::{Config, Engine, ErrorKind, RoomPeers, State};
+use common::{all_filled, fill_pages, pattern, ChildPrefill, Region, POISON};
+use kvxfer::{Engine, ErrorKind, RoomPeers, State};
 
 const BUFS: usize = 2;
 const PAGES: usize = 8192;
 const ITEM: usize = 1024;
-const POISON: u8 = 0xEE;
 /// Rooms the decode side keeps in flight at once.
 const WINDOW: usize = 48;
 /// A room non-terminal for this long is pinned: the test fails. Every deadline is set far
@@ -53,12 +50,8 @@ fn strict() -> bool {
     std::env::var_os("KVXFER_STORM_STRICT").is_some()
 }
 
-/// Never POISON (odd), different per buffer, page and byte.
-fn pattern(b: usize, page: usize, i: usize) -> u8 {
-    (b * 131 + page * 17 + i * 3) as u8 | 1
-}
-
-/// xorshift64*.
+/// xorshift64*, seeded per room and salt in both processes. Not tests/common's
+/// generator: a KVXFER_STORM_SEED printed by an earlier run replays it only with this one.
 struct Rng(u64);
 
 impl Rng {
@@ -111,30 +104,18 @@ fn vm_rss_kib() -> i64 {
         .expect("VmRSS in /proc/self/status")
 }
 
-fn region(fill: impl Fn(usize) -> u8) -> Region {
-    Region::new(PAGES, ITEM, fill)
-}
-
+/// An engine of `role` over TCP with a fast heartbeat, every deadline far beyond
+/// PIN_LIMIT, and `extra`, over `mem`.
 fn engine(role: &str, mem: &[Region], extra: &[(&str, &str)]) -> Engine {
-    let mut c = Config::default();
-    c.set("role", role).unwrap();
-    c.set("transport", "tcp").unwrap();
-    for (k, v) in [
+    let storm = [
+        ("transport", "tcp"),
         ("heartbeat_interval_ms", "100"),
         ("heartbeat_misses", "5"),
         ("bootstrap_timeout_ms", "120000"),
         ("waiting_timeout_ms", "120000"),
         ("transfer_timeout_ms", "120000"),
-    ]
-    .iter()
-    .chain(extra)
-    {
-        c.set(k, v).unwrap();
-    }
-    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
-    e.register_kv(mem.iter().map(Region::desc).collect())
-        .unwrap();
-    e
+    ];
+    common::engine(role, mem, &[&storm[..], extra].concat())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -249,9 +230,7 @@ fn storm_child() {
     else {
         return;
     };
-    let mem: Vec<Region> = (0..BUFS)
-        .map(|b| region(move |i| pattern(b, i / ITEM, i % ITEM)))
-        .collect();
+    let mem = common::source(BUFS, PAGES, ITEM);
     let p = engine("prefill", &mem, &[("workers", "2")]);
     let rss0 = vm_rss_kib();
     println!("ADDR {}", p.address());
@@ -320,64 +299,24 @@ fn storm_child() {
     });
 }
 
-struct ChildPrefill {
-    child: Child,
-    out: BufReader<ChildStdout>,
-    addr: String,
+/// Starts this test binary's `storm_child` test as the prefill process.
+fn start_child(seed: u64) -> ChildPrefill {
+    ChildPrefill::spawn(
+        "storm_child",
+        &[],
+        &[("KVXFER_STORM_CHILD", &seed.to_string())],
+    )
 }
 
-impl ChildPrefill {
-    fn start(seed: u64) -> ChildPrefill {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "storm_child", "--nocapture", "--test-threads=1"])
-            .env("KVXFER_STORM_CHILD", seed.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let addr = loop {
-            let line = read_line(&mut out);
-            // libtest may print "test storm_child ... " on the same line first.
-            if let Some(i) = line.find("ADDR ") {
-                break line[i + 5..].trim().to_string();
-            }
-        };
-        ChildPrefill { child, out, addr }
-    }
-
-    fn send(&mut self, cmd: &str) {
-        let stdin = self.child.stdin.as_mut().unwrap();
-        writeln!(stdin, "{cmd}").unwrap();
-        stdin.flush().unwrap();
-    }
-
-    fn report(&mut self) -> BTreeMap<String, i64> {
-        self.send("drain");
-        let line = loop {
-            let line = read_line(&mut self.out);
-            if let Some(i) = line.find("REPORT ") {
-                break line[i + 7..].to_string();
-            }
-        };
-        line.split_whitespace()
-            .filter_map(|kv| kv.split_once('='))
-            .map(|(k, v)| (k.to_string(), v.parse().unwrap()))
-            .collect()
-    }
-}
-
-fn read_line(out: &mut BufReader<ChildStdout>) -> String {
-    let mut line = String::new();
-    assert!(out.read_line(&mut line).unwrap() > 0, "child exited early");
-    line
-}
-
-impl Drop for ChildPrefill {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The child's counts once its rooms drained.
+fn report(child: &mut ChildPrefill) -> BTreeMap<String, i64> {
+    child.send("drain");
+    child
+        .line_after("REPORT ")
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.parse().unwrap()))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -420,20 +359,8 @@ struct Decode {
 }
 
 impl Decode {
-    fn poisoned(&self, pages: &[u32]) -> bool {
-        pages.iter().all(|&p| {
-            self.mem
-                .iter()
-                .all(|m| m.page(p).iter().all(|&x| x == POISON))
-        })
-    }
-
     fn release_pages(&mut self, pages: Vec<u32>, room: u64, how: &'static str) {
-        for &p in &pages {
-            for m in &self.mem {
-                m.poison(p, POISON);
-            }
-        }
+        fill_pages(&self.mem, &pages, POISON);
         let at = Instant::now() + Duration::from_millis(100);
         self.quarantine.push((at, pages, room, how));
     }
@@ -446,7 +373,7 @@ impl Decode {
             .partition(|(t, _, _, _)| all || *t <= now);
         self.quarantine = keep;
         for (_, pages, room, how) in due {
-            if !self.poisoned(&pages) {
+            if !all_filled(&self.mem, &pages, POISON) {
                 if how == CLEARED_LIVE && !strict() {
                     // Known bug (tests/pin_regression.rs, ignored test
                     // `clearing_a_live_decode_room_mid_frame_lets_no_byte_land_afterwards`):
@@ -533,12 +460,7 @@ impl Decode {
 fn pinned(t: &Decode, child: &mut ChildPrefill) {
     let Some((id, s)) = t.pinned else { return };
     child.send(&format!("state {id}"));
-    let answer = loop {
-        let line = read_line(&mut child.out);
-        if let Some(i) = line.find("STATE ") {
-            break line[i..].trim().to_string();
-        }
-    };
+    let answer = format!("STATE {}", child.line_after("STATE ").trim());
     panic!(
         "room {id} pinned: decode {s} for {PIN_LIMIT:?}; prefill process: {answer}; \
          decode metrics {:?}",
@@ -566,7 +488,7 @@ fn an_abort_storm_across_two_processes_leaves_every_room_terminal_and_nothing_be
         });
     println!("storm: seed {seed} (KVXFER_STORM_SEED), {secs} s (KVXFER_SOAK_SECS)");
     let started = Instant::now();
-    let mem: Vec<Region> = (0..BUFS).map(|_| region(|_| POISON)).collect();
+    let mem = common::poisoned(BUFS, PAGES, ITEM);
     // Strict: no deadline short enough to rescue a stalled room before PIN_LIMIT.
     let waiting = if strict() {
         "120000"
@@ -582,7 +504,7 @@ fn an_abort_storm_across_two_processes_leaves_every_room_terminal_and_nothing_be
         c: Counts::default(),
         pinned: None,
     };
-    let mut child = ChildPrefill::start(seed);
+    let mut child = start_child(seed);
     let mut rng = Rng::new(seed, 0xDEC0DE);
     let mut rooms: Vec<Room> = Vec::new();
     let mut next_id = 1u64;
@@ -624,7 +546,7 @@ fn an_abort_storm_across_two_processes_leaves_every_room_terminal_and_nothing_be
                 .filter(|r| !t.d.room_poll(r.id).unwrap().is_terminal())
                 .count();
             drop(child);
-            child = ChildPrefill::start(seed ^ 0x5EED);
+            child = start_child(seed ^ 0x5EED);
         }
         while rooms.len() < WINDOW {
             let id = next_id;
@@ -674,7 +596,7 @@ fn an_abort_storm_across_two_processes_leaves_every_room_terminal_and_nothing_be
         pinned(&t, &mut child);
         std::thread::sleep(Duration::from_millis(1));
     }
-    let report = child.report();
+    let report = report(&mut child);
     child.send("quit");
     std::thread::sleep(Duration::from_millis(150));
     t.check_quarantine(true);

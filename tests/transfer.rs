@@ -1,18 +1,17 @@
 //! Two engines in one process over loopback TCP: real transfers through the public Rust
 //! API, pages compared byte for byte, and the failure paths.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use kvxfer::log::{Level, Logger};
-use kvxfer::{BufferDesc, Cause, Config, Engine, RoomPeers, State};
+use kvxfer::{Cause, Engine, RoomPeers, State};
 
 mod common;
 
-use common::wait_state;
-
-fn wait_terminal(e: &Engine, room: u64) -> State {
-    common::wait_terminal(e, room, Duration::from_secs(20))
-}
+use common::{
+    pattern, poisoned, source, wait_state, wait_terminal, wait_until, wait_until_within, Pair,
+    Region, POISON,
+};
 
 const LAYERS: usize = 4;
 const PAGES: usize = 64;
@@ -20,113 +19,23 @@ const ITEM: usize = 1024;
 const AUX_SLOTS: usize = 8;
 const AUX_ITEM: usize = 64;
 
-/// One side's registered memory: K and V per layer plus one aux buffer.
-struct Mem {
-    kv: Vec<Vec<u8>>,
-    aux: Vec<u8>,
+/// A prefill and a decode engine, two workers each, with K and V buffers per layer plus
+/// one aux buffer; the prefill with `p_extra`, the decode with `d_extra`.
+fn pair_with(p_extra: &[(&str, &str)], d_extra: &[(&str, &str)]) -> Pair {
+    Pair::builder()
+        .config(&[("workers", "2")])
+        .prefill(p_extra)
+        .decode(d_extra)
+        .bufs(2 * LAYERS)
+        .pages(PAGES)
+        .item(ITEM)
+        .aux(AUX_SLOTS, AUX_ITEM)
+        .build()
 }
 
-impl Mem {
-    fn new(fill: impl Fn(usize, usize) -> u8) -> Mem {
-        Mem {
-            kv: (0..2 * LAYERS)
-                .map(|b| (0..PAGES * ITEM).map(|i| fill(b, i)).collect())
-                .collect(),
-            aux: (0..AUX_SLOTS * AUX_ITEM).map(|i| fill(99, i)).collect(),
-        }
-    }
-    fn page(&self, b: usize, p: u32) -> &[u8] {
-        &self.kv[b][p as usize * ITEM..(p as usize + 1) * ITEM]
-    }
-    fn slot(&self, s: u32) -> &[u8] {
-        &self.aux[s as usize * AUX_ITEM..(s as usize + 1) * AUX_ITEM]
-    }
-}
-
-fn engine(role: &str, mem: &mut Mem, extra: &[(&str, &str)]) -> Engine {
-    let mut c = Config::default();
-    c.set("role", role).unwrap();
-    c.set("transport", &common::test_transport()).unwrap();
-    c.set("workers", "2").unwrap();
-    for (k, v) in extra {
-        c.set(k, v).unwrap();
-    }
-    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
-    e.register_kv(
-        mem.kv
-            .iter_mut()
-            .map(|b| BufferDesc {
-                base: b.as_mut_ptr() as usize,
-                len: b.len(),
-                item_len: ITEM,
-            })
-            .collect(),
-    )
-    .unwrap();
-    e.register_aux(vec![BufferDesc {
-        base: mem.aux.as_mut_ptr() as usize,
-        len: mem.aux.len(),
-        item_len: AUX_ITEM,
-    }])
-    .unwrap();
-    e
-}
-
-fn src_pattern(b: usize, i: usize) -> u8 {
-    (b * 31 + i * 7 + i / ITEM) as u8
-}
-const POISON: u8 = 0xEE;
-
-struct Pair {
-    pmem: Box<Mem>,
-    dmem: Box<Mem>,
-    p: Engine,
-    d: Engine,
-}
-
+/// As [`pair_with`], both engines with `extra`.
 fn pair(extra: &[(&str, &str)]) -> Pair {
     pair_with(extra, extra)
-}
-
-fn pair_with(p_extra: &[(&str, &str)], d_extra: &[(&str, &str)]) -> Pair {
-    let mut pmem = Box::new(Mem::new(src_pattern));
-    let mut dmem = Box::new(Mem::new(|_, _| POISON));
-    let p = engine("prefill", &mut pmem, p_extra);
-    let d = engine("decode", &mut dmem, d_extra);
-    Pair { pmem, dmem, p, d }
-}
-
-impl Pair {
-    fn create(&self, room: u64) {
-        self.p.room_create(room, RoomPeers::Decoders(1)).unwrap();
-        self.d
-            .room_create(
-                room,
-                RoomPeers::Prefills(vec![self.p.address().to_string()]),
-            )
-            .unwrap();
-    }
-    fn assert_pages(&self, src: &[u32], dst: &[u32]) {
-        for (&s, &d) in src.iter().zip(dst) {
-            for b in 0..2 * LAYERS {
-                assert_eq!(
-                    self.dmem.page(b, d),
-                    self.pmem.page(b, s),
-                    "buffer {b} src {s} dst {d}"
-                );
-            }
-        }
-    }
-    fn assert_poisoned(&self, dst: &[u32]) {
-        for &d in dst {
-            for b in 0..2 * LAYERS {
-                assert!(
-                    self.dmem.page(b, d).iter().all(|&x| x == POISON),
-                    "page {d} of buffer {b} was written"
-                );
-            }
-        }
-    }
 }
 
 #[test]
@@ -160,8 +69,8 @@ fn many_scattered_chunks_with_aux_rows_arrive_in_order() {
     assert_eq!(wait_terminal(&t.d, 2), State::Success);
     assert_eq!(wait_terminal(&t.p, 2), State::Success);
     t.assert_pages(&src, &dst);
-    assert_eq!(t.dmem.slot(5), t.pmem.slot(3));
-    assert!(t.dmem.slot(4).iter().all(|&x| x == POISON));
+    assert_eq!(t.daux[0].page(5), t.paux[0].page(3));
+    assert!(t.daux[0].page(4).iter().all(|&x| x == POISON));
 }
 
 #[test]
@@ -204,11 +113,9 @@ fn abort_on_decode_fails_both_sides_and_no_page_is_written() {
     );
     assert_eq!(t.d.room_failure(5).unwrap().cause, Cause::Aborted);
     // Over TCP at once; over RDMA once the prefill's acknowledgement arrived.
-    let t0 = Instant::now();
-    while !t.d.room_drained(5).unwrap() {
-        assert!(t0.elapsed() < Duration::from_secs(5), "never drained");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_until_within("the decode room to drain", Duration::from_secs(5), || {
+        t.d.room_drained(5).unwrap()
+    });
     // A chunk after the abort is refused and nothing lands.
     assert!(t.p.enqueue_chunk(5, &[0, 1, 2], true, None).is_err());
     std::thread::sleep(Duration::from_millis(50));
@@ -255,24 +162,17 @@ fn a_page_count_mismatch_fails_both_sides_with_a_clear_reason() {
 
 #[test]
 fn a_registration_mismatch_fails_the_room_naming_the_buffer() {
-    let mut pmem = Box::new(Mem::new(src_pattern));
-    let p = engine("prefill", &mut pmem, &[]);
-    let mut c = Config::default();
-    c.set("role", "decode").unwrap();
-    let d = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
-    let mut bufs: Vec<Vec<u8>> = (0..2 * LAYERS).map(|_| vec![0u8; PAGES * ITEM]).collect();
-    d.register_kv(
-        bufs.iter_mut()
-            .enumerate()
-            .map(|(i, b)| BufferDesc {
-                base: b.as_mut_ptr() as usize,
-                len: b.len(),
-                item_len: if i == 3 { ITEM / 2 } else { ITEM },
-            })
-            .collect(),
-    )
-    .unwrap();
-    d.room_create(9, RoomPeers::Prefills(vec![p.address().to_string()]))
+    let t = pair(&[]);
+    // A decode engine whose buffer 3 has pages of half the size.
+    let bufs: Vec<Region> = (0..2 * LAYERS)
+        .map(|i| match i {
+            3 => Region::new(2 * PAGES, ITEM / 2, |_| 0),
+            _ => Region::new(PAGES, ITEM, |_| 0),
+        })
+        .collect();
+    let d = common::start("decode", &[], common::quiet());
+    d.register_kv(common::descs(&bufs)).unwrap();
+    d.room_create(9, RoomPeers::Prefills(vec![t.p.address().to_string()]))
         .unwrap();
     assert_eq!(wait_terminal(&d, 9), State::Failed);
     let why = d.room_failure(9).unwrap();
@@ -282,8 +182,8 @@ fn a_registration_mismatch_fails_the_room_naming_the_buffer() {
 
 #[test]
 fn an_unreachable_prefill_fails_the_room_with_the_address() {
-    let mut dmem = Box::new(Mem::new(|_, _| 0));
-    let d = engine("decode", &mut dmem, &[("bootstrap_timeout_ms", "500")]);
+    let t = pair_with(&[], &[("bootstrap_timeout_ms", "500")]);
+    let d = &t.d;
     // A port nobody listens on: bind one, then close it.
     let addr = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -292,21 +192,19 @@ fn an_unreachable_prefill_fails_the_room_with_the_address() {
         .to_string();
     d.room_create(10, RoomPeers::Prefills(vec![addr.clone()]))
         .unwrap();
-    assert_eq!(wait_terminal(&d, 10), State::Failed);
+    assert_eq!(wait_terminal(d, 10), State::Failed);
     let why = d.room_failure(10).unwrap();
     assert!(why.message.contains(&addr), "{why}");
 }
 
 #[test]
 fn a_prefill_engine_going_away_fails_decode_rooms() {
-    let mut pmem = Box::new(Mem::new(src_pattern));
-    let mut dmem = Box::new(Mem::new(|_, _| POISON));
-    let p = engine("prefill", &mut pmem, &[]);
-    let d = engine(
-        "decode",
-        &mut dmem,
+    let t = pair_with(
+        &[],
         &[("heartbeat_interval_ms", "50"), ("heartbeat_misses", "4")],
     );
+    // The memory stays in `t`, dropped after both engines.
+    let Pair { p, d, .. } = t;
     for room in 20..25 {
         p.room_create(room, RoomPeers::Decoders(1)).unwrap();
         d.room_create(room, RoomPeers::Prefills(vec![p.address().to_string()]))
@@ -330,26 +228,25 @@ fn a_prefill_engine_going_away_fails_decode_rooms() {
 
 #[test]
 fn several_decode_engines_receive_the_same_pages() {
-    let mut pmem = Box::new(Mem::new(src_pattern));
-    let p = engine("prefill", &mut pmem, &[]);
-    let mut dmems: Vec<Box<Mem>> = (0..3).map(|_| Box::new(Mem::new(|_, _| POISON))).collect();
-    let ds: Vec<Engine> = dmems.iter_mut().map(|m| engine("decode", m, &[])).collect();
+    // Three pairs: the prefill engine of the first serves the decode engines of all.
+    let ts: Vec<Pair> = (0..3).map(|_| pair(&[])).collect();
+    let p = &ts[0].p;
     p.room_create(30, RoomPeers::Decoders(3)).unwrap();
-    for (i, d) in ds.iter().enumerate() {
-        d.room_create(30, RoomPeers::Prefills(vec![p.address().to_string()]))
+    for (i, t) in ts.iter().enumerate() {
+        t.d.room_create(30, RoomPeers::Prefills(vec![p.address().to_string()]))
             .unwrap();
-        d.room_set_destination(30, &[i as u32, 10 + i as u32], Some(i as u32))
+        t.d.room_set_destination(30, &[i as u32, 10 + i as u32], Some(i as u32))
             .unwrap();
     }
     p.enqueue_chunk(30, &[3, 4], true, Some(1)).unwrap();
-    assert_eq!(wait_terminal(&p, 30), State::Success);
-    for (i, d) in ds.iter().enumerate() {
-        assert_eq!(wait_terminal(d, 30), State::Success);
+    assert_eq!(wait_terminal(p, 30), State::Success);
+    for (i, t) in ts.iter().enumerate() {
+        assert_eq!(wait_terminal(&t.d, 30), State::Success);
         for b in 0..2 * LAYERS {
-            assert_eq!(dmems[i].page(b, i as u32), pmem.page(b, 3));
-            assert_eq!(dmems[i].page(b, 10 + i as u32), pmem.page(b, 4));
+            assert_eq!(t.dmem[b].page(i as u32), ts[0].pmem[b].page(3));
+            assert_eq!(t.dmem[b].page(10 + i as u32), ts[0].pmem[b].page(4));
         }
-        assert_eq!(dmems[i].slot(i as u32), pmem.slot(1));
+        assert_eq!(t.daux[0].page(i as u32), ts[0].paux[0].page(1));
     }
 }
 
@@ -404,20 +301,13 @@ fn many_rooms_at_once_all_succeed_and_clear_leaves_nothing() {
 
 /// Waits until room is drained, re-poisons its pages, lets any straggler arrive, and
 /// checks no byte landed after the drain.
-fn assert_no_write_after_drain(t: &mut Pair, room: u64, dst: &[u32]) {
-    let start = Instant::now();
-    while !t.d.room_drained(room).unwrap() {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "room {room} never drained"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    for &d in dst {
-        for b in 0..2 * LAYERS {
-            t.dmem.kv[b][d as usize * ITEM..(d as usize + 1) * ITEM].fill(POISON);
-        }
-    }
+fn assert_no_write_after_drain(t: &Pair, room: u64, dst: &[u32]) {
+    wait_until_within(
+        &format!("room {room} to drain"),
+        Duration::from_secs(10),
+        || t.d.room_drained(room).unwrap(),
+    );
+    t.repoison(dst);
     std::thread::sleep(Duration::from_millis(100));
     t.assert_poisoned(dst);
 }
@@ -426,20 +316,13 @@ fn assert_no_write_after_drain(t: &mut Pair, room: u64, dst: &[u32]) {
 fn abort_at_every_stage_from_either_side_ends_both_rooms() {
     // (stage, abort from decode?)
     for from_decode in [true, false] {
-        let mut t = pair(&[]);
-        fn side(t: &Pair, from_decode: bool) -> &Engine {
-            if from_decode {
-                &t.d
-            } else {
-                &t.p
-            }
-        }
+        let t = pair(&[]);
         let dst: Vec<u32> = (0..32).collect();
         let src: Vec<u32> = (32..64).collect();
 
         // 1. Before the destination is known.
         t.create(1);
-        side(&t, from_decode).room_abort(1, "stage 1").unwrap();
+        t.side(from_decode).room_abort(1, "stage 1").unwrap();
         assert_eq!(wait_terminal(&t.p, 1), State::Failed, "prefill, stage 1");
         if !from_decode {
             // The decode room learns it when it sends its destination.
@@ -452,11 +335,11 @@ fn abort_at_every_stage_from_either_side_ends_both_rooms() {
         t.d.room_set_destination(2, &dst, None).unwrap();
         t.p.enqueue_chunk(2, &src[..8], false, None).unwrap();
         wait_state(&t.d, 2, State::Transferring);
-        side(&t, from_decode).room_abort(2, "stage 2").unwrap();
+        t.side(from_decode).room_abort(2, "stage 2").unwrap();
         assert_eq!(wait_terminal(&t.p, 2), State::Failed);
         assert_eq!(wait_terminal(&t.d, 2), State::Failed);
         assert!(t.p.enqueue_chunk(2, &src[8..], true, None).is_err());
-        assert_no_write_after_drain(&mut t, 2, &dst);
+        assert_no_write_after_drain(&t, 2, &dst);
 
         // 3. While a chunk is on the wire: abort as soon as bytes arrive.
         t.create(3);
@@ -466,7 +349,7 @@ fn abort_at_every_stage_from_either_side_ends_both_rooms() {
         while t.d.metrics().bytes_received == 0 && s0.elapsed() < Duration::from_secs(10) {
             std::hint::spin_loop();
         }
-        side(&t, from_decode).room_abort(3, "stage 3").unwrap();
+        t.side(from_decode).room_abort(3, "stage 3").unwrap();
         let (ps, ds) = (wait_terminal(&t.p, 3), wait_terminal(&t.d, 3));
         // The whole chunk may have landed before the abort: then both may be SUCCESS;
         // either way the two sides agree unless the abort came after completion.
@@ -475,7 +358,7 @@ fn abort_at_every_stage_from_either_side_ends_both_rooms() {
             "prefill {ps}, decode {ds}"
         );
         if ds == State::Failed {
-            assert_no_write_after_drain(&mut t, 3, &dst);
+            assert_no_write_after_drain(&t, 3, &dst);
         }
 
         // 4. After the last chunk completed: SUCCESS stays.
@@ -484,7 +367,7 @@ fn abort_at_every_stage_from_either_side_ends_both_rooms() {
         t.p.enqueue_chunk(4, &src[..2], true, None).unwrap();
         assert_eq!(wait_terminal(&t.p, 4), State::Success);
         assert_eq!(wait_terminal(&t.d, 4), State::Success);
-        side(&t, from_decode).room_abort(4, "stage 4").unwrap();
+        t.side(from_decode).room_abort(4, "stage 4").unwrap();
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(t.p.room_poll(4).unwrap(), State::Success);
         assert_eq!(t.d.room_poll(4).unwrap(), State::Success);
@@ -556,11 +439,11 @@ fn clearing_a_live_room_aborts_it_on_the_peer_too() {
 fn dropping_an_engine_fails_its_live_rooms_as_shut_down() {
     let t = pair(&[]);
     t.create(80);
-    let Pair { p, d, pmem, dmem } = t;
+    // The memory stays in `t`, dropped after both engines.
+    let Pair { p, d, .. } = t;
     drop(p);
     assert_eq!(wait_terminal(&d, 80), State::Failed);
     drop(d);
-    drop((pmem, dmem));
 }
 
 #[test]
@@ -570,11 +453,9 @@ fn an_abort_that_arrives_before_the_prefill_room_exists_fails_it_on_creation() {
         .unwrap();
     t.d.room_abort(90, "cancelled early").unwrap();
     // Give the abort time to reach the prefill engine before its room exists.
-    let start = Instant::now();
-    while t.p.metrics().unknown_room_frames == 0 {
-        assert!(start.elapsed() < Duration::from_secs(10));
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_until("the abort to reach the prefill engine", || {
+        t.p.metrics().unknown_room_frames > 0
+    });
     t.p.room_create(90, RoomPeers::Decoders(1)).unwrap();
     assert_eq!(t.p.room_poll(90).unwrap(), State::Failed);
     let why = t.p.room_failure(90).unwrap();
@@ -584,41 +465,33 @@ fn an_abort_that_arrives_before_the_prefill_room_exists_fails_it_on_creation() {
     );
 }
 
-fn layered_engine(role: &str, mem: &mut Mem, layers: std::ops::Range<usize>) -> Engine {
-    let mut c = Config::default();
-    c.set("role", role).unwrap();
-    let e = Engine::new(c, Logger::new(Level::Error, None)).unwrap();
-    let mut bufs = Vec::new();
-    let mut ids = Vec::new();
-    for l in layers {
-        for kv in 0..2 {
-            let b = &mut mem.kv[2 * l + kv];
-            bufs.push(BufferDesc {
-                base: b.as_mut_ptr() as usize,
-                len: b.len(),
-                item_len: ITEM,
-            });
-            ids.push(l as u32);
-        }
-    }
+/// An engine of `role` holding the K and V buffers of `layers` (two per layer, out of
+/// `kv`) and the aux buffer `aux`.
+fn layered_engine(role: &str, kv: &[Region], aux: &Region, layers: Range<usize>) -> Engine {
+    let e = common::start(role, &[], common::quiet());
+    let ids = layers.clone().flat_map(|l| [l as u32; 2]).collect();
+    let bufs = common::descs(&kv[2 * layers.start..2 * layers.end]);
     e.register_kv_layers(bufs, ids).unwrap();
-    e.register_aux(vec![BufferDesc {
-        base: mem.aux.as_mut_ptr() as usize,
-        len: mem.aux.len(),
-        item_len: AUX_ITEM,
-    }])
-    .unwrap();
+    e.register_aux(vec![aux.desc()]).unwrap();
     e
+}
+
+/// An aux buffer of `AUX_SLOTS` slots, every byte `byte`.
+fn aux(byte: u8) -> Region {
+    Region::new(AUX_SLOTS, AUX_ITEM, move |_| byte)
 }
 
 #[test]
 fn a_decode_room_pulls_each_layer_from_the_pipeline_stage_that_has_it() {
-    let mut s0 = Box::new(Mem::new(src_pattern));
-    let mut s1 = Box::new(Mem::new(|b, i| src_pattern(b, i) ^ 0x5A));
-    let mut dmem = Box::new(Mem::new(|_, _| POISON));
-    let stage0 = layered_engine("prefill", &mut s0, 0..LAYERS / 2);
-    let stage1 = layered_engine("prefill", &mut s1, LAYERS / 2..LAYERS);
-    let d = layered_engine("decode", &mut dmem, 0..LAYERS);
+    let s0 = source(2 * LAYERS, PAGES, ITEM);
+    let s1: Vec<Region> = (0..2 * LAYERS)
+        .map(|b| Region::new(PAGES, ITEM, move |i| pattern(b, i / ITEM, i % ITEM) ^ 0x5A))
+        .collect();
+    let dmem = poisoned(2 * LAYERS, PAGES, ITEM);
+    let (a0, a1, da) = (aux(1), aux(3), aux(POISON));
+    let stage0 = layered_engine("prefill", &s0, &a0, 0..LAYERS / 2);
+    let stage1 = layered_engine("prefill", &s1, &a1, LAYERS / 2..LAYERS);
+    let d = layered_engine("decode", &dmem, &da, 0..LAYERS);
     let addrs = vec![stage0.address().to_string(), stage1.address().to_string()];
     d.room_create(1, RoomPeers::Prefills(addrs)).unwrap();
     d.room_set_destination(1, &[4, 5, 6], None).unwrap();
@@ -631,17 +504,18 @@ fn a_decode_room_pulls_each_layer_from_the_pipeline_stage_that_has_it() {
     for (s, t) in [(10, 4), (11, 5), (12, 6)] {
         for b in 0..2 * LAYERS {
             let from = if b < LAYERS { &s0 } else { &s1 };
-            assert_eq!(dmem.page(b, t), from.page(b, s), "buffer {b}");
+            assert_eq!(dmem[b].page(t), from[b].page(s), "buffer {b}");
         }
     }
 }
 
 #[test]
 fn a_decode_room_whose_stages_miss_a_layer_fails_naming_the_buffer() {
-    let mut s0 = Box::new(Mem::new(src_pattern));
-    let mut dmem = Box::new(Mem::new(|_, _| POISON));
-    let stage0 = layered_engine("prefill", &mut s0, 0..LAYERS / 2);
-    let d = layered_engine("decode", &mut dmem, 0..LAYERS);
+    let s0 = source(2 * LAYERS, PAGES, ITEM);
+    let dmem = poisoned(2 * LAYERS, PAGES, ITEM);
+    let (a0, da) = (aux(1), aux(POISON));
+    let stage0 = layered_engine("prefill", &s0, &a0, 0..LAYERS / 2);
+    let d = layered_engine("decode", &dmem, &da, 0..LAYERS);
     d.room_create(2, RoomPeers::Prefills(vec![stage0.address().to_string()]))
         .unwrap();
     assert_eq!(wait_terminal(&d, 2), State::Failed);
@@ -683,8 +557,8 @@ fn a_destination_for_a_room_failed_and_cleared_before_it_arrived_is_answered_at_
 
 #[test]
 fn a_wildcard_listen_address_is_advertised_with_a_reachable_host() {
-    let mut mem = Box::new(Mem::new(src_pattern));
-    let p = engine("prefill", &mut mem, &[("listen", "0.0.0.0:0")]);
+    let t = pair_with(&[("listen", "0.0.0.0:0")], &[]);
+    let (p, d) = (&t.p, &t.d);
     let addr = p.address().to_string();
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let resolves = std::net::ToSocketAddrs::to_socket_addrs(&(host.trim(), 1))
@@ -696,11 +570,48 @@ fn a_wildcard_listen_address_is_advertised_with_a_reachable_host() {
     }
     assert!(!addr.starts_with("0.0.0.0:"), "{addr}");
     // And a decode engine can use it.
-    let mut dmem = Box::new(Mem::new(|_, _| POISON));
-    let d = engine("decode", &mut dmem, &[]);
     p.room_create(1, RoomPeers::Decoders(1)).unwrap();
     d.room_create(1, RoomPeers::Prefills(vec![addr])).unwrap();
     d.room_set_destination(1, &[2], None).unwrap();
     p.enqueue_chunk(1, &[3], true, None).unwrap();
-    assert_eq!(wait_terminal(&d, 1), State::Success);
+    assert_eq!(wait_terminal(d, 1), State::Success);
+}
+
+/// With a cluster key on both sides the pages arrive as without one (over RDMA too: the
+/// queue pairs are exchanged on the authenticated control connection); with different
+/// keys no room succeeds on either side and no page is written.
+#[test]
+fn a_shared_cluster_key_transfers_and_different_keys_write_nothing() {
+    let key = "5ca1ab1e".repeat(8);
+    let t = pair(&[("auth_key", &key)]);
+    t.create(41);
+    let (src, dst): (Vec<u32>, Vec<u32>) = ((0..6).collect(), (30..36).collect());
+    t.d.room_set_destination(41, &dst, Some(2)).unwrap();
+    t.p.enqueue_chunk(41, &src[..3], false, None).unwrap();
+    t.p.enqueue_chunk(41, &src[3..], true, Some(1)).unwrap();
+    assert_eq!(wait_terminal(&t.d, 41), State::Success);
+    assert_eq!(wait_terminal(&t.p, 41), State::Success);
+    t.assert_pages(&src, &dst);
+    assert_eq!(t.daux[0].page(2), t.paux[0].page(1));
+    assert_eq!(t.p.metrics().auth_failures + t.d.metrics().auth_failures, 0);
+
+    let other = "0ddba11".repeat(10);
+    let t = pair_with(
+        &[("auth_key", &key), ("bootstrap_timeout_ms", "1000")],
+        &[("auth_key", &other[..64])],
+    );
+    t.create(42);
+    t.d.room_set_destination(42, &dst, None).unwrap();
+    t.p.enqueue_chunk(42, &src, true, None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 42), State::Failed);
+    let why = t.d.room_failure(42).unwrap();
+    assert_eq!(why.cause, Cause::Mismatch, "{why}");
+    assert!(
+        why.message.contains("authentication failed (wrong key)"),
+        "{why}"
+    );
+    assert_eq!(wait_terminal(&t.p, 42), State::Failed);
+    assert!(t.p.room_failure(42).unwrap().message.contains("wrong key"));
+    t.assert_poisoned(&dst);
+    assert!(t.d.metrics().bytes_received == 0 && t.p.metrics().bytes_sent == 0);
 }

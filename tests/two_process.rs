@@ -5,7 +5,7 @@
 mod common;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use kvxfer::{Cause, RoomPeers, State};
@@ -18,8 +18,8 @@ fn child_prefill() {
 #[test]
 fn rooms_move_between_two_processes_byte_for_byte() {
     let mut child = ChildPrefill::start();
-    let mut mem: Vec<Vec<u8>> = (0..BUFS).map(|_| vec![0xEEu8; PAGES * ITEM]).collect();
-    let d = engine("decode", &mut mem, &[]);
+    let mem = poisoned(BUFS, PAGES, ITEM);
+    let d = engine("decode", &mem, &[]);
     let rooms: Vec<u64> = (1..=24).collect();
     for &r in &rooms {
         d.room_create(r, RoomPeers::Prefills(vec![child.addr.clone()]))
@@ -35,21 +35,10 @@ fn rooms_move_between_two_processes_byte_for_byte() {
         assert_eq!(uniq.len(), dst.len());
         d.room_set_destination(r, &dst, None).unwrap();
         child.send(&format!("room {r}"));
-        assert_eq!(
-            wait_terminal(&d, r, Duration::from_secs(20)),
-            State::Success,
-            "room {r}"
-        );
-        for (i, (&s, &t)) in src.iter().zip(&dst).enumerate() {
-            for (b, buf) in mem.iter().enumerate() {
-                let page = &buf[t as usize * ITEM..(t as usize + 1) * ITEM];
-                assert!(
-                    page.iter()
-                        .enumerate()
-                        .all(|(j, &x)| x == pattern(b, s as usize, j)),
-                    "room {r} page {i} buffer {b} differs"
-                );
-            }
+        let s = wait_terminal(&d, r);
+        assert_eq!(s, State::Success, "room {r}: {:?}", d.room_failure(r).ok());
+        if let Some((b, s, t)) = first_unlike_source(&mem, &src, &dst) {
+            panic!("room {r}: page {t} of buffer {b} differs from source page {s}");
         }
         d.room_clear(r).unwrap();
     }
@@ -59,10 +48,10 @@ fn rooms_move_between_two_processes_byte_for_byte() {
 #[test]
 fn a_killed_prefill_process_fails_decode_rooms_within_the_heartbeat_deadline() {
     let child = ChildPrefill::start();
-    let mut mem: Vec<Vec<u8>> = (0..BUFS).map(|_| vec![0u8; PAGES * ITEM]).collect();
+    let mem = poisoned(BUFS, PAGES, ITEM);
     let d = engine(
         "decode",
-        &mut mem,
+        &mem,
         &[("heartbeat_interval_ms", "100"), ("heartbeat_misses", "5")],
     );
     for r in 1..=8u64 {
@@ -70,15 +59,14 @@ fn a_killed_prefill_process_fails_decode_rooms_within_the_heartbeat_deadline() {
             .unwrap();
         d.room_set_destination(r, &[r as u32], None).unwrap();
     }
-    let t = Instant::now();
-    while d.room_poll(8).unwrap() != State::WaitingForInput {
-        assert!(t.elapsed() < Duration::from_secs(10));
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_state(&d, 8, State::WaitingForInput);
     drop(child); // SIGKILL
     for r in 1..=8u64 {
         // Heartbeat deadline is 500 ms; a killed process closes its sockets at once.
-        assert_eq!(wait_terminal(&d, r, Duration::from_secs(5)), State::Failed);
+        assert_eq!(
+            terminal_within(&d, r, Duration::from_secs(5)),
+            State::Failed
+        );
         let why = d.room_failure(r).unwrap();
         assert_eq!(why.cause, Cause::PeerLost, "{why}");
     }
@@ -87,20 +75,16 @@ fn a_killed_prefill_process_fails_decode_rooms_within_the_heartbeat_deadline() {
 #[test]
 fn a_stopped_prefill_process_is_detected_by_missed_heartbeats() {
     let child = ChildPrefill::start();
-    let mut mem: Vec<Vec<u8>> = (0..BUFS).map(|_| vec![0u8; PAGES * ITEM]).collect();
+    let mem = poisoned(BUFS, PAGES, ITEM);
     let d = engine(
         "decode",
-        &mut mem,
+        &mem,
         &[("heartbeat_interval_ms", "100"), ("heartbeat_misses", "3")],
     );
     d.room_create(1, RoomPeers::Prefills(vec![child.addr.clone()]))
         .unwrap();
     d.room_set_destination(1, &[1], None).unwrap();
-    let t = Instant::now();
-    while d.room_poll(1).unwrap() != State::WaitingForInput {
-        assert!(t.elapsed() < Duration::from_secs(10));
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_state(&d, 1, State::WaitingForInput);
     // SIGSTOP: the sockets stay open, the peer just goes silent (a hung process).
     let pid = child.child.id().to_string();
     assert!(Command::new("kill")
@@ -108,7 +92,10 @@ fn a_stopped_prefill_process_is_detected_by_missed_heartbeats() {
         .status()
         .unwrap()
         .success());
-    assert_eq!(wait_terminal(&d, 1, Duration::from_secs(5)), State::Failed);
+    assert_eq!(
+        terminal_within(&d, 1, Duration::from_secs(5)),
+        State::Failed
+    );
     let why = d.room_failure(1).unwrap();
     assert_eq!(why.cause, Cause::PeerLost);
     assert!(why.message.contains("heartbeat"), "{why}");

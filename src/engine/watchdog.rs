@@ -1,15 +1,18 @@
 //! The watchdog: every non-terminal state has a deadline, and this thread fails rooms
-//! whose deadline passed, with a reason naming the deadline.
+//! whose deadline passed, with a reason naming the deadline. It also runs the periodic
+//! duties of the other parts: heartbeats (control), the drain of cleared rooms and of
+//! failed RDMA decode rooms, expiry of the prefill's holding area and acknowledgements.
 
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::Shared as Inner;
+use super::core::{self, Side};
+use super::lifecycle;
+use crate::config::Config;
 use crate::room::{Cause, FailureReason, State, NO_DEADLINE};
 
 /// How often to scan: a quarter of the shortest deadline, within 2..=100 ms.
-fn scan_interval(inner: &Inner) -> Duration {
-    let c = &inner.config;
+fn scan_interval(c: &Config) -> Duration {
     let shortest = c
         .bootstrap_timeout_ms
         .min(c.waiting_timeout_ms)
@@ -18,41 +21,45 @@ fn scan_interval(inner: &Inner) -> Duration {
     Duration::from_millis((shortest / 4).clamp(2, 100))
 }
 
-pub(super) fn run(inner: &Inner) {
-    let interval = scan_interval(inner);
-    loop {
-        {
-            let mut g = inner.wake.0.lock();
-            if inner.stopping.load(Ordering::Acquire) {
-                return;
-            }
-            inner.wake.1.wait_for(&mut g, interval);
-        }
-        if inner.stopping.load(Ordering::Acquire) {
-            return;
-        }
+/// Starts the watchdog thread of `side`.
+pub(crate) fn start<S: Side>(side: &Arc<S>) -> crate::error::Result<()> {
+    let s = side.clone();
+    side.core().node.spawn("kvxfer-watchdog", move || run(&*s))
+}
+
+fn run<S: Side>(side: &S) {
+    let node = &side.core().node;
+    let interval = scan_interval(&node.config);
+    while !node.sleep(interval) {
         // A panic here must not end the watchdog: catch it, log it, go on.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            scan(inner);
-            inner.heartbeat();
-            inner.expire_held();
+            let now = node.now_ms();
+            scan(side, now);
+            core::release_drained(side, now);
+            side.tick(now);
+            side.core().control.heartbeat();
         }));
         if r.is_err() {
-            crate::log!(inner.log, Error, "watchdog scan panicked; continuing");
+            crate::log!(node.log, Error, "watchdog scan panicked; continuing");
         }
     }
 }
 
-fn scan(inner: &Inner) {
-    let now = inner.now_ms();
-    for room in inner.rooms.snapshot() {
-        inner.decode_drain_deadline(&room, now);
+fn scan<S: Side>(side: &S, now: u64) {
+    let c = &side.core().node.config;
+    for room in side.core().rooms.snapshot() {
+        side.watch(&room, now);
+        // The state first, then its deadline: a transition arms the new state's deadline
+        // before its compare-and-swap, so a deadline read after the state is that
+        // state's (or a later one's), and the room is failed only if still in that state.
+        let state = room.state();
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("watchdog.scan", room.id());
         let deadline = room.deadline_ms();
         if deadline == NO_DEADLINE || deadline > now {
             continue;
         }
-        let c = &inner.config;
-        let (cause, what, ms) = match room.state() {
+        let (cause, what, ms) = match state {
             State::Bootstrapping => (
                 Cause::BootstrapTimeout,
                 "bootstrap_timeout_ms",
@@ -71,16 +78,12 @@ fn scan(inner: &Inner) {
             State::Success | State::Failed => continue,
         };
         let mut message = format!(
-            "room {} exceeded its deadline {what}={ms} in state {}",
+            "room {} exceeded its deadline {what}={ms} in state {state}",
             room.id(),
-            room.state()
         );
-        if let Some(missing) = inner.decode_missing(&room) {
-            message = format!("{message}: {missing}");
+        if let Some(note) = side.deadline_note(&room) {
+            message.push_str(&note);
         }
-        inner.fail_room(&room, FailureReason::local(cause, message), None);
-    }
-    if inner.rdma.is_some() {
-        inner.send_due_acks();
+        lifecycle::fail_in(side, &room, state, FailureReason::local(cause, message));
     }
 }

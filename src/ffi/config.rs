@@ -1,53 +1,18 @@
 //! `kvxfer_config`: a bag of string settings an engine is created from.
 
-use std::ffi::{c_char, c_void, CString};
-use std::sync::Arc;
+use std::ffi::{c_char, c_void};
 
 use super::boundary::{try_str, BoxHandle};
+use super::log::{c_sink, kvxfer_drop_fn, kvxfer_log_fn};
 use super::status::kvxfer_status;
 use crate::config::Config;
-use crate::log::{Level, Sink};
+use crate::log::Sink;
 
 /// An engine configuration. Create with `kvxfer_config_new`, release with
 /// `kvxfer_config_free`. Not thread-safe: use one config from one thread at a time.
 pub struct kvxfer_config {
     _private: [u8; 0],
 }
-
-/// Log levels passed to a log sink, most severe first.
-#[repr(i32)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum kvxfer_log_level {
-    /// Something failed.
-    KVXFER_LOG_ERROR = 1,
-    /// A room failed, a peer was lost: handled, but worth an operator's eye.
-    KVXFER_LOG_WARN = 2,
-    /// Lifecycle: engine start and stop, peers connected.
-    KVXFER_LOG_INFO = 3,
-    /// Per-room detail.
-    KVXFER_LOG_DEBUG = 4,
-    /// Per-chunk detail.
-    KVXFER_LOG_TRACE = 5,
-}
-
-impl From<Level> for kvxfer_log_level {
-    fn from(l: Level) -> Self {
-        match l {
-            Level::Error => kvxfer_log_level::KVXFER_LOG_ERROR,
-            Level::Warn => kvxfer_log_level::KVXFER_LOG_WARN,
-            Level::Info => kvxfer_log_level::KVXFER_LOG_INFO,
-            Level::Debug => kvxfer_log_level::KVXFER_LOG_DEBUG,
-            Level::Trace => kvxfer_log_level::KVXFER_LOG_TRACE,
-        }
-    }
-}
-
-/// A log sink: called with the `ctx` given at registration, a level and one
-/// NUL-terminated line (valid only during the call). It may be called from any library
-/// thread, concurrently, so it must be thread-safe; it must not call back into the
-/// engine that logs.
-pub type kvxfer_log_fn =
-    Option<unsafe extern "C" fn(ctx: *mut c_void, level: kvxfer_log_level, message: *const c_char)>;
 
 pub(crate) struct ConfigObject {
     pub(crate) config: Config,
@@ -59,14 +24,8 @@ impl BoxHandle for kvxfer_config {
     const NAME: &'static str = "cfg";
 }
 
-/// Creates a configuration with every key at its default and stores it in `*out`.
-///
-/// Defaults: `listen=127.0.0.1:0`, `transport=auto`, `workers=4`,
-/// `connections_per_peer=2`, `rdma_devices=` (all), `rdma_slice_bytes=1048576`,
-/// `rdma_queue_depth=128`, `bootstrap_timeout_ms=30000`,
-/// `waiting_timeout_ms=60000`, `transfer_timeout_ms=30000`,
-/// `heartbeat_interval_ms=1000`, `heartbeat_misses=5`, `drain_timeout_ms=5000`,
-/// `log_level=warn`. `role` has no default and must be set.
+/// Creates a configuration with every key at its default (the defaults are listed on
+/// `kvxfer_config_set`) and stores it in `*out`.
 ///
 /// Errors: `KVXFER_ERR_NULL_POINTER` if `out` is NULL.
 #[no_mangle]
@@ -86,17 +45,51 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 
 /// Sets configuration `key` to `value` (both NUL-terminated UTF-8; copied).
 ///
-/// Keys: `role` (`prefill` | `decode`), `listen` (`host:port`, port 0 = any; IPv6 as
-/// `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
-/// reports this machine's host name), `transport` (`auto` | `tcp` | `rdma`), `workers` (1..256),
-/// `connections_per_peer` (1..64, TCP only), `rdma_devices` (comma-separated names,
-/// empty = every device with an active port), `rdma_slice_bytes` (4096..2^30: longest
-/// single RDMA WRITE), `rdma_queue_depth` (1..4096: most writes outstanding per queue
-/// pair), `bootstrap_timeout_ms`, `waiting_timeout_ms`, `transfer_timeout_ms`,
-/// `heartbeat_interval_ms`, `drain_timeout_ms` (1..86400000; RDMA: longest a failed
-/// decode room waits for the prefill's acknowledgement before its peer's queue pairs are
-/// shut), `heartbeat_misses`
-/// (1..1000), `log_level` (`error` | `warn` | `info` | `debug` | `trace`).
+/// Keys:
+/// - `role`: `prefill` | `decode`. No default: must be set.
+/// - `listen` (default `127.0.0.1:0`): `host:port` to listen on, port 0 = any; IPv6 as
+///   `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
+///   reports this machine's host name.
+/// - `transport` (default `auto`): `auto` | `tcp` | `rdma`.
+/// - `workers` (default `4`, 1..256): worker threads.
+/// - `connections_per_peer` (default `2`, 1..64): data connections to each peer engine
+///   (TCP only).
+/// - `rdma_devices` (default empty: every device with an active port): comma-separated
+///   device names.
+/// - `rdma_slice_bytes` (default `1048576`, 4096..1073741824): longest single RDMA WRITE.
+/// - `rdma_queue_depth` (default `128`, 1..4096): most writes outstanding per queue pair.
+/// - `bootstrap_timeout_ms` (default `30000`, 1..86400000): longest a room may stay
+///   BOOTSTRAPPING.
+/// - `waiting_timeout_ms` (default `60000`, 1..86400000): longest a room may stay
+///   WAITING_FOR_INPUT.
+/// - `transfer_timeout_ms` (default `30000`, 1..86400000): longest a TRANSFERRING room may
+///   go without progress.
+/// - `heartbeat_interval_ms` (default `1000`, 1..86400000): time between heartbeats to
+///   each peer engine.
+/// - `heartbeat_misses` (default `5`, 1..1000): missed heartbeats before a peer engine
+///   counts as lost.
+/// - `drain_timeout_ms` (default `5000`, 1..86400000): RDMA: longest a failed decode room
+///   waits for the prefill's acknowledgement before its peer's queue pairs are shut.
+/// - `log_level` (default `warn`): `error` | `warn` | `info` | `debug` | `trace`.
+///
+/// Authentication:
+/// - `auth`: `required` | `off`. No fixed default: `required` when a key is set, `off`
+///   otherwise.
+/// - `auth_key_file`: path of the cluster key: the file's whole content, 32 to 4096
+///   bytes, best 32 random bytes such as `head -c 32 /dev/urandom`; the file must be a
+///   regular file that grants nothing to group or others, mode 0600 or 0400, else the
+///   message names the path and its mode; read when this call is made.
+/// - `auth_key`: the key in hexadecimal, 64 to 8192 digits; meant for tests, since a key
+///   in a config string tends to reach logs and process listings; the message of a bad
+///   value never repeats it.
+///
+/// Whichever of `auth_key_file` and `auth_key` is set last is the key. With
+/// `auth=required` every connection between two engines proves, both ways, that both
+/// hold the key before anything else on it is acted on; engines that differ in `auth` or
+/// in key fail their rooms (decode side: `KVXFER_CAUSE_MISMATCH`, the reason naming
+/// authentication and both settings; prefill side: at `bootstrap_timeout_ms`, the
+/// reason naming the refused connection). `auth=required` without a key makes
+/// `kvxfer_engine_new` fail with `KVXFER_ERR_BAD_VALUE`.
 ///
 /// Errors: `KVXFER_ERR_UNKNOWN_KEY` for a key not listed, `KVXFER_ERR_BAD_VALUE` for a
 /// value the key does not accept (the message names both), `KVXFER_ERR_NULL_POINTER`.
@@ -119,31 +112,13 @@ pub unsafe extern "C" fn kvxfer_config_set(
     })
 }
 
-struct CSink {
-    f: unsafe extern "C" fn(*mut c_void, kvxfer_log_level, *const c_char),
-    ctx: *mut c_void,
-}
-
-impl CSink {
-    fn call(&self, level: Level, line: &str) {
-        let line = CString::new(line.replace('\0', " ")).unwrap_or_default();
-        // SAFETY: the sink contract of kvxfer_config_set_log_sink; `line` outlives the
-        // call.
-        unsafe { (self.f)(self.ctx, level.into(), line.as_ptr()) }
-    }
-}
-
-// SAFETY: the caller of kvxfer_config_set_log_sink promises that the callback and its
-// `ctx` may be used from any thread, concurrently (documented on that function).
-unsafe impl Send for CSink {}
-// SAFETY: as above.
-unsafe impl Sync for CSink {}
-
 /// Routes the engine's log lines to `sink(ctx, level, line)` instead of stderr. A NULL
 /// `sink` restores stderr. Lines below the `log_level` key are not passed.
 ///
 /// `sink` and `ctx` must stay valid until every engine created from this config is
-/// freed, and `sink` must be callable from any thread, concurrently.
+/// freed, and `sink` must be callable from any thread, concurrently (see
+/// `kvxfer_log_fn`: it must not unwind). To hand `ctx` over to the library instead, use
+/// `kvxfer_config_set_log_sink2`.
 ///
 /// Errors: `KVXFER_ERR_NULL_POINTER` if `cfg` is NULL.
 #[no_mangle]
@@ -156,10 +131,42 @@ pub unsafe extern "C" fn kvxfer_config_set_log_sink(
     ffi_status!({
         // SAFETY: a non-NULL cfg is a live handle used by one thread (documented).
         let cfg = unsafe { kvxfer_config::try_borrow_mut(cfg) }?;
-        cfg.sink = sink.map(|f| {
-            let c = CSink { f, ctx };
-            Arc::new(move |level: Level, line: &str| c.call(level, line)) as Sink
-        });
+        // SAFETY: the caller keeps `sink` and `ctx` valid and thread-safe (documented);
+        // without a drop function the library never releases `ctx`.
+        cfg.sink = unsafe { c_sink(sink, ctx, None) };
+        Ok(())
+    })
+}
+
+/// As `kvxfer_config_set_log_sink`, and the library takes `ctx` over: it calls
+/// `drop(ctx)` (if `drop` is not NULL) exactly once, after the last call of `sink` has
+/// returned: once this config and every engine created from it have been freed, or once
+/// the config's sink is replaced and no engine uses the old one. `drop` runs on the
+/// thread whose `kvxfer_config_free`, `kvxfer_engine_free` or `kvxfer_config_set_log_sink*`
+/// call released the last use, before that call returns. With a NULL `sink` the library
+/// keeps nothing and calls `drop(ctx)` before returning. This lets a host hand over a
+/// context it allocated, such as a C++ `std::function`.
+///
+/// `sink` must be callable from any thread, concurrently, until `drop` runs. `drop` must
+/// not call back into the library, and neither may unwind (no C++ exception, no
+/// `longjmp`).
+///
+/// Errors: `KVXFER_ERR_NULL_POINTER` if `cfg` is NULL; `ctx` then stays the caller's
+/// (`drop` is not called).
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_config_set_log_sink2(
+    cfg: *mut kvxfer_config,
+    sink: kvxfer_log_fn,
+    ctx: *mut c_void,
+    drop: kvxfer_drop_fn,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL cfg is a live handle used by one thread (documented).
+        let cfg = unsafe { kvxfer_config::try_borrow_mut(cfg) }?;
+        // SAFETY: the caller hands over `ctx` with `sink` and `drop` under the contract
+        // documented above.
+        cfg.sink = unsafe { c_sink(sink, ctx, drop) };
         Ok(())
     })
 }

@@ -2,21 +2,99 @@
 
 use std::ffi::{c_char, c_void};
 
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
 use super::boundary::{try_slice, write_string, BoxHandle};
 use super::config::kvxfer_config;
 use super::status::kvxfer_status;
-use crate::engine::{BufferDesc, Engine};
+use super::types::{kvxfer_failure_cause, KVXFER_METRICS_CAUSES, KVXFER_ROOM_STATES};
+use crate::engine::{BufferDesc, Engine, MetricsSnapshot};
+use crate::error::Result;
 use crate::log::Logger;
 
 /// A running transfer engine. Every call taking an engine is safe from any thread,
-/// concurrently, except `kvxfer_engine_free`, which must not race other calls on it.
+/// concurrently, `kvxfer_engine_free` included: a call that races the free, or comes
+/// after it, fails with `KVXFER_ERR_WRONG_STATE` ("the engine was freed").
 pub struct kvxfer_engine {
     _private: [u8; 0],
 }
 
-impl BoxHandle for kvxfer_engine {
+/// What a `kvxfer_engine *` points to: the engine, and what lets a call that races
+/// `kvxfer_engine_free` (or follows it) fail cleanly instead of touching freed memory.
+/// A cell is never freed (it is a few dozen bytes per engine ever created, kept
+/// reachable in `CELLS`), so a freed handle still points to a cell, which says closed.
+struct EngineCell {
+    /// Calls in progress on the handle. SeqCst, paired with `closed`: a call counts
+    /// itself in and then reads `closed`; free sets `closed` and then waits for the
+    /// count to reach 0 (store buffering: either the call sees the handle closed, or
+    /// free sees the call and waits for it).
+    inflight: AtomicUsize,
+    /// Set once, by the first `kvxfer_engine_free`.
+    closed: AtomicBool,
+    /// The engine, until free takes it out (with `closed` set and no call in progress).
+    engine: UnsafeCell<Option<Engine>>,
+}
+
+// SAFETY: `engine` is shared (`&Engine`, which is Sync) only by calls counted in
+// `inflight` while `closed` is false, and taken out (exclusively) only by the one free
+// that set `closed`, after it saw `inflight` at 0; see `enter` and `kvxfer_engine_free`.
+unsafe impl Sync for EngineCell {}
+
+/// Every engine cell ever made: never freed, so a stale handle stays valid to read.
+static CELLS: parking_lot::Mutex<Vec<&'static EngineCell>> = parking_lot::Mutex::new(Vec::new());
+
+/// A call in progress on an engine handle: derefs to the engine; counts itself out
+/// when dropped.
+pub(crate) struct EngineRef<'a>(&'a EngineCell);
+
+impl std::ops::Deref for EngineRef<'_> {
     type Target = Engine;
-    const NAME: &'static str = "engine";
+    fn deref(&self) -> &Engine {
+        // SAFETY: an EngineRef exists only while counted in `inflight` with `closed`
+        // false at its start (enter), so free has not taken the engine out and will not
+        // until this is dropped.
+        unsafe { (*self.0.engine.get()).as_ref() }.expect("a live cell holds its engine")
+    }
+}
+
+impl Drop for EngineRef<'_> {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl kvxfer_engine {
+    /// A new handle for `engine`.
+    fn into_raw(engine: Engine) -> *mut kvxfer_engine {
+        let cell: &'static EngineCell = Box::leak(Box::new(EngineCell {
+            inflight: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            engine: UnsafeCell::new(Some(engine)),
+        }));
+        CELLS.lock().push(cell);
+        (cell as *const EngineCell).cast_mut().cast()
+    }
+
+    /// Enters a call on a handle that must not be NULL: the engine, for as long as the
+    /// returned guard lives; `KVXFER_ERR_WRONG_STATE` if the engine was freed.
+    ///
+    /// # Safety
+    /// A non-NULL `p` must come from `kvxfer_engine_new` (freed or not).
+    pub(crate) unsafe fn enter<'a>(p: *const kvxfer_engine) -> Result<EngineRef<'a>> {
+        // SAFETY: a non-NULL handle points to a cell made by into_raw, never freed.
+        let cell = unsafe { p.cast::<EngineCell>().as_ref() }
+            .ok_or_else(|| crate::err!(NullPointer, "argument 'engine' is NULL"))?;
+        cell.inflight.fetch_add(1, Ordering::SeqCst);
+        let guard = EngineRef(cell);
+        if cell.closed.load(Ordering::SeqCst) {
+            return Err(crate::err!(
+                WrongState,
+                "the engine was freed (kvxfer_engine_free)"
+            ));
+        }
+        Ok(guard)
+    }
 }
 
 /// One registered memory buffer: `len` bytes at `base`, in pages (KV) or slots (aux) of
@@ -36,7 +114,8 @@ pub struct kvxfer_buffer {
 /// it in `*out`. The engine binds its listening socket and starts its threads before
 /// this returns.
 ///
-/// Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set, `KVXFER_ERR_TRANSPORT_UNAVAILABLE`
+/// Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set or `auth` is `required` without a
+/// key, `KVXFER_ERR_TRANSPORT_UNAVAILABLE`
 /// if the requested transport cannot run here, `KVXFER_ERR_IO` if the address cannot be
 /// bound, `KVXFER_ERR_NULL_POINTER`. `*out` is written only on success.
 #[no_mangle]
@@ -59,12 +138,27 @@ pub unsafe extern "C" fn kvxfer_engine_new(
 
 /// Stops an engine: every live room becomes FAILED with reason "engine shut down", every
 /// library thread is joined, sockets are closed, and the handle is released. `NULL` is a
-/// no-op. No other call on this engine may run concurrently or follow.
+/// no-op, and so is freeing a handle again. Calls on the engine that race the free are
+/// waited for (they never block on the network), and calls that start after it began
+/// fail with `KVXFER_ERR_WRONG_STATE`. Must not be called from inside the engine's log
+/// sink.
 #[no_mangle]
 pub unsafe extern "C" fn kvxfer_engine_free(engine: *mut kvxfer_engine) {
     ffi_value!((), {
-        // SAFETY: a non-NULL engine came from kvxfer_engine_new and is not used again.
-        unsafe { kvxfer_engine::free(engine) }
+        // SAFETY: a non-NULL handle points to a cell made by into_raw, never freed.
+        let Some(cell) = (unsafe { engine.cast::<EngineCell>().as_ref() }) else {
+            return;
+        };
+        if cell.closed.swap(true, Ordering::SeqCst) {
+            return; // freed before
+        }
+        while cell.inflight.load(Ordering::SeqCst) != 0 {
+            std::thread::yield_now();
+        }
+        // SAFETY: `closed` is set, by this call only, and no call is in progress: no
+        // reference to the engine exists or can be made (see EngineCell).
+        let engine = unsafe { (*cell.engine.get()).take() };
+        drop(engine);
     })
 }
 
@@ -82,8 +176,8 @@ pub unsafe extern "C" fn kvxfer_engine_address(
     out_n: *mut usize,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         // SAFETY: buf holds len bytes by contract.
         unsafe { write_string(buf, len, out_n, engine.address()) }
     })
@@ -106,7 +200,8 @@ fn descs(bufs: &[kvxfer_buffer]) -> Vec<BufferDesc> {
 ///
 /// Errors: `KVXFER_ERR_INVALID_ARGUMENT` for `n` = 0 or > 4096, a NULL base, `item_len` 0
 /// or `len < item_len` (the message names the buffer); `KVXFER_ERR_WRONG_STATE` if
-/// already registered; `KVXFER_ERR_NULL_POINTER`.
+/// already registered, or once the first room was created or a peer connected (peers
+/// learn the registration when they connect); `KVXFER_ERR_NULL_POINTER`.
 #[no_mangle]
 #[must_use]
 pub unsafe extern "C" fn kvxfer_register_kv(
@@ -115,8 +210,8 @@ pub unsafe extern "C" fn kvxfer_register_kv(
     n: usize,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         // SAFETY: bufs holds n elements by contract.
         let bufs = unsafe { try_slice(bufs, n, "bufs") }?;
         engine.register_kv(descs(bufs))
@@ -141,8 +236,8 @@ pub unsafe extern "C" fn kvxfer_register_kv_layers(
     n: usize,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         // SAFETY: bufs holds n elements by contract.
         let bufs = unsafe { try_slice(bufs, n, "bufs") }?;
         // SAFETY: layer_ids holds n elements by contract.
@@ -152,8 +247,8 @@ pub unsafe extern "C" fn kvxfer_register_kv_layers(
 }
 
 /// Registers the engine's aux buffers (per-request metadata rows, indexed by slot: slot
-/// `s` of buffer `i` is at `base + s * item_len`), once. Same rules and errors as
-/// `kvxfer_register_kv`.
+/// `s` of buffer `i` is at `base + s * item_len`), once, before any room is created. Same
+/// rules and errors as `kvxfer_register_kv`.
 #[no_mangle]
 #[must_use]
 pub unsafe extern "C" fn kvxfer_register_aux(
@@ -162,8 +257,8 @@ pub unsafe extern "C" fn kvxfer_register_aux(
     n: usize,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         // SAFETY: bufs holds n elements by contract.
         let bufs = unsafe { try_slice(bufs, n, "bufs") }?;
         engine.register_aux(descs(bufs))
@@ -172,8 +267,9 @@ pub unsafe extern "C" fn kvxfer_register_aux(
 
 /// Counters and gauges of one engine, for a server to export.
 ///
-/// Counters only grow; gauges (`rooms_by_state`, `inflight`) describe the rooms present
-/// now. `rooms_created` = `rooms_succeeded` + `rooms_failed` + rooms still live.
+/// Counters only grow; gauges (`rooms_by_state`, `inflight`, `rooms_draining`) describe
+/// the rooms present now. `rooms_created` = `rooms_succeeded` + `rooms_failed` + rooms
+/// still live. Fields are only ever appended (see `kvxfer_engine_metrics`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct kvxfer_metrics {
@@ -185,9 +281,9 @@ pub struct kvxfer_metrics {
     pub rooms_failed: u64,
     /// Rooms that reached FAILED, indexed by `kvxfer_failure_cause` value (index 0 and
     /// values beyond the last cause stay 0).
-    pub rooms_failed_by_cause: [u64; 16],
+    pub rooms_failed_by_cause: [u64; KVXFER_METRICS_CAUSES],
     /// Rooms present (not cleared), indexed by `kvxfer_room_state` value.
-    pub rooms_by_state: [u64; 5],
+    pub rooms_by_state: [u64; KVXFER_ROOM_STATES],
     /// Rooms present and not terminal.
     pub inflight: u64,
     /// KV and aux payload bytes written to peers.
@@ -211,6 +307,64 @@ pub struct kvxfer_metrics {
     pub held_overflow: u64,
     /// Early destinations whose room was not created in time.
     pub held_expired: u64,
+    /// Aborts from decode engines (or losses of one) before their prefill room was
+    /// created that the holding area had no place for: those rooms fail at their
+    /// bootstrap deadline instead of at once.
+    pub tombstone_overflow: u64,
+    /// Cleared prefill rooms the holding area had no place to remember: late messages
+    /// about them may be taken for a new use of their id.
+    pub cleared_overflow: u64,
+    /// Rooms cleared before they drained (`kvxfer_room_drained`), still draining in the
+    /// background; the library releases them once no transport operation can touch
+    /// their memory.
+    pub rooms_draining: u64,
+    /// Connections refused at authentication, on either side (see `auth` in
+    /// `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete or
+    /// malformed handshake, or too many connections authenticating at once.
+    pub auth_failures: u64,
+}
+
+/// The copy of a snapshot into `kvxfer_metrics`, one field per C field named in the
+/// metrics table (`src/metrics.rs`): the struct literal has no `..`, so a C field the
+/// table does not name, or names twice, fails the build; `C_FIELDS` lets a test check
+/// the order.
+macro_rules! c_metrics {
+    ($($kind:ident $name:ident ($($c:ident),+) $series:literal $help:literal;)*) => {
+        impl From<&MetricsSnapshot> for kvxfer_metrics {
+            fn from(s: &MetricsSnapshot) -> kvxfer_metrics {
+                kvxfer_metrics { $($($c: c_value!($kind $c, s.$name),)+)* }
+            }
+        }
+
+        /// The C fields the table names, in its order, with their offsets.
+        #[cfg(test)]
+        const C_FIELDS: &[(&str, usize)] =
+            &[$($((stringify!($c), std::mem::offset_of!(kvxfer_metrics, $c)),)+)*];
+    };
+}
+
+/// One C field's value: a `by_cause` row is the total and the array by C value.
+macro_rules! c_value {
+    (by_cause rooms_failed, $s:ident.$name:ident) => {
+        $s.rooms_failed_total()
+    };
+    (by_cause rooms_failed_by_cause, $s:ident.$name:ident) => {
+        by_cause_value(&$s.$name)
+    };
+    ($kind:ident $c:ident, $s:ident.$name:ident) => {
+        $s.$name
+    };
+}
+
+crate::metrics_table!(c_metrics);
+
+/// Counts by position in `Cause::ALL`, re-indexed by `kvxfer_failure_cause` value.
+fn by_cause_value(counts: &[u64]) -> [u64; KVXFER_METRICS_CAUSES] {
+    let mut out = [0; KVXFER_METRICS_CAUSES];
+    for (cause, n) in crate::room::Cause::ALL.iter().zip(counts) {
+        out[kvxfer_failure_cause::from(*cause) as usize] = *n;
+    }
+    out
 }
 
 /// Copies the engine's metrics into `*out`. `size` must be `sizeof(kvxfer_metrics)` as
@@ -226,8 +380,8 @@ pub unsafe extern "C" fn kvxfer_engine_metrics(
     size: usize,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         if out.is_null() {
             return Err(crate::err!(NullPointer, "argument 'out' is NULL"));
         }
@@ -237,29 +391,7 @@ pub unsafe extern "C" fn kvxfer_engine_metrics(
                 "size is 0; pass sizeof(kvxfer_metrics)"
             ));
         }
-        let m = engine.metrics();
-        let mut c = kvxfer_metrics {
-            rooms_created: m.rooms_created,
-            rooms_succeeded: m.rooms_succeeded,
-            rooms_failed: m.rooms_failed_total(),
-            rooms_by_state: m.rooms_by_state,
-            inflight: m.inflight,
-            bytes_sent: m.bytes_sent,
-            bytes_received: m.bytes_received,
-            chunks: m.chunks,
-            peers_lost: m.peers_lost,
-            protocol_errors: m.protocol_errors,
-            dropped_frames: m.dropped_frames,
-            unknown_room_frames: m.unknown_room_frames,
-            held_destinations: m.held,
-            held_overflow: m.held_overflow,
-            held_expired: m.held_expired,
-            ..Default::default()
-        };
-        for (cause, n) in crate::room::Cause::ALL.iter().zip(m.rooms_failed) {
-            let code = super::room::kvxfer_failure_cause::from(*cause) as usize;
-            c.rooms_failed_by_cause[code] = n;
-        }
+        let c = kvxfer_metrics::from(&engine.metrics());
         let n = size.min(std::mem::size_of::<kvxfer_metrics>());
         // SAFETY: `out` is non-NULL and the caller guarantees `size` writable bytes; we
         // copy `n <= size` bytes from a local of at least `n` bytes. No alignment is
@@ -290,10 +422,152 @@ pub unsafe extern "C" fn kvxfer_engine_metrics_text(
     out_n: *mut usize,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         let text = engine.metrics().prometheus(&engine.role().to_string());
         // SAFETY: buf holds len bytes by contract.
         unsafe { write_string(buf, len, out_n, &text) }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::CString;
+
+    use super::*;
+    use crate::ffi::config::{kvxfer_config_free, kvxfer_config_new, kvxfer_config_set};
+    use crate::ffi::room::kvxfer_room_poll;
+    use crate::ffi::types::kvxfer_room_state;
+
+    fn prefill() -> *mut kvxfer_engine {
+        let mut cfg = std::ptr::null_mut();
+        let mut e = std::ptr::null_mut();
+        let (k, v) = (
+            CString::new("role").unwrap(),
+            CString::new("prefill").unwrap(),
+        );
+        let (tk, tv) = (
+            CString::new("transport").unwrap(),
+            CString::new("tcp").unwrap(),
+        );
+        // SAFETY: valid out-pointers and NUL-terminated strings.
+        unsafe {
+            assert_eq!(kvxfer_config_new(&mut cfg), kvxfer_status::KVXFER_OK);
+            assert_eq!(
+                kvxfer_config_set(cfg, k.as_ptr(), v.as_ptr()),
+                kvxfer_status::KVXFER_OK
+            );
+            assert_eq!(
+                kvxfer_config_set(cfg, tk.as_ptr(), tv.as_ptr()),
+                kvxfer_status::KVXFER_OK
+            );
+            assert_eq!(kvxfer_engine_new(cfg, &mut e), kvxfer_status::KVXFER_OK);
+            kvxfer_config_free(cfg);
+        }
+        e
+    }
+
+    fn poll(e: *const kvxfer_engine) -> kvxfer_status {
+        let mut st = kvxfer_room_state::KVXFER_ROOM_FAILED;
+        // SAFETY: a handle from kvxfer_engine_new (freed or not) and a valid out-pointer.
+        unsafe { kvxfer_room_poll(e, 1, &mut st) }
+    }
+
+    /// The table in `src/metrics.rs` names every C field (else `From` would not
+    /// build), in the order of the struct and of the header C users compile against.
+    #[test]
+    fn the_metrics_table_names_the_fields_of_kvxfer_metrics_in_their_order() {
+        for w in C_FIELDS.windows(2) {
+            assert!(
+                w[0].1 < w[1].1,
+                "the table puts {} before {}, kvxfer_metrics does not",
+                w[0].0,
+                w[1].0
+            );
+        }
+        let header =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/kvxfer.h"))
+                .unwrap();
+        let start = header
+            .find("typedef struct kvxfer_metrics {")
+            .expect("kvxfer_metrics");
+        let body = &header[start..start + header[start..].find("} kvxfer_metrics;").unwrap()];
+        let declared: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("uint64_t "))
+            .map(|f| f.trim_end_matches(';').split('[').next().unwrap())
+            .collect();
+        let named: Vec<&str> = C_FIELDS.iter().map(|f| f.0).collect();
+        assert_eq!(
+            declared, named,
+            "include/kvxfer.h and the metrics table disagree"
+        );
+    }
+
+    #[test]
+    fn each_c_field_carries_its_value_and_causes_are_indexed_by_c_value() {
+        let mut s = MetricsSnapshot {
+            rooms_created: 40,
+            held: 7,
+            rooms_draining: 3,
+            auth_failures: 9,
+            inflight: 2,
+            ..Default::default()
+        };
+        s.rooms_failed[0] = 5; // ABORTED
+        s.rooms_failed[9] = 11; // INTERNAL
+        s.rooms_by_state = [1, 2, 3, 4, 5];
+        let c = kvxfer_metrics::from(&s);
+        assert_eq!((c.rooms_created, c.held_destinations), (40, 7));
+        assert_eq!((c.rooms_draining, c.auth_failures, c.inflight), (3, 9, 2));
+        assert_eq!(c.rooms_failed, 16);
+        let mut by_cause = [0; KVXFER_METRICS_CAUSES];
+        by_cause[kvxfer_failure_cause::KVXFER_CAUSE_ABORTED as usize] = 5;
+        by_cause[kvxfer_failure_cause::KVXFER_CAUSE_INTERNAL as usize] = 11;
+        assert_eq!(c.rooms_failed_by_cause, by_cause);
+        assert_eq!(c.rooms_by_state, [1, 2, 3, 4, 5]);
+    }
+
+    /// DESIGN.md section 5, "every call is safe from any thread": a call after free,
+    /// and a second free, fail cleanly instead of touching freed memory.
+    #[test]
+    fn calls_on_a_freed_engine_fail_with_wrong_state_and_a_second_free_is_harmless() {
+        let e = prefill();
+        assert_eq!(poll(e), kvxfer_status::KVXFER_ERR_NOT_FOUND);
+        // SAFETY: a handle from kvxfer_engine_new.
+        unsafe { kvxfer_engine_free(e) };
+        assert_eq!(poll(e), kvxfer_status::KVXFER_ERR_WRONG_STATE);
+        // SAFETY: as above; freeing again is documented as a no-op.
+        unsafe { kvxfer_engine_free(e) };
+        assert_eq!(poll(e), kvxfer_status::KVXFER_ERR_WRONG_STATE);
+    }
+
+    /// A host tearing down while another thread (a metrics exporter, a scheduler) still
+    /// calls: every call either works or fails with WRONG_STATE.
+    #[test]
+    fn calls_racing_the_free_either_work_or_fail_with_wrong_state() {
+        for _ in 0..20 {
+            let e = prefill() as usize;
+            let callers: Vec<_> = (0..3)
+                .map(|_| {
+                    std::thread::spawn(move || {
+                        let mut calls = 0u64;
+                        loop {
+                            match poll(e as *const kvxfer_engine) {
+                                kvxfer_status::KVXFER_ERR_NOT_FOUND => calls += 1,
+                                kvxfer_status::KVXFER_ERR_WRONG_STATE => return calls,
+                                other => panic!("unexpected {other:?}"),
+                            }
+                        }
+                    })
+                })
+                .collect();
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            // SAFETY: a handle from kvxfer_engine_new.
+            unsafe { kvxfer_engine_free(e as *mut kvxfer_engine) };
+            for c in callers {
+                c.join().unwrap();
+            }
+        }
+    }
 }

@@ -3,87 +3,12 @@
 
 use std::ffi::c_char;
 
-use super::boundary::{try_out, try_slice, try_str, write_string, BoxHandle};
+use super::boundary::{try_out, try_slice, try_str, write_string};
 use super::engine::kvxfer_engine;
 use super::status::kvxfer_status;
+use super::types::{kvxfer_failure_cause, kvxfer_room_state};
 use crate::err;
 use crate::error::Result;
-use crate::room::{Cause, State};
-use crate::RoomPeers;
-
-/// A room's state. Values are fixed (kept from the reference design): FAILED is the
-/// smallest, so hosts can MIN-reduce polls across tensor-parallel ranks.
-#[repr(i32)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum kvxfer_room_state {
-    /// Terminal: the transfer did not happen; `kvxfer_room_failure` says why.
-    KVXFER_ROOM_FAILED = 0,
-    /// Connections, registration or destination info are being set up.
-    KVXFER_ROOM_BOOTSTRAPPING = 1,
-    /// Ready for data: prefill has every destination; decode may send its destination.
-    KVXFER_ROOM_WAITING_FOR_INPUT = 2,
-    /// Data is moving.
-    KVXFER_ROOM_TRANSFERRING = 3,
-    /// Terminal: every page arrived and every engine reported done.
-    KVXFER_ROOM_SUCCESS = 4,
-}
-
-impl From<State> for kvxfer_room_state {
-    fn from(s: State) -> Self {
-        match s {
-            State::Failed => kvxfer_room_state::KVXFER_ROOM_FAILED,
-            State::Bootstrapping => kvxfer_room_state::KVXFER_ROOM_BOOTSTRAPPING,
-            State::WaitingForInput => kvxfer_room_state::KVXFER_ROOM_WAITING_FOR_INPUT,
-            State::Transferring => kvxfer_room_state::KVXFER_ROOM_TRANSFERRING,
-            State::Success => kvxfer_room_state::KVXFER_ROOM_SUCCESS,
-        }
-    }
-}
-
-/// The class of a room's failure.
-#[repr(i32)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum kvxfer_failure_cause {
-    /// Aborted by a scheduler (this side's, or the peer's: see `from_peer`), or cleared
-    /// while live.
-    KVXFER_CAUSE_ABORTED = 1,
-    /// The peer engine stopped answering or its connection broke.
-    KVXFER_CAUSE_PEER_LOST = 2,
-    /// `bootstrap_timeout_ms` passed.
-    KVXFER_CAUSE_BOOTSTRAP_TIMEOUT = 3,
-    /// `waiting_timeout_ms` passed.
-    KVXFER_CAUSE_WAITING_TIMEOUT = 4,
-    /// No progress within `transfer_timeout_ms`.
-    KVXFER_CAUSE_TRANSFER_TIMEOUT = 5,
-    /// The peer sent an invalid message.
-    KVXFER_CAUSE_PROTOCOL = 6,
-    /// The sides disagree (page counts, buffer layout).
-    KVXFER_CAUSE_MISMATCH = 7,
-    /// Moving the bytes failed.
-    KVXFER_CAUSE_TRANSFER = 8,
-    /// The engine was freed with the room live.
-    KVXFER_CAUSE_SHUTDOWN = 9,
-    /// An internal error (a library bug, caught).
-    KVXFER_CAUSE_INTERNAL = 10,
-}
-
-impl From<Cause> for kvxfer_failure_cause {
-    fn from(c: Cause) -> Self {
-        use kvxfer_failure_cause::*;
-        match c {
-            Cause::Aborted => KVXFER_CAUSE_ABORTED,
-            Cause::PeerLost => KVXFER_CAUSE_PEER_LOST,
-            Cause::BootstrapTimeout => KVXFER_CAUSE_BOOTSTRAP_TIMEOUT,
-            Cause::WaitingTimeout => KVXFER_CAUSE_WAITING_TIMEOUT,
-            Cause::TransferTimeout => KVXFER_CAUSE_TRANSFER_TIMEOUT,
-            Cause::Protocol => KVXFER_CAUSE_PROTOCOL,
-            Cause::Mismatch => KVXFER_CAUSE_MISMATCH,
-            Cause::Transfer => KVXFER_CAUSE_TRANSFER,
-            Cause::Shutdown => KVXFER_CAUSE_SHUTDOWN,
-            Cause::Internal => KVXFER_CAUSE_INTERNAL,
-        }
-    }
-}
 
 fn aux(aux_slot: i64) -> Result<Option<u32>> {
     if aux_slot < 0 {
@@ -113,35 +38,19 @@ pub unsafe extern "C" fn kvxfer_room_create(
     n_peers: usize,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
-        let peers = match engine.role() {
-            crate::Role::Prefill if peers.is_null() => RoomPeers::Decoders(n_peers.max(1)),
-            crate::Role::Prefill => {
-                return Err(err!(
-                    InvalidArgument,
-                    "a prefill room takes no peer addresses: pass peers = NULL and n_peers = \
-                     the number of decode engines"
-                ))
-            }
-            crate::Role::Decode => {
-                if n_peers == 0 {
-                    return Err(err!(
-                        InvalidArgument,
-                        "a decode room needs at least one prefill engine address (n_peers = 0)"
-                    ));
-                }
-                // SAFETY: peers holds n_peers pointers by contract.
-                let ptrs = unsafe { try_slice(peers, n_peers, "peers") }?;
-                let mut addrs = Vec::with_capacity(ptrs.len().min(crate::engine::MAX_ROOM_PEERS));
-                for (i, &p) in ptrs.iter().enumerate() {
-                    // SAFETY: each element is a NUL-terminated string by contract.
-                    addrs.push(unsafe { try_str(p, &format!("peers[{i}]")) }?.to_string());
-                }
-                RoomPeers::Prefills(addrs)
-            }
-        };
-        engine.room_create(room, peers)
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        // Read only if the engine's role takes addresses (it checks which it takes).
+        let addrs = (!peers.is_null()).then_some(|| {
+            // SAFETY: a non-NULL peers holds n_peers pointers by contract.
+            let ptrs = unsafe { try_slice(peers, n_peers, "peers") }?;
+            ptrs.iter()
+                .enumerate()
+                // SAFETY: each element is a NUL-terminated string by contract.
+                .map(|(i, &p)| unsafe { try_str(p, &format!("peers[{i}]")) }.map(str::to_string))
+                .collect()
+        });
+        engine.room_create_c(room, addrs, n_peers)
     })
 }
 
@@ -167,8 +76,8 @@ pub unsafe extern "C" fn kvxfer_room_set_destination(
     aux_slot: i64,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         // SAFETY: pages holds n_pages elements by contract.
         let pages = unsafe { try_slice(pages, n_pages, "pages") }?;
         engine.room_set_destination(room, pages, aux(aux_slot)?)
@@ -201,16 +110,19 @@ pub unsafe extern "C" fn kvxfer_enqueue_chunk(
     aux_slot: i64,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         // SAFETY: pages holds n_pages elements by contract.
         let pages = unsafe { try_slice(pages, n_pages, "pages") }?;
         engine.enqueue_chunk(room, pages, is_last, aux(aux_slot)?)
     })
 }
 
-/// Stores the state of room `room` in `*state`. Never blocks: one lookup and one atomic
-/// load. Terminal states (SUCCESS, FAILED) never change until the room is cleared.
+/// Stores the state of room `room` in `*state`. Never blocks on the network: a lookup
+/// under one of 64 shard read locks (held for the lookup alone; it can wait only behind
+/// a create or clear of a room in the same shard, which hold it as briefly) and one
+/// atomic load. Terminal states (SUCCESS, FAILED) never change until the room is
+/// cleared.
 ///
 /// Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
 #[no_mangle]
@@ -221,8 +133,8 @@ pub unsafe extern "C" fn kvxfer_room_poll(
     state: *mut kvxfer_room_state,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         let out = try_out(state, "state")?;
         let s = engine.room_poll(room)?;
         // SAFETY: checked by try_out; writable by contract.
@@ -245,8 +157,8 @@ pub unsafe extern "C" fn kvxfer_room_abort(
     reason: *const c_char,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         let reason = if reason.is_null() {
             ""
         } else {
@@ -273,8 +185,8 @@ pub unsafe extern "C" fn kvxfer_room_failure(
     out_n: *mut usize,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         let why = engine.room_failure(room)?;
         // SAFETY: buf holds len bytes by contract.
         unsafe { write_string(buf, len, out_n, &why.to_string()) }
@@ -294,8 +206,8 @@ pub unsafe extern "C" fn kvxfer_room_failure_cause(
     from_peer: *mut bool,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         let cause = try_out(cause, "cause")?;
         let from_peer = try_out(from_peer, "from_peer")?;
         let why = engine.room_failure(room)?;
@@ -309,13 +221,16 @@ pub unsafe extern "C" fn kvxfer_room_failure_cause(
 }
 
 /// Stores in `*drained` whether room `room`'s memory may be reused: the room is terminal
-/// and no transport operation can still touch its pages. Decode engine: no write into its
+/// and no transport operation can still touch its pages. This is the one test a host
+/// makes before it gives a room's pages to another request (and before it clears the
+/// room, since a cleared room can no longer be asked). Decode engine: no write into its
 /// destination pages can still land (over TCP the receiver refuses every byte for a
-/// terminal room and checks the room after every `recv`, so this becomes true as soon as
-/// the `recv` in progress returns; over RDMA, once every prefill engine of the room
-/// acknowledged that its writes completed, or was lost, or `drain_timeout_ms` passed and
-/// its queue pairs were shut; a room that succeeded is drained at once). Prefill engine:
-/// no worker is still reading its source pages. A live room is never drained.
+/// terminal room and checks the room before each copy and each `recv`, so this becomes
+/// true as soon as the `recv` in progress returns; over RDMA, once every prefill engine
+/// of the room acknowledged that its writes completed, or was lost, or
+/// `drain_timeout_ms` passed and its queue pairs were shut; a room that succeeded is
+/// drained at once). Prefill engine: no worker is still reading its source pages. A
+/// live room is never drained. Never blocks.
 ///
 /// Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
 #[no_mangle]
@@ -326,8 +241,8 @@ pub unsafe extern "C" fn kvxfer_room_drained(
     drained: *mut bool,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         let out = try_out(drained, "drained")?;
         let d = engine.room_drained(room)?;
         // SAFETY: checked by try_out; writable by contract.
@@ -337,14 +252,14 @@ pub unsafe extern "C" fn kvxfer_room_drained(
 }
 
 /// Releases room `room`'s bookkeeping; a live room is aborted first (FAILED, "cleared
-/// while live"). Afterwards the id may be created again. Clearing twice is harmless: the
-/// second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`. When it returns, no
-/// transport operation touches the room's memory any more: it waits for one in progress
-/// (TCP: the `recv` or the batch write in progress, which stops at the next bytes that
-/// arrive or within 10 ms of waiting, however slow the link; a frame a sender has begun
-/// is ended with zeros, so the connection stays in step; a peer that sent nothing for
-/// 100 ms in the middle of a frame is cut off; RDMA: the prefill's acknowledgement, at
-/// most `drain_timeout_ms` before the silent peer's queue pairs are shut).
+/// while live"). Afterwards the id may be created again at once. Clearing twice is
+/// harmless: the second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`.
+///
+/// Never blocks. Clearing does not make the room's memory reusable: reuse its pages
+/// only once `kvxfer_room_drained` reported true, asked before the clear. A room cleared
+/// before it drained keeps draining in the background (`rooms_draining` in the
+/// metrics) and is released once no transport operation can touch its memory; a peer
+/// that still holds it `drain_timeout_ms` after the clear is cut off.
 ///
 /// Errors: `KVXFER_ERR_NOT_FOUND` if the room is not present.
 #[no_mangle]
@@ -354,8 +269,8 @@ pub unsafe extern "C" fn kvxfer_room_clear(
     room: u64,
 ) -> kvxfer_status {
     ffi_status!({
-        // SAFETY: a non-NULL engine is a live handle.
-        let engine = unsafe { kvxfer_engine::try_borrow(engine) }?;
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
         engine.room_clear(room)
     })
 }

@@ -30,11 +30,22 @@ pub enum Kind {
     Transport = 9,
     /// Prefill → decode over RDMA: writes of a room completed ([`Message::Progress`](super::Message::Progress)).
     Progress = 10,
+    /// Initiator → responder, right after `Hello`: its authentication setting, key id
+    /// and nonce ([`Message::AuthHello`](super::Message::AuthHello)).
+    AuthHello = 11,
+    /// Responder → initiator: its setting and, with authentication, its engine id and
+    /// nonce ([`Message::AuthChallenge`](super::Message::AuthChallenge)).
+    AuthChallenge = 12,
+    /// Either way: an HMAC-SHA256 proof of the key ([`Message::AuthProof`](super::Message::AuthProof)).
+    AuthProof = 13,
+    /// Either way: the sender refuses the connection and closes it
+    /// ([`Message::AuthRefused`](super::Message::AuthRefused)).
+    AuthRefused = 14,
 }
 
 impl Kind {
     /// Every kind, in wire-value order.
-    pub const ALL: [Kind; 10] = [
+    pub const ALL: [Kind; 14] = [
         Kind::Hello,
         Kind::Registration,
         Kind::Destination,
@@ -45,6 +56,10 @@ impl Kind {
         Kind::Heartbeat,
         Kind::Transport,
         Kind::Progress,
+        Kind::AuthHello,
+        Kind::AuthChallenge,
+        Kind::AuthProof,
+        Kind::AuthRefused,
     ];
 
     /// The wire value.
@@ -65,6 +80,10 @@ impl Kind {
             8 => Some(Kind::Heartbeat),
             9 => Some(Kind::Transport),
             10 => Some(Kind::Progress),
+            11 => Some(Kind::AuthHello),
+            12 => Some(Kind::AuthChallenge),
+            13 => Some(Kind::AuthProof),
+            14 => Some(Kind::AuthRefused),
             _ => None,
         }
     }
@@ -73,6 +92,15 @@ impl Kind {
     /// kind except [`Kind::Data`].
     pub const fn is_control(self) -> bool {
         !matches!(self, Kind::Data)
+    }
+
+    /// True for the kinds of the authentication exchange, which follows `Hello` and
+    /// precedes everything else on a connection.
+    pub const fn is_auth(self) -> bool {
+        matches!(
+            self,
+            Kind::AuthHello | Kind::AuthChallenge | Kind::AuthProof | Kind::AuthRefused
+        )
     }
 
     /// The kind's name, as used in error messages.
@@ -88,6 +116,10 @@ impl Kind {
             Kind::Heartbeat => "Heartbeat",
             Kind::Transport => "Transport",
             Kind::Progress => "Progress",
+            Kind::AuthHello => "AuthHello",
+            Kind::AuthChallenge => "AuthChallenge",
+            Kind::AuthProof => "AuthProof",
+            Kind::AuthRefused => "AuthRefused",
         }
     }
 }
@@ -466,6 +498,24 @@ pub enum ProtoError {
         /// The value found.
         found: u8,
     },
+    /// An authentication setting byte is not an [`AuthMode`](super::AuthMode).
+    BadAuthMode {
+        /// The field, e.g. `"AuthHello.auth"`.
+        field: &'static str,
+        /// The byte found.
+        found: u8,
+    },
+    /// `AuthRefused.reason` is not an [`AuthRefusal`](super::AuthRefusal).
+    BadAuthRefusal {
+        /// The byte found.
+        found: u8,
+    },
+    /// A field that only authentication uses is not all zeros although the message says
+    /// authentication is off.
+    AuthDataWithAuthOff {
+        /// The field, e.g. `"AuthHello.nonce"`.
+        field: &'static str,
+    },
     /// Encoding: the payload would not fit the u32 `payload_len` field.
     EncodeTooLarge {
         /// The frame kind.
@@ -609,6 +659,17 @@ impl fmt::Display for ProtoError {
                 f,
                 "Transport.qps[{index}].mtu {found} is not an ibv_mtu (1..=5)"
             ),
+            BadAuthMode { field, found } => write!(
+                f,
+                "{field} {found} is not an authentication setting (1 = off, 2 = required)"
+            ),
+            BadAuthRefusal { found } => write!(
+                f,
+                "AuthRefused.reason {found} is not a refusal reason (1..=6)"
+            ),
+            AuthDataWithAuthOff { field } => {
+                write!(f, "{field} must be all zeros when authentication is off")
+            }
             EncodeTooLarge { kind, len } => write!(
                 f,
                 "cannot encode {kind} frame: payload of {len} bytes does not fit in u32"
@@ -645,14 +706,14 @@ mod tests {
         let b = FrameHeader::new(Kind::Abort, 0x0102_0304).encode();
         assert_eq!(
             b,
-            [b'F', b'X', b'V', b'K', 2, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
+            [b'F', b'X', b'V', b'K', 3, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
         );
     }
 
     #[test]
     fn kind_values_are_fixed() {
         let values: Vec<u8> = Kind::ALL.iter().map(|k| k.as_u8()).collect();
-        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]);
         for v in 0..=u8::MAX {
             match Kind::try_from(v) {
                 Ok(k) => assert_eq!(k.as_u8(), v),
@@ -664,6 +725,9 @@ mod tests {
         assert!(Kind::Transport.is_control());
         assert_eq!(Kind::Transport.name(), "Transport");
         assert_eq!(Kind::try_from(9), Ok(Kind::Transport));
+        assert!(Kind::AuthHello.is_control() && Kind::AuthRefused.is_auth());
+        assert!(!Kind::Hello.is_auth() && !Kind::Data.is_auth());
+        assert_eq!(Kind::try_from(13), Ok(Kind::AuthProof));
         for k in Kind::ALL {
             assert_eq!(Kind::from_u8(k.as_u8()), Some(k));
             assert_eq!(k.to_string(), k.name());
@@ -711,7 +775,7 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected() {
-        for k in [0u8, 11, 0xff] {
+        for k in [0u8, 15, 0xff] {
             assert_eq!(
                 FrameHeader::decode(&header_bytes(k, 0), &Limits::default()),
                 Err(ProtoError::UnknownKind { found: k })
@@ -810,6 +874,14 @@ mod tests {
                 found: 1 << 24,
             },
             ProtoError::BadMtu { index: 0, found: 6 },
+            ProtoError::BadAuthMode {
+                field: "AuthHello.auth",
+                found: 0,
+            },
+            ProtoError::BadAuthRefusal { found: 9 },
+            ProtoError::AuthDataWithAuthOff {
+                field: "AuthChallenge.nonce",
+            },
             ProtoError::EncodeTooLarge {
                 kind: Kind::Abort,
                 len: 1 << 33,

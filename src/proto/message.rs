@@ -110,6 +110,115 @@ impl TryFrom<u8> for WireTransport {
     }
 }
 
+/// An engine's authentication setting, as announced in [`Message::AuthHello`],
+/// [`Message::AuthChallenge`] and [`Message::AuthRefused`]. Unknown wire values are a
+/// decode error ([`ProtoError::BadAuthMode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum AuthMode {
+    /// The engine authenticates nobody and holds no key (config `auth=off`).
+    Off = 1,
+    /// Every connection must prove the cluster key (config `auth=required`).
+    Required = 2,
+}
+
+impl AuthMode {
+    /// The config value naming this setting: `off` or `required`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            AuthMode::Off => "off",
+            AuthMode::Required => "required",
+        }
+    }
+
+    fn decode(v: u8, field: &'static str) -> Result<AuthMode, ProtoError> {
+        match v {
+            1 => Ok(AuthMode::Off),
+            2 => Ok(AuthMode::Required),
+            found => Err(ProtoError::BadAuthMode { field, found }),
+        }
+    }
+}
+
+/// Why an engine refused a connection during authentication ([`Message::AuthRefused`]).
+/// Unknown wire values are a decode error ([`ProtoError::BadAuthRefusal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum AuthRefusal {
+    /// The two engines' `auth` settings differ (the message carries the sender's).
+    Mismatch = 1,
+    /// The key ids differ: the engines hold different cluster keys.
+    WrongKey = 2,
+    /// The proof does not verify.
+    BadProof = 3,
+    /// The handshake reuses the nonce of an earlier authenticated connection.
+    Replay = 4,
+    /// A data connection names no authenticated control session of its engine.
+    NoSession = 5,
+    /// Too many connections are waiting to authenticate; try again later.
+    Busy = 6,
+}
+
+impl AuthRefusal {
+    /// Every reason, in wire-value order.
+    pub const ALL: [AuthRefusal; 6] = [
+        AuthRefusal::Mismatch,
+        AuthRefusal::WrongKey,
+        AuthRefusal::BadProof,
+        AuthRefusal::Replay,
+        AuthRefusal::NoSession,
+        AuthRefusal::Busy,
+    ];
+}
+
+impl TryFrom<u8> for AuthRefusal {
+    type Error = ProtoError;
+
+    /// Total conversion from the wire value; unknown values give
+    /// [`ProtoError::BadAuthRefusal`].
+    fn try_from(v: u8) -> Result<AuthRefusal, ProtoError> {
+        AuthRefusal::ALL
+            .into_iter()
+            .find(|r| *r as u8 == v)
+            .ok_or(ProtoError::BadAuthRefusal { found: v })
+    }
+}
+
+/// Bytes of an authentication nonce.
+pub const AUTH_NONCE_LEN: usize = 32;
+/// Bytes of an authentication proof (an HMAC-SHA256 tag).
+pub const AUTH_MAC_LEN: usize = 32;
+/// Bytes of a key id (a fingerprint of the key, never the key).
+pub const AUTH_KEY_ID_LEN: usize = 8;
+/// Wire size of an `AuthHello` or `AuthChallenge` payload.
+const AUTH_HELLO_LEN: u64 = 44;
+
+/// Reads `N` bytes that must be all zeros when authentication is off.
+fn auth_bytes<const N: usize>(
+    r: &mut WireReader<'_>,
+    field: &'static str,
+    auth: AuthMode,
+) -> Result<[u8; N], ProtoError> {
+    let mut out = [0u8; N];
+    out.copy_from_slice(r.take(N, field)?);
+    if auth == AuthMode::Off && out != [0u8; N] {
+        return Err(ProtoError::AuthDataWithAuthOff { field });
+    }
+    Ok(out)
+}
+
+/// Reads the three reserved bytes after an authentication setting.
+fn auth_reserved(r: &mut WireReader<'_>, field: &'static str) -> Result<(), ProtoError> {
+    let b = r.take(3, field)?;
+    if b != [0; 3] {
+        return Err(ProtoError::NonzeroReserved {
+            field,
+            found: u64::from(u32::from_le_bytes([b[0], b[1], b[2], 0])),
+        });
+    }
+    Ok(())
+}
+
 /// Connection data of one RDMA RC queue pair, as announced in [`Message::Transport`].
 ///
 /// Decoding guarantees `psn <= QpInfo::MAX_PSN` (24 bits) and `mtu` in
@@ -391,6 +500,44 @@ pub enum Message {
         /// The sender's queue pairs (RDMA only).
         qps: Vec<QpInfo>,
     },
+    /// Initiator (the engine that connected) → responder, right after `Hello` on every
+    /// connection: the initiator's `auth` setting and, with authentication, the id of the
+    /// key this connection proves (the cluster key on a control connection, the control
+    /// session's secret on a data connection) and a fresh nonce. Decoding requires
+    /// `key_id` and `nonce` to be all zeros when `auth` is off.
+    AuthHello {
+        /// The sender's setting.
+        auth: AuthMode,
+        /// Fingerprint of the key; zeros when `auth` is off.
+        key_id: [u8; AUTH_KEY_ID_LEN],
+        /// Fresh random bytes; zeros when `auth` is off.
+        nonce: [u8; AUTH_NONCE_LEN],
+    },
+    /// Responder → initiator, the answer to an `AuthHello` whose setting matches: with
+    /// authentication, the responder's engine id and a fresh nonce; with it off, all
+    /// zeros (decoding requires them), and `Hello` follows.
+    AuthChallenge {
+        /// The sender's setting.
+        auth: AuthMode,
+        /// The sender's engine id; 0 when `auth` is off.
+        engine_id: u64,
+        /// Fresh random bytes; zeros when `auth` is off.
+        nonce: [u8; AUTH_NONCE_LEN],
+    },
+    /// Either way, once per side: HMAC-SHA256 under the connection's key of the
+    /// handshake transcript (both engine ids and roles, the connection kind and index,
+    /// both nonces, the protocol version), with the sender's role as purpose.
+    AuthProof {
+        /// The tag.
+        mac: [u8; AUTH_MAC_LEN],
+    },
+    /// Either way: the sender refuses the connection and closes it.
+    AuthRefused {
+        /// Why.
+        reason: AuthRefusal,
+        /// The sender's setting, so that a mismatch can name both.
+        auth: AuthMode,
+    },
 }
 
 /// The longest prefix of `reason` that is at most `max_len` bytes and ends on a char
@@ -430,6 +577,10 @@ impl Message {
             Message::Heartbeat { .. } => Kind::Heartbeat,
             Message::Transport { .. } => Kind::Transport,
             Message::Progress { .. } => Kind::Progress,
+            Message::AuthHello { .. } => Kind::AuthHello,
+            Message::AuthChallenge { .. } => Kind::AuthChallenge,
+            Message::AuthProof { .. } => Kind::AuthProof,
+            Message::AuthRefused { .. } => Kind::AuthRefused,
         }
     }
 
@@ -450,6 +601,9 @@ impl Message {
             Message::Transport { qps, .. } => {
                 (TRANSPORT_FIXED_LEN as u64).saturating_add(n(qps.len(), QP_INFO_LEN as u64))
             }
+            Message::AuthHello { .. } | Message::AuthChallenge { .. } => AUTH_HELLO_LEN,
+            Message::AuthProof { .. } => AUTH_MAC_LEN as u64,
+            Message::AuthRefused { .. } => 2,
         }
     }
 
@@ -516,11 +670,47 @@ impl Message {
                     }
                 }
             },
+            Message::AuthHello {
+                auth: AuthMode::Off,
+                key_id,
+                nonce,
+            } => {
+                if *key_id != [0; AUTH_KEY_ID_LEN] {
+                    return Err(ProtoError::AuthDataWithAuthOff {
+                        field: "AuthHello.key_id",
+                    });
+                }
+                if *nonce != [0; AUTH_NONCE_LEN] {
+                    return Err(ProtoError::AuthDataWithAuthOff {
+                        field: "AuthHello.nonce",
+                    });
+                }
+            }
+            Message::AuthChallenge {
+                auth: AuthMode::Off,
+                engine_id,
+                nonce,
+            } => {
+                if *engine_id != 0 {
+                    return Err(ProtoError::AuthDataWithAuthOff {
+                        field: "AuthChallenge.engine_id",
+                    });
+                }
+                if *nonce != [0; AUTH_NONCE_LEN] {
+                    return Err(ProtoError::AuthDataWithAuthOff {
+                        field: "AuthChallenge.nonce",
+                    });
+                }
+            }
             Message::Hello { .. }
             | Message::Done { .. }
             | Message::Progress { .. }
             | Message::AbortAck { .. }
-            | Message::Heartbeat { .. } => {}
+            | Message::Heartbeat { .. }
+            | Message::AuthHello { .. }
+            | Message::AuthChallenge { .. }
+            | Message::AuthProof { .. }
+            | Message::AuthRefused { .. } => {}
         }
         Ok(())
     }
@@ -634,6 +824,31 @@ impl Message {
                 for qp in qps {
                     qp.encode(out);
                 }
+            }
+            Message::AuthHello {
+                auth,
+                key_id,
+                nonce,
+            } => {
+                out.push(*auth as u8);
+                out.extend_from_slice(&[0; 3]);
+                out.extend_from_slice(key_id);
+                out.extend_from_slice(nonce);
+            }
+            Message::AuthChallenge {
+                auth,
+                engine_id,
+                nonce,
+            } => {
+                out.push(*auth as u8);
+                out.extend_from_slice(&[0; 3]);
+                put_u64(out, *engine_id);
+                out.extend_from_slice(nonce);
+            }
+            Message::AuthProof { mac } => out.extend_from_slice(mac),
+            Message::AuthRefused { reason, auth } => {
+                out.push(*reason as u8);
+                out.push(*auth as u8);
             }
         }
     }
@@ -797,6 +1012,39 @@ impl Message {
                 };
                 Message::Transport { transport, qps }
             }
+            Kind::AuthHello => {
+                let auth = AuthMode::decode(r.u8("AuthHello.auth")?, "AuthHello.auth")?;
+                auth_reserved(&mut r, "AuthHello.reserved")?;
+                let key_id = auth_bytes(&mut r, "AuthHello.key_id", auth)?;
+                let nonce = auth_bytes(&mut r, "AuthHello.nonce", auth)?;
+                Message::AuthHello {
+                    auth,
+                    key_id,
+                    nonce,
+                }
+            }
+            Kind::AuthChallenge => {
+                let auth = AuthMode::decode(r.u8("AuthChallenge.auth")?, "AuthChallenge.auth")?;
+                auth_reserved(&mut r, "AuthChallenge.reserved")?;
+                let engine_id =
+                    u64::from_le_bytes(auth_bytes(&mut r, "AuthChallenge.engine_id", auth)?);
+                let nonce = auth_bytes(&mut r, "AuthChallenge.nonce", auth)?;
+                Message::AuthChallenge {
+                    auth,
+                    engine_id,
+                    nonce,
+                }
+            }
+            Kind::AuthProof => {
+                let mut mac = [0u8; AUTH_MAC_LEN];
+                mac.copy_from_slice(r.take(AUTH_MAC_LEN, "AuthProof.mac")?);
+                Message::AuthProof { mac }
+            }
+            Kind::AuthRefused => {
+                let reason = AuthRefusal::try_from(r.u8("AuthRefused.reason")?)?;
+                let auth = AuthMode::decode(r.u8("AuthRefused.auth")?, "AuthRefused.auth")?;
+                Message::AuthRefused { reason, auth }
+            }
             Kind::Data => return Err(ProtoError::NotControlKind { kind }),
         };
         r.finish()?;
@@ -929,6 +1177,37 @@ pub(super) fn sample_messages() -> Vec<Message> {
         },
         Message::Heartbeat { seq: 0 },
         Message::Heartbeat { seq: u64::MAX },
+        Message::AuthHello {
+            auth: AuthMode::Off,
+            key_id: [0; AUTH_KEY_ID_LEN],
+            nonce: [0; AUTH_NONCE_LEN],
+        },
+        Message::AuthHello {
+            auth: AuthMode::Required,
+            key_id: [0xA5; AUTH_KEY_ID_LEN],
+            nonce: std::array::from_fn(|i| i as u8),
+        },
+        Message::AuthChallenge {
+            auth: AuthMode::Off,
+            engine_id: 0,
+            nonce: [0; AUTH_NONCE_LEN],
+        },
+        Message::AuthChallenge {
+            auth: AuthMode::Required,
+            engine_id: u64::MAX,
+            nonce: [0xFF; AUTH_NONCE_LEN],
+        },
+        Message::AuthProof {
+            mac: std::array::from_fn(|i| (i * 7) as u8),
+        },
+        Message::AuthRefused {
+            reason: AuthRefusal::WrongKey,
+            auth: AuthMode::Required,
+        },
+        Message::AuthRefused {
+            reason: AuthRefusal::Busy,
+            auth: AuthMode::Off,
+        },
         Message::Transport {
             transport: WireTransport::Tcp,
             qps: vec![],
@@ -1670,6 +1949,137 @@ mod tests {
                 assert!(
                     Message::decode(m.kind(), &p[..cut], &limits).is_err(),
                     "{m:?} cut at {cut}"
+                );
+            }
+        }
+    }
+
+    fn auth_hello(auth: AuthMode, key_id: u8, nonce: u8) -> Message {
+        Message::AuthHello {
+            auth,
+            key_id: [key_id; AUTH_KEY_ID_LEN],
+            nonce: [nonce; AUTH_NONCE_LEN],
+        }
+    }
+
+    #[test]
+    fn wire_layout_of_auth_messages_is_documented_one() {
+        let p = payload(&auth_hello(AuthMode::Required, 0xAA, 0xBB));
+        assert_eq!(p.len(), 44);
+        assert_eq!(p[..4], [2, 0, 0, 0]);
+        assert_eq!(p[4..12], [0xAA; 8]);
+        assert_eq!(p[12..], [0xBB; 32]);
+        let p = payload(&Message::AuthChallenge {
+            auth: AuthMode::Required,
+            engine_id: 0x0102_0304_0506_0708,
+            nonce: [0xCC; AUTH_NONCE_LEN],
+        });
+        assert_eq!(p[..12], [2, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1]);
+        assert_eq!(p[12..], [0xCC; 32]);
+        let p = payload(&Message::AuthProof {
+            mac: [9; AUTH_MAC_LEN],
+        });
+        assert_eq!(p, [9; 32]);
+        let p = payload(&Message::AuthRefused {
+            reason: AuthRefusal::Replay,
+            auth: AuthMode::Off,
+        });
+        assert_eq!(p, [4, 1]);
+    }
+
+    #[test]
+    fn bad_auth_settings_and_refusals_are_rejected() {
+        let l = Limits::default();
+        let mut p = payload(&auth_hello(AuthMode::Off, 0, 0));
+        for bad in [0u8, 3, 0xff] {
+            p[0] = bad;
+            assert_eq!(
+                Message::decode(Kind::AuthHello, &p, &l),
+                Err(ProtoError::BadAuthMode {
+                    field: "AuthHello.auth",
+                    found: bad
+                })
+            );
+        }
+        let mut p = payload(&Message::AuthRefused {
+            reason: AuthRefusal::Mismatch,
+            auth: AuthMode::Required,
+        });
+        for bad in [0u8, 7, 0xff] {
+            p[0] = bad;
+            assert_eq!(
+                Message::decode(Kind::AuthRefused, &p, &l),
+                Err(ProtoError::BadAuthRefusal { found: bad })
+            );
+        }
+        p[0] = 1;
+        p[1] = 0;
+        assert_eq!(
+            Message::decode(Kind::AuthRefused, &p, &l),
+            Err(ProtoError::BadAuthMode {
+                field: "AuthRefused.auth",
+                found: 0
+            })
+        );
+        for r in AuthRefusal::ALL {
+            assert_eq!(AuthRefusal::try_from(r as u8), Ok(r));
+        }
+    }
+
+    #[test]
+    fn auth_data_with_auth_off_is_rejected_by_decode_and_validate() {
+        let l = Limits::default();
+        for (m, field) in [
+            (auth_hello(AuthMode::Off, 1, 0), "AuthHello.key_id"),
+            (auth_hello(AuthMode::Off, 0, 1), "AuthHello.nonce"),
+            (
+                Message::AuthChallenge {
+                    auth: AuthMode::Off,
+                    engine_id: 5,
+                    nonce: [0; AUTH_NONCE_LEN],
+                },
+                "AuthChallenge.engine_id",
+            ),
+            (
+                Message::AuthChallenge {
+                    auth: AuthMode::Off,
+                    engine_id: 0,
+                    nonce: [1; AUTH_NONCE_LEN],
+                },
+                "AuthChallenge.nonce",
+            ),
+        ] {
+            let want = ProtoError::AuthDataWithAuthOff { field };
+            assert_eq!(m.validate(&l), Err(want.clone()));
+            assert_eq!(Message::decode(m.kind(), &payload(&m), &l), Err(want));
+        }
+        // The same bytes are fine with authentication on.
+        assert!(auth_hello(AuthMode::Required, 1, 1).validate(&l).is_ok());
+    }
+
+    #[test]
+    fn nonzero_auth_reserved_bytes_are_rejected() {
+        let l = Limits::default();
+        for (kind, m) in [
+            (Kind::AuthHello, auth_hello(AuthMode::Required, 1, 1)),
+            (
+                Kind::AuthChallenge,
+                Message::AuthChallenge {
+                    auth: AuthMode::Required,
+                    engine_id: 1,
+                    nonce: [1; AUTH_NONCE_LEN],
+                },
+            ),
+        ] {
+            for i in 1..4 {
+                let mut p = payload(&m);
+                p[i] = 1;
+                assert!(
+                    matches!(
+                        Message::decode(kind, &p, &l),
+                        Err(ProtoError::NonzeroReserved { .. })
+                    ),
+                    "{kind} byte {i}"
                 );
             }
         }

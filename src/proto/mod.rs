@@ -33,16 +33,26 @@
 //! | `AbortAck`     | `room u64, generation u64` (16 bytes)                                    |
 //! | `Heartbeat`    | `seq u64` (8 bytes)                                                      |
 //! | `Transport`    | `transport u8 (1 = tcp, 2 = rdma), reserved u8 × 3 (0), n_qps u32`, then `n_qps` queue pairs, each `qpn u32, psn u32 (< 2^24), lid u16, gid [u8; 16], mtu u8 (ibv_mtu, 1..=5)` (27 bytes, unpadded); `n_qps` is 0 for tcp |
+//! | `AuthHello`    | `auth u8 (1 = off, 2 = required), reserved u8 × 3 (0), key_id [u8; 8], nonce [u8; 32]` (44 bytes; key_id and nonce all zeros when auth is off) |
+//! | `AuthChallenge`| `auth u8, reserved u8 × 3 (0), engine_id u64, nonce [u8; 32]` (44 bytes; engine_id and nonce all zeros when auth is off) |
+//! | `AuthProof`    | `mac [u8; 32]` (HMAC-SHA256)                                             |
+//! | `AuthRefused`  | `reason u8 (1 = mismatch, 2 = wrong key, 3 = bad proof, 4 = replay, 5 = no session, 6 = busy), auth u8` (2 bytes) |
 //!
 //! The encoding is canonical: a payload that decodes successfully re-encodes to the
 //! same bytes.
 //!
 //! # Handshake
 //!
-//! On the control connection each side sends `Hello`, then `Registration`, then one
-//! `Transport` naming the transport it moves data with (and, for RDMA, its queue
-//! pairs); data connections carry only `Hello` before data frames. Whether the two
-//! sides' transports and queue-pair counts fit together is the engine's check.
+//! Every connection starts with the initiator's (decode engine's) `Hello` and
+//! `AuthHello`. The responder answers `AuthRefused` (and closes) or `AuthChallenge`; with
+//! authentication on, the initiator then sends its `AuthProof` and the responder, once it
+//! verified it, its own (or `AuthRefused`). Only then does the responder send its `Hello`
+//! and anything else; the accepting side decodes no other kind before that (see
+//! `crate::auth` for the proof and the transcript it covers). On the control
+//! connection each side then sends `Registration`, then one `Transport` naming the
+//! transport it moves data with (and, for RDMA, its queue pairs); data connections carry
+//! only the `Hello` before data frames. Whether the two sides' transports and
+//! queue-pair counts fit together is the engine's check.
 //!
 //! # Validation
 //!
@@ -69,8 +79,8 @@ mod wire;
 pub use data::{DataHeader, Target};
 pub use frame::{FrameHeader, Kind, Limits, ProtoError};
 pub use message::{
-    truncate_reason, BufferInfo, ConnKind, Layout, Message, QpInfo, Registration, Role,
-    WireTransport,
+    truncate_reason, AuthMode, AuthRefusal, BufferInfo, ConnKind, Layout, Message, QpInfo,
+    Registration, Role, WireTransport, AUTH_KEY_ID_LEN, AUTH_MAC_LEN, AUTH_NONCE_LEN,
 };
 pub use stream::{read_control, read_data_header, read_frame_header, ReadError};
 
@@ -81,8 +91,9 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 /// The protocol version this build speaks and accepts (frame header and `Hello`).
 ///
 /// Version 2 added [`Kind::Transport`] to the control handshake and [`Kind::Progress`]
-/// for RDMA transfers.
-pub const PROTO_VERSION: u16 = 2;
+/// for RDMA transfers. Version 3 added the authentication exchange that follows `Hello`
+/// on every connection ([`Kind::AuthHello`] .. [`Kind::AuthRefused`]).
+pub const PROTO_VERSION: u16 = 3;
 
 /// Length in bytes of the fixed frame header that starts every frame.
 pub const FRAME_HEADER_LEN: usize = 16;

@@ -1,9 +1,9 @@
 //! Rooms: one per request, identified by the router's 64-bit id plus a generation this
 //! engine assigns at creation.
 //!
-//! Who may change a room's state: only [`Room::advance`] and [`Room::fail`], both of
-//! which go through [`StateWord::apply`] and therefore through the one rule in
-//! [`state::transition`].
+//! Who may change a room's state: only [`Room::advance`], [`Room::fail`] and
+//! [`Room::fail_in`], all of which go through [`StateWord`] and therefore through the one
+//! rule in [`state::transition`].
 
 pub mod state;
 mod table;
@@ -137,8 +137,8 @@ pub struct Room<T = ()> {
     role: Role,
     /// In the table's slab of state bytes (see [`SlotByte`]), where polls read it.
     state: StateWord<SlotByte>,
-    /// Set at most once, by the first `fail` attempt on a live room, before its
-    /// compare-and-swap; read only once the state is `Failed`.
+    /// Set once, by the `fail` call whose compare-and-swap made the room `Failed`, right
+    /// after it; read only once the state is `Failed` (see [`Room::failure`]).
     reason: OnceLock<FailureReason>,
     /// Engine-clock milliseconds after which the watchdog fails the room; `NO_DEADLINE`
     /// when none. Relaxed: the watchdog re-checks the state before acting, and a stale
@@ -197,25 +197,52 @@ impl<T> Room<T> {
 
     /// Makes the room `Failed` with `reason` unless it is already terminal. Returns the
     /// state it left when this call did the transition, `None` when it was terminal.
-    /// The first reason recorded on a live room is kept.
+    ///
+    /// The reason recorded is the one of the call whose compare-and-swap won, so the
+    /// reason the ABI reports, the cause counted and the message sent to the peers are
+    /// always those of the same call.
     pub fn fail(&self, reason: FailureReason) -> Option<State> {
-        if self.state.load().is_terminal() {
-            return None;
-        }
-        // Record before the CAS so that `Failed` is never visible without a reason.
-        let _ = self.reason.set(reason);
-        match self.state.apply(Event::Fail) {
-            Ok((from, _)) => Some(from),
-            Err(_) => None,
-        }
+        self.fail_with(reason, None)
+    }
+
+    /// As [`Room::fail`], but only while the room is still in `state` (the state a
+    /// deadline was read for): `None` once it has moved on or is terminal.
+    pub fn fail_in(&self, state: State, reason: FailureReason) -> Option<State> {
+        self.fail_with(reason, Some(state))
+    }
+
+    fn fail_with(&self, reason: FailureReason, only_in: Option<State>) -> Option<State> {
+        let won = match only_in {
+            Some(s) => self.state.apply_in(s, Event::Fail),
+            None => self.state.apply(Event::Fail),
+        };
+        let (from, _) = won.ok()?;
+        // Only the winner of the transition gets here, once.
+        let recorded = self.reason.set(reason);
+        debug_assert!(recorded.is_ok(), "a room failed twice");
+        Some(from)
     }
 
     /// The recorded reason, only if the room is `Failed`.
+    ///
+    /// The winning `fail` records its reason right after its compare-and-swap, with no
+    /// I/O or allocation between the two, so a reader that sees `Failed` first waits
+    /// out those few instructions.
     pub fn failure(&self) -> Option<&FailureReason> {
-        if self.state() == State::Failed {
-            self.reason.get()
-        } else {
-            None
+        if self.state() != State::Failed {
+            return None;
+        }
+        let mut spins = 0u32;
+        loop {
+            if let Some(r) = self.reason.get() {
+                return Some(r);
+            }
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+            spins = spins.saturating_add(1);
         }
     }
 
@@ -287,6 +314,36 @@ mod tests {
         let why = r.failure().unwrap();
         assert!(why.from_peer);
         assert_eq!(why.to_string(), "peer: client went away");
+    }
+
+    /// The reason kept is the one of the `fail` call that won the transition, not of a
+    /// call that lost it (that would report one cause through the ABI while the engine
+    /// counted, logged and told the peer another).
+    #[test]
+    fn the_reason_kept_is_the_one_of_the_call_that_failed_the_room() {
+        use std::sync::Arc;
+        for _ in 0..2000 {
+            let r = Arc::new(room());
+            let hs: Vec<_> = (0..4)
+                .map(|i| {
+                    let r = r.clone();
+                    std::thread::spawn(move || {
+                        let won = r
+                            .fail(FailureReason::local(Cause::Aborted, format!("t{i}")))
+                            .is_some();
+                        (i, won)
+                    })
+                })
+                .collect();
+            let winners: Vec<usize> = hs
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .filter(|&(_, won)| won)
+                .map(|(i, _)| i)
+                .collect();
+            assert_eq!(winners.len(), 1, "exactly one call fails the room");
+            assert_eq!(r.failure().unwrap().message, format!("t{}", winners[0]));
+        }
     }
 
     #[test]

@@ -94,6 +94,9 @@ pub enum Refusal {
         /// The event that was refused.
         event: Event,
     },
+    /// The event was meant for one state ([`StateWord::apply_in`]) and the room is in
+    /// another by now.
+    Moved(State),
 }
 
 impl fmt::Display for Refusal {
@@ -103,6 +106,7 @@ impl fmt::Display for Refusal {
             Refusal::NotAllowed { from, event } => {
                 write!(f, "event {event:?} is not allowed while {from}")
             }
+            Refusal::Moved(s) => write!(f, "room is {s} by now"),
         }
     }
 }
@@ -197,10 +201,28 @@ impl<A: AtomicByte> StateWord<A> {
     /// installs the result with a compare-and-swap that fails (and retries with the
     /// fresh state) if anything changed in between. Returns `(old, new)`.
     pub fn apply(&self, event: Event) -> Result<(State, State), Refusal> {
+        self.apply_when(event, |_| true)
+    }
+
+    /// As [`StateWord::apply`], but only while the room is in `state`: an event decided
+    /// on a state read earlier (a deadline of that state) is refused with
+    /// [`Refusal::Moved`] once the room has left it, in the same compare-and-swap.
+    pub fn apply_in(&self, state: State, event: Event) -> Result<(State, State), Refusal> {
+        self.apply_when(event, |s| s == state)
+    }
+
+    fn apply_when(
+        &self,
+        event: Event,
+        allowed: impl Fn(State) -> bool,
+    ) -> Result<(State, State), Refusal> {
         let mut cur = self.0.load(Ordering::SeqCst);
         loop {
             let from = decode(cur);
             let to = transition(from, event)?;
+            if !allowed(from) {
+                return Err(Refusal::Moved(from));
+            }
             if to == from {
                 return Ok((from, to));
             }
@@ -252,6 +274,30 @@ mod tests {
                 assert_eq!(transition(from, event), expected, "{from:?} + {event:?}");
             }
         }
+    }
+
+    #[test]
+    fn an_event_meant_for_one_state_is_refused_in_another() {
+        let w = StateWord::new(State::Bootstrapping);
+        assert_eq!(
+            w.apply_in(State::WaitingForInput, Event::Fail),
+            Err(Refusal::Moved(State::Bootstrapping))
+        );
+        assert_eq!(w.load(), State::Bootstrapping);
+        w.apply(Event::Ready).unwrap();
+        assert_eq!(
+            w.apply_in(State::Bootstrapping, Event::Fail),
+            Err(Refusal::Moved(State::WaitingForInput))
+        );
+        assert_eq!(
+            w.apply_in(State::WaitingForInput, Event::Fail),
+            Ok((State::WaitingForInput, State::Failed))
+        );
+        // Terminal states refuse first, whatever the condition.
+        assert_eq!(
+            w.apply_in(State::Failed, Event::Fail),
+            Err(Refusal::Terminal(State::Failed))
+        );
     }
 
     #[test]

@@ -9,36 +9,53 @@ pub mod tcp;
 
 use std::io;
 
-use crate::engine::BufferDesc;
 use crate::proto::DataHeader;
 
-/// One way of moving a room's page runs to one peer engine, used by the prefill workers.
-///
-/// Implementations: [`tcp::SendConn`] (a data frame per run on a socket; the receiver
-/// validates and reads it into the granted pages) and `rdma::RdmaLink` (one-sided writes
-/// into the peer's registered memory; `finish` goes over the control connection).
+/// One registered memory buffer, as addresses (the engine never dereferences them
+/// itself; [`Memory`] does, under the registration contract).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferDesc {
+    /// First byte.
+    pub base: usize,
+    /// Bytes in the buffer.
+    pub len: usize,
+    /// Bytes of one page (KV) or one slot (aux).
+    pub item_len: usize,
+}
+
+impl BufferDesc {
+    /// Whole pages (or slots) the buffer holds.
+    pub fn items(&self) -> usize {
+        self.len / self.item_len
+    }
+}
+
 /// What a batch write asks of its room while a slow link holds it up: `ended` (is the
 /// room terminal?) is asked whenever a write had to wait; once it says yes, the link
 /// stops reading the room's pages, calls `release` (the room's memory is no longer
 /// touched), ends the frame in progress with zeros so that the stream stays whole, sends
-/// none of the batch's other frames, and returns [`RoomEnded`].
+/// none of the batch's other frames, and returns [`Sent::RoomEnded`].
 pub struct Watch<'a> {
     pub ended: &'a dyn Fn() -> bool,
     pub release: &'a mut dyn FnMut(),
 }
 
-/// The error a batch write returns when its room ended while it waited (see [`Watch`]).
-#[derive(Debug)]
-pub struct RoomEnded;
-
-impl std::fmt::Display for RoomEnded {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the room ended while its frames were being written")
-    }
+/// How a batch write that did not fail ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Sent {
+    /// Every run of the batch went out.
+    All,
+    /// The room ended while the batch waited (see [`Watch`]): part of it went out.
+    RoomEnded,
 }
 
-impl std::error::Error for RoomEnded {}
-
+/// One way of moving a room's page runs to one peer engine, used by the prefill workers.
+///
+/// Implementations: [`tcp::SendConn`] (a data frame per run on a socket; the receiver
+/// validates and reads it into the granted pages) and [`rdma::link::RdmaLink`]
+/// (one-sided writes into the peer's registered memory; `finish` goes over the control
+/// connection).
 pub trait DataLink: Send + Sync {
     /// Moves each `(hdr, bytes)` run (whole pages of one registered buffer) to where its
     /// header says. Returns once the transport no longer reads `bytes` (TCP: handed to
@@ -46,17 +63,13 @@ pub trait DataLink: Send + Sync {
     /// nothing more of the batch may be assumed delivered.
     /// A link may watch the room through `watch` while it waits (TCP does; an RDMA batch
     /// ends with its completions).
-    fn write_runs(&self, runs: &[(DataHeader, &[u8])], watch: &mut Watch<'_>) -> io::Result<()>;
+    fn write_runs(&self, runs: &[(DataHeader, &[u8])], watch: &mut Watch<'_>) -> io::Result<Sent>;
 
-    /// As [`DataLink::write_runs`], but only if the link is free: `None`, having written
-    /// nothing, when another worker is writing on it (a TCP connection is shared by
-    /// several workers). A link that is never shared writes at once.
-    fn try_write_runs(
-        &self,
-        runs: &[(DataHeader, &[u8])],
-        watch: &mut Watch<'_>,
-    ) -> Option<io::Result<()>> {
-        Some(self.write_runs(runs, watch))
+    /// Whether the link can carry nothing more (a TCP connection whose write failed:
+    /// its stream is shut). A broken RDMA queue pair is replaced on the next use, so an
+    /// RDMA link never says so.
+    fn is_broken(&self) -> bool {
+        false
     }
 
     /// Sends an encoded `Done` frame once every `write_runs` of the room has returned.
@@ -123,6 +136,11 @@ impl Memory {
             b.base + first as usize * b.item_len,
             n as usize * b.item_len,
         ))
+    }
+
+    /// Whether pages `first..first+n` lie inside `buffer`; the error says why not.
+    pub fn check_range(&self, buffer: usize, first: u32, n: u32) -> Result<()> {
+        self.range(buffer, first, n).map(|_| ())
     }
 
     /// The bytes of pages `first..first+n` of `buffer`, for sending.

@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::verbs::{Device, Endpoint, EndpointInfo, Region, WriteOp};
+use super::verbs::{Access, Device, Endpoint, EndpointInfo, Region, WriteOp};
 use crate::proto::{BufferInfo, DataHeader, Message, Target, WireTransport};
-use crate::transport::{DataLink, Watch};
+use crate::transport::{DataLink, Sent, Watch};
 
 /// Where one remote buffer lives: address, key and size.
 #[derive(Debug, Clone, Copy)]
@@ -71,7 +71,10 @@ pub struct RdmaLink {
     /// we announced (answers echo it; others are stale) and the answer once it came.
     answer: Mutex<Answer>,
     answered: Condvar,
-    /// The peer is lost or the engine stops: no replacement will be answered.
+    /// The peer is lost or the engine stops: no replacement will be answered. SeqCst,
+    /// though the lock does the work: `close` sets it and then notifies under the
+    /// `answer` lock, and `replace` reads it under that lock before each wait, so a
+    /// waiter never misses it.
     closed: AtomicBool,
 
     /// Our regions, indexed like our registered KV and aux buffers.
@@ -172,7 +175,7 @@ impl RdmaLink {
     /// on the same ordered control connection, so no packet still on its way can land
     /// once the peer considers the room drained.
     fn request_replacement(&self) -> io::Result<()> {
-        let fresh = self.device.endpoint(self.depth)?;
+        let fresh = self.device.endpoint(self.depth, Access::Local)?;
         *self.answer.lock() = Answer {
             expect: Some(fresh.info().qpn),
             remote: None,
@@ -269,7 +272,7 @@ impl RdmaLink {
 }
 
 impl DataLink for RdmaLink {
-    fn write_runs(&self, runs: &[(DataHeader, &[u8])], _: &mut Watch<'_>) -> io::Result<()> {
+    fn write_runs(&self, runs: &[(DataHeader, &[u8])], _: &mut Watch<'_>) -> io::Result<Sent> {
         let ops = runs
             .iter()
             .map(|(hdr, bytes)| self.op(hdr, bytes))
@@ -296,7 +299,7 @@ impl DataLink for RdmaLink {
         // Every write of the batch completed: tell the decode side how far the room got
         // (it re-arms its deadline and counts pages, as it would from TCP data frames).
         let Some((first, _)) = runs.first() else {
-            return Ok(());
+            return Ok(Sent::All);
         };
         #[cfg(feature = "test-hooks")]
         crate::testing::pause_point("rdma.batch_done", first.room);
@@ -314,7 +317,8 @@ impl DataLink for RdmaLink {
             pages,
             aux_rows: aux,
             bytes,
-        })
+        })?;
+        Ok(Sent::All)
     }
 
     fn finish(&self, done_frame: &[u8]) -> io::Result<()> {

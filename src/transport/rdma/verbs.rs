@@ -351,40 +351,126 @@ impl Device {
         s
     }
 
-    /// Registers `[base, base+len)` with local write and remote write access.
+    /// Registers `[base, base+len)` in the device's own protection domain, with
+    /// `access`.
+    ///
+    /// # Safety
+    /// As [`Domain::register`].
+    pub unsafe fn register(&self, base: usize, len: usize, access: Access) -> io::Result<Region> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { register_in(&self.pd, &self.name, base, len, access) }
+    }
+
+    /// A protection domain of its own on this device: its regions can be written only
+    /// through its own queue pairs, and deregistering them revokes their keys.
+    pub fn domain(self: &Arc<Self>) -> io::Result<Domain> {
+        let pd = self
+            .ctx
+            .alloc_pd()
+            .map_err(|e| io_error(format!("{}: ibv_alloc_pd", self.name), &e))?;
+        Ok(Domain {
+            pd,
+            dev: Arc::clone(self),
+        })
+    }
+
+    /// A new RC queue pair in the device's own protection domain (see
+    /// [`Domain::endpoint`]).
+    pub fn endpoint(self: &Arc<Self>, depth: u32, access: Access) -> io::Result<Endpoint> {
+        endpoint_in(self, &self.pd, depth, access)
+    }
+}
+
+/// Who may touch a region or a queue pair's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Only this process: a source of RDMA WRITEs. A peer's write into it fails at the
+    /// device with a remote access error.
+    Local,
+    /// Peers may write into it (through a queue pair that allows it, in the same
+    /// protection domain, with its remote key).
+    RemoteWrite,
+}
+
+impl Access {
+    fn flags(self) -> AccessFlags {
+        match self {
+            Access::Local => AccessFlags::none(),
+            // Remote write requires local write (verbs).
+            Access::RemoteWrite => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+        }
+    }
+}
+
+/// A protection domain of its own ([`Device::domain`]): regions and queue pairs that
+/// only each other can use.
+pub struct Domain {
+    pd: Arc<ProtectionDomain>,
+    dev: Arc<Device>,
+}
+
+impl fmt::Debug for Domain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Domain")
+            .field("device", &self.dev.name)
+            .finish()
+    }
+}
+
+impl Domain {
+    /// Registers `[base, base+len)` in this domain with `access`.
     ///
     /// # Safety
     /// The memory must stay valid (mapped, not freed) until the returned region is
     /// dropped: the device reads and (for remote writes from a peer) writes it without
     /// the CPU's involvement.
-    pub unsafe fn register(&self, base: usize, len: usize) -> io::Result<Region> {
-        // SAFETY: the caller keeps the memory valid for the life of the region, which
-        // holds the only handle to the MR.
-        let mr = unsafe {
-            self.pd.reg_mr(
-                base,
-                len,
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
-            )
-        }
-        .map_err(|e| {
-            let e = io_error(
-                format!("{}: ibv_reg_mr({base:#x}, {len} bytes)", self.name),
-                &e,
-            );
-            if e.kind() == io::ErrorKind::OutOfMemory {
-                // The usual cause: the locked-memory limit, not a lack of memory.
-                io::Error::new(e.kind(), format!("{e} (check ulimit -l / RLIMIT_MEMLOCK)"))
-            } else {
-                e
-            }
-        })?;
-        Ok(Region { mr, base, len })
+    pub unsafe fn register(&self, base: usize, len: usize, access: Access) -> io::Result<Region> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { register_in(&self.pd, &self.dev.name, base, len, access) }
     }
 
-    /// A new RC queue pair with its own CQ and completion channel; `depth` is the most
-    /// send work requests outstanding at once (clamped to the device's limit).
-    pub fn endpoint(self: &Arc<Self>, depth: u32) -> io::Result<Endpoint> {
+    /// A new RC queue pair in this domain (see [`endpoint_in`]).
+    pub fn endpoint(&self, depth: u32, access: Access) -> io::Result<Endpoint> {
+        endpoint_in(&self.dev, &self.pd, depth, access)
+    }
+}
+
+/// Registers `[base, base+len)` in `pd`.
+///
+/// # Safety
+/// As [`Domain::register`].
+unsafe fn register_in(
+    pd: &Arc<ProtectionDomain>,
+    name: &str,
+    base: usize,
+    len: usize,
+    access: Access,
+) -> io::Result<Region> {
+    // SAFETY: the caller keeps the memory valid for the life of the region, which holds
+    // the only handle to the MR.
+    let mr = unsafe { pd.reg_mr(base, len, access.flags()) }.map_err(|e| {
+        let e = io_error(format!("{name}: ibv_reg_mr({base:#x}, {len} bytes)"), &e);
+        if e.kind() == io::ErrorKind::OutOfMemory {
+            // The usual cause: the locked-memory limit, not a lack of memory.
+            io::Error::new(e.kind(), format!("{e} (check ulimit -l / RLIMIT_MEMLOCK)"))
+        } else {
+            e
+        }
+    })?;
+    Ok(Region { mr, base, len })
+}
+
+/// A new RC queue pair in `pd` with its own CQ and completion channel; `depth` is the
+/// most send work requests outstanding at once (clamped to the device's limit).
+/// `access` says whether its peer may write into regions of the domain through it.
+fn endpoint_in(
+    dev: &Arc<Device>,
+    pd: &Arc<ProtectionDomain>,
+    depth: u32,
+    access: Access,
+) -> io::Result<Endpoint> {
+    {
+        let this = dev;
         if depth == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -392,25 +478,24 @@ impl Device {
             ));
         }
         let depth = depth
-            .min(self.max_qp_wr)
-            .min(self.max_cqe.saturating_sub(1).max(1));
-        let name = &self.name;
-        let channel = self
+            .min(this.max_qp_wr)
+            .min(this.max_cqe.saturating_sub(1).max(1));
+        let name = &this.name;
+        let channel = this
             .ctx
             .create_comp_channel()
             .map_err(|e| io_error(format!("{name}: ibv_create_comp_channel"), &e))?;
         channel
             .set_nonblocking(true)
             .map_err(|e| io::Error::new(e.kind(), format!("{name}: completion channel: {e}")))?;
-        let cq = self
+        let cq = this
             .ctx
             .create_cq_builder()
             .setup_cqe(depth + 1)
             .setup_comp_channel(&channel, 0)
             .build()
             .map_err(|e| io_error(format!("{name}: ibv_create_cq({} entries)", depth + 1), &e))?;
-        let qp = self
-            .pd
+        let qp = pd
             .create_qp_builder()
             .setup_qp_type(QueuePairType::ReliableConnection)
             .setup_max_send_wr(depth)
@@ -426,7 +511,9 @@ impl Device {
             qp,
             cq,
             channel,
-            dev: Arc::clone(self),
+            dev: Arc::clone(this),
+            _pd: Arc::clone(pd),
+            access,
             psn: random_psn(),
             depth,
             state: EpState::Fresh,
@@ -534,6 +621,10 @@ pub struct Endpoint {
     cq: Arc<BasicCompletionQueue>,
     channel: Arc<CompletionChannel>,
     dev: Arc<Device>,
+    /// The protection domain the queue pair lives in (kept alive with it).
+    _pd: Arc<ProtectionDomain>,
+    /// Whether the peer may write into our regions through this queue pair.
+    access: Access,
     psn: u32,
     depth: u32,
     state: EpState,
@@ -673,7 +764,8 @@ impl Endpoint {
     }
 
     /// Moves the QP through INIT, RTR and RTS towards `remote`, allowing the peer to
-    /// write into our regions. Path MTU is the smaller of both ports'; local ACK timeout
+    /// write into our regions of its domain only if the endpoint was made with
+    /// [`Access::RemoteWrite`]. Path MTU is the smaller of both ports'; local ACK timeout
     /// 14 (about 67 ms), 7 retries, 7 RNR retries. Any failure leaves the endpoint
     /// broken.
     pub fn connect(&mut self, remote: &EndpointInfo) -> io::Result<()> {
@@ -702,7 +794,7 @@ impl Endpoint {
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
             .setup_port(dev.port)
-            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
+            .setup_access_flags(self.access.flags());
         self.qp
             .modify(&attr)
             .map_err(|e| io_error(format!("{name}: ibv_modify_qp(INIT)"), &e))?;

@@ -1,11 +1,14 @@
 //! The few operating-system facilities the benchmark needs beyond std: the system-wide
-//! monotonic clock (comparable between the two processes on one host), CPU time of the
-//! process and of one thread, and page-aligned memory shared with an engine, on small or
-//! huge pages.
+//! monotonic clock (comparable between the two processes on one host), CPU time and
+//! context switches of the process and of one thread, and page-aligned memory shared
+//! with an engine, on small or huge pages.
 //!
 //! Linux only, through the `libc` crate.
 
 use std::ptr::NonNull;
+
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
 
 fn clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
@@ -29,33 +32,51 @@ pub fn thread_cpu_ns() -> u64 {
     clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
-/// CPU time of this process (every thread), user and system, in microseconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Cpu {
+/// What the kernel accounts to a process (every thread, ended ones included) or to one
+/// thread: CPU time, user and system, in microseconds, and context switches, voluntary
+/// (the thread blocked: a sleep, a read with nothing to read, a lock) and involuntary
+/// (preempted). From `getrusage`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
     pub user_us: u64,
     pub sys_us: u64,
+    pub voluntary: u64,
+    pub involuntary: u64,
 }
 
-impl Cpu {
-    /// Now, for this process.
-    pub fn now() -> Cpu {
+impl Usage {
+    fn get(who: libc::c_int) -> Usage {
         // SAFETY: an all-zero rusage is a valid value of this plain C struct.
         let mut u: libc::rusage = unsafe { std::mem::zeroed() };
         // SAFETY: `u` is a valid, writable rusage; getrusage writes only into it.
-        let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
-        assert_eq!(rc, 0, "getrusage failed");
+        let rc = unsafe { libc::getrusage(who, &mut u) };
+        assert_eq!(rc, 0, "getrusage({who}) failed");
         let us = |t: &libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
-        Cpu {
+        Usage {
             user_us: us(&u.ru_utime),
             sys_us: us(&u.ru_stime),
+            voluntary: u.ru_nvcsw as u64,
+            involuntary: u.ru_nivcsw as u64,
         }
     }
 
-    /// The CPU used since `earlier`.
-    pub fn since(self, earlier: Cpu) -> Cpu {
-        Cpu {
+    /// Now, for this process.
+    pub fn now() -> Usage {
+        Usage::get(libc::RUSAGE_SELF)
+    }
+
+    /// Now, for the calling thread.
+    pub fn thread() -> Usage {
+        Usage::get(libc::RUSAGE_THREAD)
+    }
+
+    /// What was used since `earlier`.
+    pub fn since(self, earlier: Usage) -> Usage {
+        Usage {
             user_us: self.user_us.saturating_sub(earlier.user_us),
             sys_us: self.sys_us.saturating_sub(earlier.sys_us),
+            voluntary: self.voluntary.saturating_sub(earlier.voluntary),
+            involuntary: self.involuntary.saturating_sub(earlier.involuntary),
         }
     }
 
@@ -63,12 +84,38 @@ impl Cpu {
     pub fn secs(self) -> f64 {
         (self.user_us + self.sys_us) as f64 / 1e6
     }
+
+    /// System time, in seconds.
+    pub fn sys_secs(self) -> f64 {
+        self.sys_us as f64 / 1e6
+    }
+}
+
+impl std::ops::Add for Usage {
+    type Output = Usage;
+    fn add(self, o: Usage) -> Usage {
+        Usage {
+            user_us: self.user_us + o.user_us,
+            sys_us: self.sys_us + o.sys_us,
+            voluntary: self.voluntary + o.voluntary,
+            involuntary: self.involuntary + o.involuntary,
+        }
+    }
+}
+
+impl std::iter::Sum for Usage {
+    fn sum<I: Iterator<Item = Usage>>(it: I) -> Usage {
+        it.fold(Usage::default(), |a, b| a + b)
+    }
 }
 
 /// Which pages back the benchmark's memory (`--pool-pages`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Pages {
     /// 4 KiB pages (transparent huge pages refused with `MADV_NOHUGEPAGE`).
+    #[value(name = "4k")]
+    #[serde(rename = "4k")]
     Small,
     /// 2 MiB transparent huge pages where the kernel has them (`MADV_HUGEPAGE` on a
     /// 2 MiB-aligned mapping, before the first touch).
@@ -250,4 +297,37 @@ pub fn huge_bytes() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("AnonHugePages:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib << 10)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_counts_a_threads_sleeps_as_voluntary_switches_and_its_work_as_cpu() {
+        let (sleeps, spin) = std::thread::spawn(|| {
+            let u0 = Usage::thread();
+            for _ in 0..20 {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            let sleeps = Usage::thread().since(u0);
+            let u1 = Usage::thread();
+            let t = std::time::Instant::now();
+            let mut x = 0u64;
+            while t.elapsed() < std::time::Duration::from_millis(30) {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+            (sleeps, Usage::thread().since(u1))
+        })
+        .join()
+        .unwrap();
+        assert!(sleeps.voluntary >= 20, "{sleeps:?}");
+        assert!(spin.user_us + spin.sys_us > 0, "{spin:?}");
+        // The process account includes the thread's, ended threads too.
+        let all = Usage::now();
+        assert!(all.voluntary >= sleeps.voluntary, "{all:?}");
+        let sum: Usage = [sleeps, spin].into_iter().sum();
+        assert_eq!(sum.voluntary, sleeps.voluntary + spin.voluntary);
+        assert_eq!(sum.since(spin), sleeps);
+    }
 }

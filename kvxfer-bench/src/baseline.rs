@@ -14,7 +14,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::sys::{Cpu, Pages, Region};
+use crate::sys::{Pages, Region, Usage};
 
 /// One memcpy call, and the default write and read size of the TCP baseline.
 pub const IO: usize = 4 << 20;
@@ -24,8 +24,8 @@ pub const IO: usize = 4 << 20;
 pub struct Measured {
     pub bytes: u64,
     pub secs: f64,
-    /// CPU seconds of this process during the phase.
-    pub cpu: Cpu,
+    /// This process's CPU and switches during the phase.
+    pub usage: Usage,
 }
 
 impl Measured {
@@ -57,7 +57,7 @@ pub fn memcpy(bytes: u64, secs: f64, pages: Pages) -> Measured {
     for (i, x) in s.iter_mut().enumerate().step_by(64) {
         *x = i as u8;
     }
-    let cpu0 = Cpu::now();
+    let u0 = Usage::now();
     let t = Instant::now();
     let mut done = 0u64;
     let mut off = 0;
@@ -83,7 +83,7 @@ pub fn memcpy(bytes: u64, secs: f64, pages: Pages) -> Measured {
     Measured {
         bytes: done,
         secs: t.elapsed().as_secs_f64(),
-        cpu: Cpu::now().since(cpu0),
+        usage: Usage::now().since(u0),
     }
 }
 
@@ -100,7 +100,7 @@ pub fn tcp_receive(
 ) -> Result<Measured, String> {
     let bufs: Vec<Region> = (0..conns).map(|_| buf.region()).collect();
     wait_ready()?;
-    let cpu0 = Cpu::now();
+    let u0 = Usage::now();
     let t = Instant::now();
     let mut streams = Vec::new();
     for _ in 0..conns {
@@ -141,7 +141,7 @@ pub fn tcp_receive(
     Ok(Measured {
         bytes,
         secs: t.elapsed().as_secs_f64(),
-        cpu: Cpu::now().since(cpu0),
+        usage: Usage::now().since(u0),
     })
 }
 
@@ -168,7 +168,7 @@ pub fn tcp_send(
         })
         .collect();
     ready()?;
-    let cpu0 = Cpu::now();
+    let u0 = Usage::now();
     let t = Instant::now();
     listener.set_nonblocking(false).map_err(|e| e.to_string())?;
     let mut writers = Vec::new();
@@ -216,6 +216,6 @@ pub fn tcp_send(
     Ok(Measured {
         bytes: sent,
         secs: t.elapsed().as_secs_f64(),
-        cpu: Cpu::now().since(cpu0),
+        usage: Usage::now().since(u0),
     })
 }

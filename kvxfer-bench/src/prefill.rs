@@ -2,7 +2,6 @@
 //! loop that creates the rooms the decode side announced and enqueues their chunks, and
 //! the sending half of the TCP baseline. Driven over the control channel.
 
-use std::io::{BufRead, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -11,63 +10,70 @@ use std::time::{Duration, Instant};
 use kvxfer::{Cause, Engine, RoomPeers, State};
 
 use crate::args::{DstOrder, Params};
-use crate::ctl::{room_id, room_plan, AbortAt, Ctl};
+use crate::ctl::{
+    self, room_id, room_plan, AbortAt, Ctl, Outcome, PrefillRoom, ToDecode, ToPrefill,
+};
 use crate::pool::Pool;
-use crate::sys::{mono_ns, thread_cpu_ns, Cpu};
+use crate::sys::{mono_ns, Usage};
 use crate::{baseline, make_engine};
 
-/// Serves one run: over stdin/stdout (`--control stdio`, the child of a local run) or
-/// for the first decode bench that connects to `--listen`.
-pub fn serve(cli: &Params) -> Result<(), String> {
-    let (mut ctl, host, local_ip) = if cli.control_stdio {
-        (
+/// Serves one run: over stdin/stdout (`listen` None, the child of a local run) or for
+/// the first decode bench that connects to `listen`.
+pub fn serve(listen: Option<&str>) -> Result<(), String> {
+    let (mut ctl, host, local_ip) = match listen {
+        None => (
             Ctl::new(std::io::stdin(), std::io::stdout()),
             "127.0.0.1".to_string(),
             None,
-        )
-    } else {
-        let listen = cli.listen.as_deref().expect("validated");
-        let l = TcpListener::bind(listen).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-        eprintln!(
-            "kvxfer-bench prefill: waiting for the decode side on {}",
-            l.local_addr().map_err(|e| e.to_string())?
-        );
-        let (s, from) = l.accept().map_err(|e| e.to_string())?;
-        eprintln!("kvxfer-bench prefill: decode side connected from {from}");
-        let ip = s.local_addr().map_err(|e| e.to_string())?.ip();
-        let host = l.local_addr().map_err(|e| e.to_string())?.ip().to_string();
-        let r = s.try_clone().map_err(|e| e.to_string())?;
-        (Ctl::new(r, s), host, Some(ip))
-    };
-    let line = ctl.recv()?;
-    let Some(args) = line.strip_prefix("plan ") else {
-        return Err(format!("expected a plan, got '{line}'"));
-    };
-    let args: Vec<String> = args.split_whitespace().map(String::from).collect();
-    let p = match Params::parse(&args) {
-        Ok(p) => p,
-        Err(e) => {
-            let _ = ctl.send(&format!("error bad plan: {e}"));
-            return Err(e);
+        ),
+        Some(listen) => {
+            let l =
+                TcpListener::bind(listen).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+            eprintln!(
+                "kvxfer-bench prefill: waiting for the decode side on {}",
+                l.local_addr().map_err(|e| e.to_string())?
+            );
+            let (s, from) = l.accept().map_err(|e| e.to_string())?;
+            eprintln!("kvxfer-bench prefill: decode side connected from {from}");
+            let ip = s.local_addr().map_err(|e| e.to_string())?.ip();
+            let host = l.local_addr().map_err(|e| e.to_string())?.ip().to_string();
+            let r = s.try_clone().map_err(|e| e.to_string())?;
+            (Ctl::new(r, s), host, Some(ip))
         }
     };
-    let setup = || -> Result<(Engine, Pool, TcpListener), String> {
+    let p = match ctl.recv::<ToPrefill>()? {
+        ToPrefill::Plan(p) => *p,
+        other => return Err(format!("expected a plan, got {other:?}")),
+    };
+    if let Err(e) = p.validate() {
+        let _ = ctl.send(&ToDecode::Error(format!("bad plan: {e}")));
+        return Err(e);
+    }
+    let setup = || -> Result<(Vec<Engine>, Pool, TcpListener), String> {
         let listen = if host.contains(':') {
             format!("[{host}]:0")
         } else {
             format!("{host}:0")
         };
-        let engine = make_engine(&p, "prefill", &listen)?;
+        // One engine per --auth setting, over the same pool.
+        let engines = p
+            .auth
+            .pairs()
+            .iter()
+            .map(|&auth| make_engine(&p, "prefill", &listen, auth))
+            .collect::<Result<Vec<Engine>, String>>()?;
         let pool = Pool::new(&p, p.concurrency + 2, DstOrder::Contiguous);
         pool.fill_bodies();
-        pool.register(&engine)?;
+        for e in &engines {
+            pool.register(e)?;
+        }
         let base = TcpListener::bind(&listen).map_err(|e| format!("baseline listener: {e}"))?;
-        Ok((engine, pool, base))
+        Ok((engines, pool, base))
     };
-    let (engine, pool, base) = match setup() {
+    let (engines, pool, base) = match setup() {
         Ok(x) => x,
         Err(e) => {
-            let _ = ctl.send(&format!("error {e}"));
+            let _ = ctl.send(&ToDecode::Error(e.clone()));
             return Err(e);
         }
     };
@@ -77,97 +83,87 @@ pub fn serve(cli: &Params) -> Result<(), String> {
             _ => a,
         }
     };
-    let engine_addr = reachable(
-        engine
+    let mut addrs = Vec::with_capacity(engines.len());
+    for e in &engines {
+        let a: SocketAddr = e
             .address()
             .parse()
-            .map_err(|e| format!("engine address: {e}"))?,
-    );
+            .map_err(|e| format!("engine address: {e}"))?;
+        addrs.push(reachable(a).to_string());
+    }
     let base_addr = reachable(base.local_addr().map_err(|e| e.to_string())?);
-    ctl.send(&format!("ready {engine_addr} {base_addr}"))?;
+    ctl.send(&ToDecode::Ready {
+        engines: addrs,
+        baseline: base_addr.to_string(),
+    })?;
 
-    let (r, mut w) = ctl.split();
+    // A reader thread takes the announcements of a phase in flight (`upto`, `end`) as
+    // they come, and hands every other message to the loop below.
+    let (mut r, mut w) = ctl.split();
     let upto = Arc::new(AtomicU64::new(0));
     let end = Arc::new(AtomicU64::new(u64::MAX));
-    let (tx, rx) = mpsc::channel::<String>();
+    let (tx, rx) = mpsc::channel::<Result<ToPrefill, String>>();
     {
         let (upto, end) = (upto.clone(), end.clone());
-        std::thread::spawn(move || {
-            for line in r.lines() {
-                let Ok(line) = line else { break };
-                let mut f = line.split_whitespace();
-                match (f.next(), f.next().and_then(|n| n.parse::<u64>().ok())) {
-                    (Some("upto"), Some(n)) => upto.store(n, Ordering::Release),
-                    (Some("end"), Some(n)) => end.store(n, Ordering::Release),
-                    _ => {
-                        if tx.send(line).is_err() {
-                            break;
-                        }
+        std::thread::spawn(move || loop {
+            match ctl::recv::<ToPrefill>(&mut r) {
+                Ok(ToPrefill::Upto(n)) => upto.store(n, Ordering::Release),
+                Ok(ToPrefill::End(n)) => end.store(n, Ordering::Release),
+                m => {
+                    let last = m.is_err();
+                    if tx.send(m).is_err() || last {
+                        break;
                     }
                 }
             }
-            let _ = tx.send("quit".into());
         });
     }
-    let mut send = |line: &str| -> Result<(), String> {
-        writeln!(w, "{line}")
-            .and_then(|_| w.flush())
-            .map_err(|e| format!("control channel write failed: {e}"))
-    };
-    for cmd in rx {
-        let f: Vec<&str> = cmd.split_whitespace().collect();
-        match f.as_slice() {
-            ["tcp", conns, bytes, secs] => {
-                let parse = |s: &str| s.parse::<f64>().map_err(|e| format!("{cmd}: {e}"));
+    for m in rx {
+        match m? {
+            ToPrefill::Tcp { conns, bytes, secs } => {
                 let m = baseline::tcp_send(
                     &base,
-                    parse(conns)? as usize,
-                    parse(bytes)? as u64,
-                    parse(secs)?,
+                    conns,
+                    bytes,
+                    secs,
                     baseline::Buffers {
                         mib: p.baseline_buf_mib,
                         pages: p.pool_pages,
                     },
                     p.baseline_write_kib << 10,
-                    &mut || send("tcpready"),
+                    &mut || ctl::send(&mut w, &ToDecode::TcpReady),
                 )?;
-                send(&format!(
-                    "tcpdone {} {} {}",
-                    m.bytes, m.cpu.user_us, m.cpu.sys_us
-                ))?;
+                ctl::send(
+                    &mut w,
+                    &ToDecode::TcpDone {
+                        bytes: m.bytes,
+                        usage: m.usage,
+                    },
+                )?;
             }
-            ["run", start] => {
-                let start: u64 = start.parse().map_err(|e| format!("{cmd}: {e}"))?;
-                let cpu0 = Cpu::now();
-                let driver0 = thread_cpu_ns();
-                let out = run_rooms(&p, &engine, &pool, start, &upto, &end)?;
-                let driver = thread_cpu_ns() - driver0;
-                let cpu = Cpu::now().since(cpu0);
-                let mut text = String::with_capacity(out.len() * 48);
-                for (idx, r) in out.iter().enumerate() {
-                    use std::fmt::Write as _;
-                    let idx = start + idx as u64;
-                    let _ = writeln!(text, "prec {idx} {} {} {}", r.t_enq, r.t_term, r.outcome);
-                }
-                text.push_str(&format!("pdone {} {} {driver}", cpu.user_us, cpu.sys_us));
-                send(&text)?;
+            ToPrefill::Run { start, engine } => {
+                let engine = engines
+                    .get(engine)
+                    .ok_or_else(|| format!("run: no engine {engine}"))?;
+                let (u0, driver0) = (Usage::now(), Usage::thread());
+                let rooms = run_rooms(&p, engine, &pool, start, &upto, &end)?;
+                let driver = Usage::thread().since(driver0);
+                let usage = Usage::now().since(u0);
+                ctl::send(
+                    &mut w,
+                    &ToDecode::PhaseDone {
+                        rooms,
+                        usage,
+                        driver,
+                    },
+                )?;
             }
-            ["quit"] => break,
-            _ => return Err(format!("unknown command '{cmd}'")),
+            ToPrefill::Quit => break,
+            other => return Err(format!("unexpected control message {other:?}")),
         }
     }
-    drop(engine);
+    drop(engines);
     Ok(())
-}
-
-/// What happened to one room on the prefill side.
-struct Rec {
-    /// CLOCK_MONOTONIC ns of the first enqueue.
-    t_enq: u64,
-    /// When the scheduler saw the room terminal.
-    t_term: u64,
-    /// `ok`, or `CAUSE:local|peer` (`create_error:local` when the engine refused it).
-    outcome: String,
 }
 
 struct Live {
@@ -186,10 +182,10 @@ fn run_rooms(
     start: u64,
     upto: &AtomicU64,
     end: &AtomicU64,
-) -> Result<Vec<Rec>, String> {
+) -> Result<Vec<PrefillRoom>, String> {
     let mut free: Vec<usize> = (0..pool.slots).rev().collect();
     let mut live: Vec<Live> = Vec::with_capacity(pool.slots);
-    let mut recs: Vec<Rec> = Vec::new();
+    let mut recs: Vec<PrefillRoom> = Vec::new();
     let chunk = p.chunk_pages();
     loop {
         let mut progress = false;
@@ -216,10 +212,10 @@ fn run_rooms(
                     }
                     Ok(())
                 });
-            recs.push(Rec {
+            recs.push(PrefillRoom {
                 t_enq,
                 t_term: 0,
-                outcome: String::new(),
+                outcome: Outcome::local("unknown"),
             });
             // A room the decode side aborted before it was created here is failed at
             // creation (the early abort was held for it): enqueueing into it is refused
@@ -244,7 +240,7 @@ fn run_rooms(
                     eprintln!("kvxfer-bench prefill: room {id}: {e}");
                     let _ = engine.room_abort(id, "bench: setup failed");
                     let _ = engine.room_clear(id);
-                    recs[idx].outcome = "create_error:local".into();
+                    recs[idx].outcome = Outcome::local("create_error");
                     recs[idx].t_term = mono_ns();
                     free.push(slot);
                 }
@@ -258,16 +254,15 @@ fn run_rooms(
                 Ok(State::Success) | Ok(State::Failed) | Err(_) => {
                     let now = mono_ns();
                     let outcome = match state {
-                        Ok(State::Success) => "ok".to_string(),
+                        Ok(State::Success) => Outcome::Ok,
                         Ok(_) => match engine.room_failure(r.id) {
-                            Ok(f) => format!(
-                                "{}:{}",
-                                f.cause.name(),
-                                if f.from_peer { "peer" } else { "local" }
-                            ),
-                            Err(_) => "unknown:local".into(),
+                            Ok(f) => Outcome::Failed {
+                                cause: f.cause.name().into(),
+                                from_peer: f.from_peer,
+                            },
+                            Err(_) => Outcome::local("unknown"),
                         },
-                        Err(_) => "poll_error:local".into(),
+                        Err(_) => Outcome::local("poll_error"),
                     };
                     // The slot is reused at once, as a server frees a finished request's
                     // pages. After a failure a worker may still be inside one frame write

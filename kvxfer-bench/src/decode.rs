@@ -10,25 +10,27 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{Engine, RoomPeers, State};
 
-use crate::args::{Params, Role};
+use crate::args::{Auth, Params};
 use crate::baseline::{self, Measured};
-use crate::ctl::{room_id, room_plan, AbortAt, Ctl};
+use crate::ctl::{room_id, room_plan, AbortAt, Ctl, Outcome, ToDecode, ToPrefill};
 use crate::pool::Pool;
-use crate::sys::{mono_ns, thread_cpu_ns, Cpu};
+use crate::sys::{mono_ns, Usage};
 use crate::{make_engine, prefill};
 
 /// Everything one run measured.
 #[derive(Debug, Default)]
 pub struct Report {
+    /// Every kvxfer phase together.
     pub kv: KvResult,
+    /// Each kvxfer phase on its own, in order.
+    pub phases: Vec<KvResult>,
+    /// Each TCP baseline, as the decode (receiving) side measured it.
     pub tcp: Vec<Measured>,
-    /// Prefill-side CPU of each TCP baseline.
-    pub tcp_send_cpu: Vec<Cpu>,
+    /// The prefill (sending) side's usage over each TCP baseline.
+    pub tcp_send: Vec<Usage>,
     pub memcpy: Vec<Measured>,
     /// Both processes on one host: cross-process latencies are valid.
     pub same_host: bool,
-    /// Each kvxfer phase on its own: (GB/s, rooms/s).
-    pub kv_runs: Vec<(f64, f64)>,
     /// The 1-minute load average before and after the run (other work on the host).
     pub loadavg: (f64, f64),
     /// `--pool-pages`, and the share of the decode pool the kernel put on huge pages.
@@ -44,9 +46,11 @@ pub fn loadavg() -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// The kvxfer phase.
-#[derive(Debug, Default)]
+/// A kvxfer phase, or several added up.
+#[derive(Debug, Clone, Default)]
 pub struct KvResult {
+    /// Whether the phase's engines authenticated (`--auth`; a sum: whether any did).
+    pub auth: bool,
     /// Rooms started.
     pub rooms: u64,
     /// Rooms that reached SUCCESS on the decode side and whose pages checked.
@@ -62,6 +66,12 @@ pub struct KvResult {
     pub lat_decode: Vec<u64>,
     /// First enqueue to prefill SUCCESS.
     pub lat_prefill: Vec<u64>,
+    /// First enqueue (prefill) to the decode side's first poll that saw the room
+    /// TRANSFERRING (its first data had landed), or SUCCESS when no poll caught it
+    /// transferring.
+    pub lat_first: Vec<u64>,
+    /// Rooms of `lat_first` first seen at SUCCESS.
+    pub first_at_success: u64,
     pub failed: BTreeMap<String, u64>,
     pub prefill_failed: BTreeMap<String, u64>,
     pub expected: u64,
@@ -76,12 +86,13 @@ pub struct KvResult {
     /// Rooms the prefill side saw SUCCESS but the decode side FAILED (expected when the
     /// decode side aborts after the prefill finished sending).
     pub split_prefill_ok_decode_failed: u64,
-    pub cpu_decode: Cpu,
-    pub cpu_prefill: Cpu,
-    pub verify_cpu_s: f64,
-    /// CPU seconds of the two scheduler loops (the benchmark's, not the engine's).
-    pub driver_cpu_s: f64,
-    pub prefill_driver_cpu_s: f64,
+    /// Each process over the phase (engine and benchmark threads).
+    pub decode: Usage,
+    pub prefill: Usage,
+    /// The benchmark's own threads: the decode checkers and the two scheduler loops.
+    pub verify: Usage,
+    pub driver: Usage,
+    pub prefill_driver: Usage,
     /// The first few unexpected failures, verbatim.
     pub errors: Vec<String>,
 }
@@ -93,21 +104,32 @@ impl KvResult {
     pub fn rooms_per_sec(&self) -> f64 {
         self.ok as f64 / self.secs
     }
+    /// Payload GB delivered and verified.
+    pub fn gb(&self) -> f64 {
+        self.bytes as f64 / 1e9
+    }
+    /// The benchmark's own threads in the decode process.
+    pub fn decode_bench(&self) -> Usage {
+        self.verify + self.driver
+    }
     /// Adds another phase's figures to these.
-    fn absorb(&mut self, o: KvResult) {
+    pub fn absorb(&mut self, o: &KvResult) {
+        self.auth |= o.auth;
         self.rooms += o.rooms;
         self.ok += o.ok;
         self.bytes += o.bytes;
         self.bytes_checked += o.bytes_checked;
         self.secs += o.secs;
-        self.lat_e2e.extend(o.lat_e2e);
-        self.lat_decode.extend(o.lat_decode);
-        self.lat_prefill.extend(o.lat_prefill);
-        for (k, v) in o.failed {
-            *self.failed.entry(k).or_default() += v;
+        self.lat_e2e.extend(&o.lat_e2e);
+        self.lat_decode.extend(&o.lat_decode);
+        self.lat_prefill.extend(&o.lat_prefill);
+        self.lat_first.extend(&o.lat_first);
+        self.first_at_success += o.first_at_success;
+        for (k, v) in &o.failed {
+            *self.failed.entry(k.clone()).or_default() += v;
         }
-        for (k, v) in o.prefill_failed {
-            *self.prefill_failed.entry(k).or_default() += v;
+        for (k, v) in &o.prefill_failed {
+            *self.prefill_failed.entry(k.clone()).or_default() += v;
         }
         self.expected += o.expected;
         self.unexpected += o.unexpected;
@@ -117,17 +139,13 @@ impl KvResult {
         self.aborts_too_late += o.aborts_too_late;
         self.split_prefill_failed_decode_ok += o.split_prefill_failed_decode_ok;
         self.split_prefill_ok_decode_failed += o.split_prefill_ok_decode_failed;
-        let add = |a: Cpu, b: Cpu| Cpu {
-            user_us: a.user_us + b.user_us,
-            sys_us: a.sys_us + b.sys_us,
-        };
-        self.cpu_decode = add(self.cpu_decode, o.cpu_decode);
-        self.cpu_prefill = add(self.cpu_prefill, o.cpu_prefill);
-        self.verify_cpu_s += o.verify_cpu_s;
-        self.driver_cpu_s += o.driver_cpu_s;
-        self.prefill_driver_cpu_s += o.prefill_driver_cpu_s;
-        for e in o.errors {
-            self.note(e);
+        self.decode = self.decode + o.decode;
+        self.prefill = self.prefill + o.prefill;
+        self.verify = self.verify + o.verify;
+        self.driver = self.driver + o.driver;
+        self.prefill_driver = self.prefill_driver + o.prefill_driver;
+        for e in &o.errors {
+            self.note(e.clone());
         }
     }
 
@@ -150,10 +168,24 @@ impl Drop for ChildGuard {
     }
 }
 
-pub fn run(p: &Params) -> Result<Report, String> {
+/// A fresh cluster key for one run, in hex.
+fn fresh_key() -> Result<String, String> {
+    let mut k = [0u8; 32];
+    getrandom::fill(&mut k).map_err(|e| format!("no random bytes for the run's key: {e}"))?;
+    Ok(k.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A run driven from here: with the prefill side in a child process (`prefill_addr`
+/// None), or at `prefill_addr` on another host.
+pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
+    let mut keyed = p.clone();
+    if p.auth != Auth::Off && p.auth_key.is_none() {
+        keyed.auth_key = Some(fresh_key()?);
+    }
+    let p = &keyed;
     let dslots = p.concurrency + p.verify_threads + 1;
     let pslots = p.concurrency + 2;
-    let local = p.role == Role::Local;
+    let local = prefill_addr.is_none();
     let mut mem = Pool::bytes(p, dslots) as f64;
     if local {
         mem += Pool::bytes(p, pslots) as f64;
@@ -171,12 +203,23 @@ pub fn run(p: &Params) -> Result<Report, String> {
             p.max_mem_gib
         ));
     }
-    let engine = make_engine(p, "decode", if local { "127.0.0.1:0" } else { "0.0.0.0:0" })?;
+    // One engine per --auth setting, over the same pool (their phases never overlap).
+    let listen = if local { "127.0.0.1:0" } else { "0.0.0.0:0" };
+    let engines = p
+        .auth
+        .pairs()
+        .iter()
+        .map(|&auth| make_engine(p, "decode", listen, auth))
+        .collect::<Result<Vec<Engine>, String>>()?;
     let pool = Pool::new(p, dslots, p.dst_order);
-    pool.register(&engine)?;
+    for e in &engines {
+        pool.register(e)?;
+    }
 
     let mut guard = ChildGuard(None);
-    let mut ctl = if local {
+    let mut ctl = if let Some(addr) = prefill_addr {
+        prefill::connect(addr)?
+    } else {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find myself: {e}"))?;
         let mut child = Command::new(exe)
             .args(["--role", "prefill", "--control", "stdio"])
@@ -191,16 +234,16 @@ pub fn run(p: &Params) -> Result<Report, String> {
         );
         guard.0 = Some(child);
         Ctl::new(r, w)
-    } else {
-        prefill::connect(p.prefill_addr.as_deref().expect("validated"))?
     };
-    ctl.send(&format!("plan {}", p.plan_args().join(" ")))?;
-    let line = ctl.recv()?;
-    let f: Vec<&str> = line.splitn(3, ' ').collect();
-    let (engine_addr, base_addr) = match f.as_slice() {
-        ["ready", e, b] => (e.to_string(), b.to_string()),
-        ["error", ..] => return Err(format!("prefill side: {}", &line[6..])),
-        _ => return Err(format!("prefill side said '{line}'")),
+    ctl.send(&ToPrefill::Plan(Box::new(p.clone())))?;
+    // One prefill engine per --auth setting.
+    let (engine_addrs, base_addr) = match ctl.recv()? {
+        ToDecode::Ready {
+            engines: e,
+            baseline,
+        } if e.len() == engines.len() => (e, baseline),
+        ToDecode::Error(e) => return Err(format!("prefill side: {e}")),
+        other => return Err(format!("prefill side said {}", other.kind())),
     };
 
     let mut report = Report {
@@ -218,28 +261,54 @@ pub fn run(p: &Params) -> Result<Report, String> {
         .sum();
     let secs = p.duration.unwrap_or(0.0);
     let mut start = 0u64;
-    for rep in 0..=p.repeat {
+    // With --auth both, the pairs take turns, --repeat phases of each, in the order
+    // off on, on off, off on, ... so that neither setting always runs first (the first
+    // phase also pays for first touches and connection setup) or drifts with the host.
+    let phases = p.repeat * engines.len();
+    let pair_of = |phase: usize| match engines.len() {
+        2 if (phase / 2) % 2 == 1 => 1 - phase % 2,
+        n => phase % n,
+    };
+    for rep in 0..=phases {
         if p.baselines {
             progress_note(p, "baseline tcp");
-            let (m, c) = tcp_baseline(&mut ctl, &base_addr, p, volume, secs)?;
+            let (m, send) = tcp_baseline(&mut ctl, &base_addr, p, volume, secs)?;
             report.tcp.push(m);
-            report.tcp_send_cpu.push(c);
+            report.tcp_send.push(send);
             progress_note(p, "baseline memcpy");
             report
                 .memcpy
                 .push(baseline::memcpy(volume, secs, p.pool_pages));
         }
-        if rep == p.repeat {
+        if rep == phases {
             break;
         }
-        progress_note(p, &format!("kvxfer, phase {} of {}", rep + 1, p.repeat));
-        let kv = kvxfer_phase(p, &engine, &pool, &mut ctl, &engine_addr, local, start)?;
+        let which = pair_of(rep);
+        let auth = p.auth.pairs()[which];
+        progress_note(
+            p,
+            &format!(
+                "kvxfer, phase {} of {phases}, auth {}",
+                rep + 1,
+                if auth { "on" } else { "off" }
+            ),
+        );
+        let mut kv = kvxfer_phase(
+            p,
+            &engines[which],
+            &pool,
+            &mut ctl,
+            (&engine_addrs[which], which),
+            local,
+            start,
+        )?;
+        kv.auth = auth;
         start += kv.rooms;
-        report.kv_runs.push((kv.gbps(), kv.rooms_per_sec()));
-        report.kv.absorb(kv);
+        report.kv.absorb(&kv);
+        report.phases.push(kv);
     }
     report.loadavg.1 = loadavg();
-    ctl.send("quit")?;
+    ctl.send(&ToPrefill::Quit)?;
     if let Some(mut c) = guard.0.take() {
         let _ = c.wait();
     }
@@ -256,8 +325,12 @@ fn tcp_baseline(
     p: &Params,
     bytes: u64,
     secs: f64,
-) -> Result<(Measured, Cpu), String> {
-    ctl.send(&format!("tcp {} {bytes} {secs}", p.conns))?;
+) -> Result<(Measured, Usage), String> {
+    ctl.send(&ToPrefill::Tcp {
+        conns: p.conns,
+        bytes,
+        secs,
+    })?;
     let m = baseline::tcp_receive(
         addr,
         p.conns,
@@ -266,34 +339,18 @@ fn tcp_baseline(
             pages: p.pool_pages,
         },
         p.baseline_read_kib << 10,
-        &mut || match ctl.recv()?.as_str() {
-            "tcpready" => Ok(()),
-            other => Err(format!("prefill side said '{other}' to tcp")),
+        &mut || match ctl.recv()? {
+            ToDecode::TcpReady => Ok(()),
+            other => Err(format!("prefill side said {} to tcp", other.kind())),
         },
     )?;
-    let line = ctl.recv()?;
-    let f: Vec<u64> = line
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    match (line.starts_with("tcpdone "), f.as_slice()) {
-        (true, [sent, user, sys]) => {
-            if *sent != m.bytes {
-                return Err(format!(
-                    "baseline: prefill sent {sent} bytes, decode received {}",
-                    m.bytes
-                ));
-            }
-            Ok((
-                m,
-                Cpu {
-                    user_us: *user,
-                    sys_us: *sys,
-                },
-            ))
-        }
-        _ => Err(format!("prefill side said '{line}' after tcp")),
+    match ctl.recv()? {
+        ToDecode::TcpDone { bytes, usage } if bytes == m.bytes => Ok((m, usage)),
+        ToDecode::TcpDone { bytes, .. } => Err(format!(
+            "baseline: prefill sent {bytes} bytes, decode received {}",
+            m.bytes
+        )),
+        other => Err(format!("prefill side said {} after tcp", other.kind())),
     }
 }
 
@@ -309,6 +366,10 @@ struct Live {
 #[derive(Clone, Default)]
 struct Rec {
     t_dest: u64,
+    /// When a poll first saw the room TRANSFERRING (or SUCCESS, if none did).
+    t_first: u64,
+    /// Whether a poll saw it TRANSFERRING.
+    seen_transferring: bool,
     t_done: u64,
     ok: bool,
     planned_abort: bool,
@@ -333,13 +394,11 @@ fn kvxfer_phase(
     engine: &Engine,
     pool: &Pool,
     ctl: &mut Ctl,
-    prefill_addr: &str,
+    prefill: (&str, usize),
     same_host: bool,
     start: u64,
 ) -> Result<KvResult, String> {
-    std::thread::scope(|scope| {
-        kvxfer_loop(p, engine, pool, ctl, prefill_addr, same_host, start, scope)
-    })
+    std::thread::scope(|scope| kvxfer_loop(p, engine, pool, ctl, prefill, same_host, start, scope))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -348,7 +407,7 @@ fn kvxfer_loop<'s>(
     engine: &Engine,
     pool: &'s Pool,
     ctl: &mut Ctl,
-    prefill_addr: &str,
+    (prefill_addr, prefill_engine): (&str, usize),
     same_host: bool,
     start: u64,
     scope: &'s std::thread::Scope<'s, '_>,
@@ -362,7 +421,7 @@ fn kvxfer_loop<'s>(
         .map(|_| {
             let (rx, tx) = (job_rx.clone(), ret_tx.clone());
             scope.spawn(move || {
-                let cpu0 = thread_cpu_ns();
+                let u0 = Usage::thread();
                 loop {
                     let job = match rx.lock().expect("job queue").recv() {
                         Ok(j) => j,
@@ -375,7 +434,7 @@ fn kvxfer_loop<'s>(
                         result,
                     });
                 }
-                thread_cpu_ns() - cpu0
+                Usage::thread().since(u0)
             })
         })
         .collect();
@@ -394,9 +453,11 @@ fn kvxfer_loop<'s>(
     let peers = RoomPeers::Prefills(vec![prefill_addr.to_string()]);
     let mut announced = 0u64;
     let mut ended = false;
-    ctl.send(&format!("run {start}"))?;
-    let cpu0 = Cpu::now();
-    let driver0 = thread_cpu_ns();
+    ctl.send(&ToPrefill::Run {
+        start,
+        engine: prefill_engine,
+    })?;
+    let (u0, driver0) = (Usage::now(), Usage::thread());
     let t0 = Instant::now();
     let deadline = p.duration.map(|d| t0 + Duration::from_secs_f64(d));
     let mut next_progress = t0 + Duration::from_secs(1);
@@ -475,11 +536,11 @@ fn kvxfer_loop<'s>(
         }
         if recs.len() as u64 > announced {
             announced = recs.len() as u64;
-            ctl.send(&format!("upto {}", start + announced))?;
+            ctl.send(&ToPrefill::Upto(start + announced))?;
         }
         if !ended && !creating {
             ended = true;
-            ctl.send(&format!("end {}", start + recs.len() as u64))?;
+            ctl.send(&ToPrefill::End(start + recs.len() as u64))?;
         }
         // Poll every room in flight, as a server's scheduler loop does.
         let mut i = 0;
@@ -487,7 +548,11 @@ fn kvxfer_loop<'s>(
             let l = &mut live[i];
             match engine.room_poll(l.id) {
                 Ok(State::Success) => {
-                    recs[l.idx].t_done = mono_ns();
+                    let rec = &mut recs[l.idx];
+                    rec.t_done = mono_ns();
+                    if !rec.seen_transferring {
+                        rec.t_first = rec.t_done;
+                    }
                     if l.abort.is_some() {
                         out.aborts_too_late += 1;
                     }
@@ -526,10 +591,19 @@ fn kvxfer_loop<'s>(
                     progress = true;
                     continue;
                 }
-                Ok(State::Transferring) if l.abort == Some(AbortAt::DecodeMid) && !l.aborted => {
-                    let _ = engine.room_abort(l.id, "bench: planned abort (decode, mid-transfer)");
-                    l.aborted = true;
-                    progress = true;
+                Ok(State::Transferring) => {
+                    let rec = &mut recs[l.idx];
+                    // Not progress: the loop sleeps as it did before it looked.
+                    if !rec.seen_transferring {
+                        rec.seen_transferring = true;
+                        rec.t_first = mono_ns();
+                    }
+                    if l.abort == Some(AbortAt::DecodeMid) && !l.aborted {
+                        let _ =
+                            engine.room_abort(l.id, "bench: planned abort (decode, mid-transfer)");
+                        l.aborted = true;
+                        progress = true;
+                    }
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -580,77 +654,65 @@ fn kvxfer_loop<'s>(
         .max(t0 + Duration::from_nanos(1))
         .duration_since(t0)
         .as_secs_f64();
-    out.cpu_decode = Cpu::now().since(cpu0);
-    out.driver_cpu_s = (thread_cpu_ns() - driver0) as f64 / 1e9;
+    out.decode = Usage::now().since(u0);
+    out.driver = Usage::thread().since(driver0);
     out.rooms = recs.len() as u64;
     drop(job_tx);
     for v in verifiers {
-        out.verify_cpu_s += v.join().map_err(|_| "a checker thread panicked")? as f64 / 1e9;
+        out.verify = out.verify + v.join().map_err(|_| "a checker thread panicked")?;
     }
 
     // The prefill side's account of the same rooms.
-    let mut n = 0usize;
-    loop {
-        let line = ctl.recv()?;
-        let f: Vec<&str> = line.split_whitespace().collect();
-        match f.as_slice() {
-            ["prec", idx, t_enq, t_term, outcome] => {
-                let idx = idx
-                    .parse::<u64>()
-                    .ok()
-                    .and_then(|i| i.checked_sub(start))
-                    .ok_or_else(|| format!("bad record '{line}'"))?
-                    as usize;
-                let t_enq: u64 = t_enq.parse().unwrap_or(0);
-                let t_term: u64 = t_term.parse().unwrap_or(0);
-                let Some(rec) = recs.get(idx) else {
-                    return Err(format!("prefill reported room {idx}, never started"));
-                };
-                n += 1;
-                if *outcome == "ok" && !rec.ok {
-                    out.split_prefill_ok_decode_failed += 1;
-                }
-                if *outcome != "ok" && rec.ok {
-                    out.split_prefill_failed_decode_ok += 1;
-                    out.note(format!(
-                        "room {idx}: SUCCESS on the decode side, {outcome} on the prefill side"
-                    ));
-                }
-                if *outcome == "ok" {
-                    out.lat_prefill.push(t_term.saturating_sub(t_enq));
-                    if rec.ok {
-                        if same_host {
-                            out.lat_e2e.push(rec.t_done.saturating_sub(t_enq));
-                        }
-                        out.lat_decode.push(rec.t_done.saturating_sub(rec.t_dest));
-                    }
-                } else {
-                    let cause = outcome.split(':').next().unwrap_or("unknown");
-                    *out.prefill_failed.entry(cause.to_string()).or_default() += 1;
-                    if rec.planned_abort && prefill::is_abort(cause) {
-                        out.prefill_expected += 1;
-                    } else {
-                        out.prefill_unexpected += 1;
-                        out.note(format!("prefill room {idx}: {outcome}"));
-                    }
-                }
-            }
-            ["pdone", user, sys, driver_ns] => {
-                out.cpu_prefill = Cpu {
-                    user_us: user.parse().unwrap_or(0),
-                    sys_us: sys.parse().unwrap_or(0),
-                };
-                out.prefill_driver_cpu_s = driver_ns.parse::<f64>().unwrap_or(0.0) / 1e9;
-                break;
-            }
-            _ => return Err(format!("prefill side said '{line}' after the run")),
-        }
-    }
-    if n != recs.len() {
+    let (prooms, usage, driver) = match ctl.recv()? {
+        ToDecode::PhaseDone {
+            rooms,
+            usage,
+            driver,
+        } => (rooms, usage, driver),
+        other => return Err(format!("prefill side said {} after the run", other.kind())),
+    };
+    if prooms.len() != recs.len() {
         return Err(format!(
-            "the prefill side ran {n} rooms, the decode side {}",
+            "the prefill side ran {} rooms, the decode side {}",
+            prooms.len(),
             recs.len()
         ));
+    }
+    out.prefill = usage;
+    out.prefill_driver = driver;
+    for (idx, (pr, rec)) in prooms.iter().zip(&recs).enumerate() {
+        match &pr.outcome {
+            Outcome::Ok => {
+                if !rec.ok {
+                    out.split_prefill_ok_decode_failed += 1;
+                }
+                out.lat_prefill.push(pr.t_term.saturating_sub(pr.t_enq));
+                if rec.ok {
+                    if same_host {
+                        out.lat_e2e.push(rec.t_done.saturating_sub(pr.t_enq));
+                        out.lat_first.push(rec.t_first.saturating_sub(pr.t_enq));
+                        out.first_at_success += u64::from(!rec.seen_transferring);
+                    }
+                    out.lat_decode.push(rec.t_done.saturating_sub(rec.t_dest));
+                }
+            }
+            Outcome::Failed { cause, .. } => {
+                if rec.ok {
+                    out.split_prefill_failed_decode_ok += 1;
+                    out.note(format!(
+                        "room {idx}: SUCCESS on the decode side, {} on the prefill side",
+                        pr.outcome
+                    ));
+                }
+                *out.prefill_failed.entry(cause.clone()).or_default() += 1;
+                if rec.planned_abort && prefill::is_abort(cause) {
+                    out.prefill_expected += 1;
+                } else {
+                    out.prefill_unexpected += 1;
+                    out.note(format!("prefill room {idx}: {}", pr.outcome));
+                }
+            }
+        }
     }
     Ok(out)
 }

@@ -1,21 +1,16 @@
-//! The TCP transport: data frames written straight from registered memory with vectored
-//! writes (no staging copy), and read straight into destination pages.
+//! The sending half of the TCP transport: data frames written straight from registered
+//! memory with vectored writes (no staging copy), and control frames.
 
-use std::io::{self, IoSlice, Read};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::io::{self, IoSlice};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{RoomEnded, Watch};
+use super::TICK;
 use crate::proto::{DataHeader, DATA_FRAME_PREFIX_LEN};
-
-/// Largest data frame payload the sender produces; longer runs are split so that frames
-/// of other rooms interleave and an abort takes effect within one frame.
-pub const MAX_FRAME_BYTES: usize = 4 << 20;
-
-/// How long one blocked write waits before it looks again at its room and its deadline.
-const TICK: Duration = Duration::from_millis(10);
+use crate::transport::{Sent, Watch};
 
 /// Zeros that end a frame whose room ended mid-frame.
 static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
@@ -27,15 +22,30 @@ pub struct SendConn {
     stream: Mutex<TcpStream>,
     /// A write that makes no progress for this long fails (the peer stopped reading).
     stall: Option<Duration>,
+    /// A write failed and the stream is shut: nothing more can go out on it. Relaxed:
+    /// the stream itself refuses writes once shut; this only spares the attempt.
+    broken: AtomicBool,
 }
 
 impl SendConn {
-    /// Wraps a connected control stream: writes block as the socket says.
+    /// Wraps a connected stream: writes block as the socket says.
     pub fn new(stream: TcpStream) -> Self {
         SendConn {
             stream: Mutex::new(stream),
             stall: None,
+            broken: AtomicBool::new(false),
         }
+    }
+
+    /// Wraps a connected control stream: a write that makes no progress for `stall`
+    /// fails (the peer stopped reading).
+    pub fn with_stall(stream: TcpStream, stall: Duration) -> io::Result<Self> {
+        stream.set_write_timeout(Some(TICK.min(stall)))?;
+        Ok(SendConn {
+            stream: Mutex::new(stream),
+            stall: Some(stall),
+            broken: AtomicBool::new(false),
+        })
     }
 
     /// Wraps a connected data stream: a write that makes no progress for `stall` fails,
@@ -45,6 +55,7 @@ impl SendConn {
         Ok(SendConn {
             stream: Mutex::new(stream),
             stall: Some(stall),
+            broken: AtomicBool::new(false),
         })
     }
 
@@ -55,28 +66,17 @@ impl SendConn {
         &self,
         runs: &[(DataHeader, &[u8])],
         watch: &mut Watch<'_>,
-    ) -> io::Result<()> {
+    ) -> io::Result<Sent> {
         let mut s = loop {
             if let Some(s) = self.stream.try_lock_for(TICK) {
                 break s;
             }
             if (watch.ended)() {
                 (watch.release)();
-                return Err(io::Error::other(RoomEnded));
+                return Ok(Sent::RoomEnded);
             }
         };
         self.write_batch(&mut s, runs, watch)
-    }
-
-    /// As [`SendConn::send_batch`] if no other worker is writing on the connection;
-    /// `None` otherwise, with nothing written.
-    pub fn try_send_batch(
-        &self,
-        runs: &[(DataHeader, &[u8])],
-        watch: &mut Watch<'_>,
-    ) -> Option<io::Result<()>> {
-        let mut s = self.stream.try_lock()?;
-        Some(self.write_batch(&mut s, runs, watch))
     }
 
     /// Writes an encoded control frame.
@@ -93,7 +93,7 @@ impl SendConn {
         s: &mut TcpStream,
         runs: &[(DataHeader, &[u8])],
         watch: &mut Watch<'_>,
-    ) -> io::Result<()> {
+    ) -> io::Result<Sent> {
         let prefixes = prefixes(runs)?;
         let mut slices = Vec::with_capacity(runs.len() * 2);
         for ((_, bytes), prefix) in runs.iter().zip(&prefixes) {
@@ -104,12 +104,13 @@ impl SendConn {
         // so it is shut, and the reader sees it end instead of reading the next frame's
         // bytes as this one's.
         let broken = |s: &TcpStream, e: io::Error| {
+            self.broken.store(true, Ordering::Relaxed);
             let _ = s.shutdown(std::net::Shutdown::Both);
             e
         };
         let mut written = 0;
         match self.write_all(s, &mut slices, &mut written, Some(watch.ended)) {
-            Ok(false) => return Ok(()),
+            Ok(false) => return Ok(Sent::All),
             Ok(true) => (watch.release)(),
             Err(e) => return Err(broken(s, e)),
         }
@@ -138,7 +139,7 @@ impl SendConn {
             }
             at = end;
         }
-        Err(io::Error::other(RoomEnded))
+        Ok(Sent::RoomEnded)
     }
 
     /// Writes every slice (adding to `written`), retrying writes that time out while
@@ -219,17 +220,13 @@ fn prefixes(runs: &[(DataHeader, &[u8])]) -> io::Result<Vec<[u8; DATA_FRAME_PREF
         .collect()
 }
 
-impl super::DataLink for SendConn {
-    fn write_runs(&self, runs: &[(DataHeader, &[u8])], watch: &mut Watch<'_>) -> io::Result<()> {
+impl crate::transport::DataLink for SendConn {
+    fn write_runs(&self, runs: &[(DataHeader, &[u8])], watch: &mut Watch<'_>) -> io::Result<Sent> {
         self.send_batch(runs, watch)
     }
 
-    fn try_write_runs(
-        &self,
-        runs: &[(DataHeader, &[u8])],
-        watch: &mut Watch<'_>,
-    ) -> Option<io::Result<()>> {
-        self.try_send_batch(runs, watch)
+    fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Relaxed)
     }
 
     fn finish(&self, done_frame: &[u8]) -> io::Result<()> {
@@ -237,38 +234,11 @@ impl super::DataLink for SendConn {
     }
 }
 
-/// Reads and throws away `n` bytes (data for a room that may no longer be written).
-pub fn discard(r: &mut impl Read, mut n: u64) -> io::Result<()> {
-    let mut scratch = [0u8; 64 * 1024];
-    while n > 0 {
-        let k = n.min(scratch.len() as u64) as usize;
-        r.read_exact(&mut scratch[..k])?;
-        n -= k as u64;
-    }
-    Ok(())
-}
-
-/// Connects to `addr` (`host:port`) within `timeout`, trying each resolved address.
-pub fn connect(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
-    let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
-    let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
-    for a in addrs {
-        match TcpStream::connect_timeout(&a, timeout) {
-            Ok(s) => {
-                s.set_nodelay(true)?;
-                return Ok(s);
-            }
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
-}
-
 #[cfg(test)]
 mod tests {
     use std::io::Read;
     use std::net::TcpListener;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
 
     use super::*;
     use crate::proto::{self, Kind, Limits, Target};
@@ -322,8 +292,8 @@ mod tests {
                 ended: &ended_now,
                 release: &mut release,
             };
-            let e = conn.send_batch(&runs, &mut watch).unwrap_err();
-            assert!(e.get_ref().is_some_and(|e| e.is::<RoomEnded>()), "{e}");
+            let sent = conn.send_batch(&runs, &mut watch).unwrap();
+            assert_eq!(sent, Sent::RoomEnded);
         });
         assert_eq!(released.load(Ordering::SeqCst), 1);
         drop(conn);

@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 use kvxfer::log::{Level, Logger};
 use kvxfer::room::{RoomTable, NO_DEADLINE};
 use kvxfer::{BufferDesc, Cause, Config, Engine, Role, RoomPeers, State};
+use serde::Serialize;
 
 use crate::args::Params;
 use crate::pattern::mix;
-use crate::report::J;
 use crate::sys::{thread_cpu_ns, Pages, Region};
 
 const BATCH: usize = 1000;
@@ -70,6 +70,7 @@ fn median_ns(batches: usize, mut f: impl FnMut(usize)) -> f64 {
     t[t.len() / 2]
 }
 
+#[derive(Serialize)]
 struct PollRow {
     rooms: usize,
     hot: f64,
@@ -79,12 +80,32 @@ struct PollRow {
     table_sweep: f64,
 }
 
+#[derive(Serialize)]
 struct AbortRow {
     threads: usize,
+    #[serde(rename = "same_rooms_cpu_ns_per_call")]
     same_ns: f64,
+    #[serde(rename = "same_rooms_calls_per_sec")]
     same_per_sec: f64,
+    #[serde(rename = "disjoint_cpu_ns_per_call")]
     disjoint_ns: f64,
+    #[serde(rename = "disjoint_calls_per_sec")]
     disjoint_per_sec: f64,
+}
+
+/// The `--json` line of `kvxfer-bench table`.
+#[derive(Serialize)]
+struct TableJson<'a> {
+    preset: &'static str,
+    room_poll_median_ns_1: f64,
+    room_poll_median_ns_max_rooms: f64,
+    max_rooms: usize,
+    room_poll_ns: &'a [PollRow],
+    create_clear_per_sec_1_thread: f64,
+    create_clear_per_sec_2_threads: f64,
+    table_create_remove_per_sec: f64,
+    abort_contention: &'a [AbortRow],
+    checks_passed: bool,
 }
 
 pub fn run(p: &Params) -> Result<(String, bool), String> {
@@ -325,53 +346,19 @@ pub fn run(p: &Params) -> Result<(String, bool), String> {
         let _ = writeln!(o, "  FAILED CHECK: {n}");
     }
     if p.json {
-        let first = &rows[0];
-        let last = &rows[rows.len() - 1];
-        let j = J::obj(vec![
-            ("preset", J::Str("table".into())),
-            ("room_poll_median_ns_1", J::Num(first.sweep)),
-            ("room_poll_median_ns_max_rooms", J::Num(last.sweep)),
-            ("max_rooms", J::Int(last.rooms as u64)),
-            (
-                "room_poll_ns",
-                J::Arr(
-                    rows.iter()
-                        .map(|r| {
-                            J::obj(vec![
-                                ("rooms", J::Int(r.rooms as u64)),
-                                ("hot", J::Num(r.hot)),
-                                ("sweep", J::Num(r.sweep)),
-                                ("random", J::Num(r.random)),
-                                ("table_hot", J::Num(r.table_hot)),
-                                ("table_sweep", J::Num(r.table_sweep)),
-                            ])
-                        })
-                        .collect(),
-                ),
-            ),
-            ("create_clear_per_sec_1_thread", J::Num(cc1)),
-            ("create_clear_per_sec_2_threads", J::Num(cc2)),
-            ("table_create_remove_per_sec", J::Num(cc_table)),
-            (
-                "abort_contention",
-                J::Arr(
-                    aborts
-                        .iter()
-                        .map(|a| {
-                            J::obj(vec![
-                                ("threads", J::Int(a.threads as u64)),
-                                ("same_rooms_cpu_ns_per_call", J::Num(a.same_ns)),
-                                ("same_rooms_calls_per_sec", J::Num(a.same_per_sec)),
-                                ("disjoint_cpu_ns_per_call", J::Num(a.disjoint_ns)),
-                                ("disjoint_calls_per_sec", J::Num(a.disjoint_per_sec)),
-                            ])
-                        })
-                        .collect(),
-                ),
-            ),
-            ("checks_passed", J::Bool(ok)),
-        ]);
-        o.push_str(&j.to_line());
+        let j = TableJson {
+            preset: "table",
+            room_poll_median_ns_1: rows[0].sweep,
+            room_poll_median_ns_max_rooms: rows[rows.len() - 1].sweep,
+            max_rooms: rows[rows.len() - 1].rooms,
+            room_poll_ns: &rows,
+            create_clear_per_sec_1_thread: cc1,
+            create_clear_per_sec_2_threads: cc2,
+            table_create_remove_per_sec: cc_table,
+            abort_contention: &aborts,
+            checks_passed: ok,
+        };
+        o.push_str(&serde_json::to_string(&j).map_err(|e| e.to_string())?);
         o.push('\n');
     }
     Ok((o, ok))

@@ -1,0 +1,720 @@
+//! The command line ([`Cli`], parsed by clap) and the parameters of a run ([`Params`]: a
+//! preset with the options laid over it). The decode side hands the prefill side its
+//! `Params` as one JSON object, so both sides run the same plan.
+
+use std::fmt::Write as _;
+
+use clap::{Args, Parser, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+use crate::sys::Pages;
+
+const USAGE: &str = "\
+kvxfer-bench [--preset NAME] [OPTIONS]         prefill + decode over loopback (two processes)
+       kvxfer-bench table [--quick] [--json]          room table microbenchmark (same as --preset table)
+       kvxfer-bench --role prefill --listen HOST:PORT two hosts: the prefill side, waits for one run
+       kvxfer-bench --role decode --prefill-addr HOST:PORT [--preset NAME] [OPTIONS]
+                                                      two hosts: the decode side, drives the run";
+
+const PRESETS: &str = "\
+Presets:
+  llama3-8b     32 layers, separate K and V buffers, 8 KV heads, head dim 128, bf16,
+                16-token pages (32 KiB per buffer page), 4096-token prompts   [default]
+  deepseek-mla  61 layers, one latent buffer per layer (576 values/token), bf16,
+                64-token pages (FlashMLA's block size), 4096-token prompts
+  single-page   one page per room, many rooms: 2 layers, K and V, 2 KV heads, head dim 64
+  table         the room table microbenchmark
+
+What the figures mean: docs/BENCHMARKS.md.";
+
+/// kvxfer-bench: the libkvxfer engine against the limits of this host, measured side by side
+#[derive(Debug, Parser)]
+#[command(name = "kvxfer-bench", override_usage = USAGE, after_help = PRESETS)]
+// A later occurrence of an option replaces an earlier one (extra options appended to a
+// command line win, as `make bench BENCH_ARGS=...` relies on).
+#[command(args_override_self = true)]
+pub struct Cli {
+    /// `table`: the room table microbenchmark (the same as --preset table)
+    #[arg(value_name = "COMMAND", value_parser = ["table"], conflicts_with = "preset")]
+    command: Option<String>,
+    /// The model shape and traffic to start from
+    #[arg(long, default_value = "llama3-8b",
+          value_parser = ["llama3-8b", "deepseek-mla", "single-page", "table"])]
+    preset: String,
+    #[command(flatten)]
+    shape: Shape,
+    #[command(flatten)]
+    traffic: Traffic,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    measure: Measurement,
+    #[command(flatten)]
+    hosts: TwoHosts,
+}
+
+// Each group's options override the preset's value when given; the defaults in brackets
+// are the presets'.
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Model shape (overrides the preset)")]
+struct Shape {
+    /// Layers of the model
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Separate K and V buffers per layer, or one latent buffer per layer
+    #[arg(long)]
+    layout: Option<Layout>,
+    /// KV heads (kv layout)
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Head dimension (kv layout)
+    #[arg(long)]
+    head_dim: Option<usize>,
+    /// Values per token (mla layout)
+    #[arg(long)]
+    latent_dim: Option<usize>,
+    /// Bytes per value
+    #[arg(long)]
+    dtype_bytes: Option<usize>,
+    /// Tokens per page
+    #[arg(long)]
+    page_tokens: Option<usize>,
+    /// Bytes of each room's aux row (0 = no aux buffer) [64]
+    #[arg(long)]
+    aux_bytes: Option<usize>,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Traffic")]
+struct Traffic {
+    /// Prompt tokens: fixed, or uniform in A..=B [4096; single-page 16; quick 1024]
+    #[arg(long, value_name = "N|A-B", value_parser = parse_prompt)]
+    prompt: Option<(usize, usize)>,
+    /// Chunked prefill size, a multiple of the page size [2048]
+    #[arg(long)]
+    chunk_tokens: Option<usize>,
+    /// Rooms in flight [4; single-page 64; model presets quick 2]
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Rooms per kvxfer phase [16; single-page 30000; quick 8 / 5000]
+    #[arg(long, overrides_with = "duration")]
+    rooms: Option<u64>,
+    /// Run each kvxfer phase this long instead of --rooms
+    #[arg(long, value_name = "SECS", overrides_with = "rooms")]
+    duration: Option<f64>,
+    /// kvxfer phases, each between two rounds of baselines [3; quick 1]
+    #[arg(long)]
+    repeat: Option<usize>,
+    /// Fraction of rooms aborted on purpose (counted as expected failures) [0]
+    #[arg(long)]
+    abort_rate: Option<f64>,
+    /// Destination pages in order, or scattered inside a slot [contiguous]
+    #[arg(long)]
+    dst_order: Option<DstOrder>,
+    /// Room plan seed [1]
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Engine")]
+struct EngineArgs {
+    /// The engines' transport [tcp]
+    #[arg(long, value_parser = ["tcp", "rdma", "auto"])]
+    transport: Option<String>,
+    /// Engine worker threads [engine default]
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Data connections per peer (also the TCP baseline's) [2]
+    #[arg(long)]
+    conns: Option<usize>,
+    /// The engines' log level [error]
+    #[arg(long, value_parser = ["error", "warn", "info", "debug", "trace"])]
+    log_level: Option<String>,
+    /// Engines without or with a cluster key (a fresh one per run, handed to the prefill
+    /// side with the plan); both: two engine pairs, kvxfer phases alternating off on, on
+    /// off, off on, ... and the report gives the on/off ratios [off]
+    #[arg(long)]
+    auth: Option<Auth>,
+    /// The run's cluster key in hex, instead of a fresh one
+    #[arg(long, value_name = "HEX", hide = true)]
+    auth_key: Option<String>,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Measurement")]
+struct Measurement {
+    /// Check every delivered byte, the stamps of every page plus the whole body of 1
+    /// page in 16, or nothing [full]
+    #[arg(long)]
+    verify: Option<Verify>,
+    /// Decode-side checker threads [1]
+    #[arg(long)]
+    verify_threads: Option<usize>,
+    /// Skip the TCP stream and memcpy baselines
+    #[arg(long)]
+    no_baselines: bool,
+    /// Per-connection buffer of the TCP baseline [64]
+    #[arg(long)]
+    baseline_buf_mib: Option<usize>,
+    /// The TCP baseline's write size [4096]
+    #[arg(long)]
+    baseline_write_kib: Option<usize>,
+    /// The TCP baseline's read size [4096]
+    #[arg(long)]
+    baseline_read_kib: Option<usize>,
+    /// Scheduler loop sleep when nothing changed [500; single-page 100]
+    #[arg(long)]
+    poll_us: Option<u64>,
+    /// Refuse to register more memory than this (both sides) [16]
+    #[arg(long)]
+    max_mem_gib: Option<f64>,
+    /// Pages under the pools and the baselines' buffers: 2 MiB transparent huge pages, as
+    /// a server's KV pool would use, or 4 KiB pages [huge]
+    #[arg(long)]
+    pool_pages: Option<Pages>,
+    /// A smoke-test size that finishes in seconds
+    #[arg(long)]
+    quick: bool,
+    /// The last line printed is one JSON object
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Two hosts")]
+struct TwoHosts {
+    /// Which side of a two-host run this process is
+    #[arg(long)]
+    role: Option<Role>,
+    /// The decode side: where the prefill bench listens
+    #[arg(long, value_name = "HOST:PORT")]
+    prefill_addr: Option<String>,
+    /// The prefill side: where to wait for the decode bench
+    #[arg(long, value_name = "HOST:PORT")]
+    listen: Option<String>,
+    /// The prefill side of a local run: driven over stdin/stdout by its parent
+    #[arg(long, value_parser = ["stdio"], hide = true)]
+    control: Option<String>,
+}
+
+fn parse_prompt(v: &str) -> Result<(usize, usize), String> {
+    let num = |s: &str| {
+        s.parse::<usize>()
+            .map_err(|_| format!("'{s}' is not a token count"))
+    };
+    match v.split_once('-') {
+        Some((a, b)) => Ok((num(a)?, num(b)?)),
+        None => num(v).map(|n| (n, n)),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// Separate K and V buffers per layer.
+    Kv,
+    /// One latent buffer per layer.
+    Mla,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verify {
+    Full,
+    Sample,
+    None,
+}
+
+impl Verify {
+    pub fn name(self) -> &'static str {
+        match self {
+            Verify::Full => "full",
+            Verify::Sample => "sample",
+            Verify::None => "none",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DstOrder {
+    Contiguous,
+    Shuffled,
+}
+
+/// Which engine pairs run: without authentication, with it, or both in turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Auth {
+    Off,
+    On,
+    Both,
+}
+
+impl Auth {
+    pub fn name(self) -> &'static str {
+        match self {
+            Auth::Off => "off",
+            Auth::On => "on",
+            Auth::Both => "both",
+        }
+    }
+
+    /// Whether each engine pair authenticates, in phase order.
+    pub fn pairs(self) -> &'static [bool] {
+        match self {
+            Auth::Off => &[false],
+            Auth::On => &[true],
+            Auth::Both => &[false, true],
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+/// What this process does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mode {
+    /// Both sides on this host: the decode side here, the prefill in a child process.
+    Local,
+    /// The decode side of a two-host run, driving the prefill bench at this address.
+    Decode(String),
+    /// The prefill side, for one run: driven by its parent over stdin/stdout (`None`),
+    /// or by the first decode bench that connects to this address.
+    Prefill(Option<String>),
+    /// The room table microbenchmark.
+    Table,
+}
+
+/// The parameters of a run, the same on both sides.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Params {
+    pub preset: String,
+    pub layers: usize,
+    pub layout: Layout,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub latent_dim: usize,
+    pub dtype_bytes: usize,
+    pub page_tokens: usize,
+    pub aux_bytes: usize,
+    pub prompt_min: usize,
+    pub prompt_max: usize,
+    pub chunk_tokens: usize,
+    pub concurrency: usize,
+    pub rooms: u64,
+    pub repeat: usize,
+    pub duration: Option<f64>,
+    pub abort_rate: f64,
+    pub dst_order: DstOrder,
+    pub seed: u64,
+    pub transport: String,
+    pub workers: Option<usize>,
+    pub conns: usize,
+    pub log_level: String,
+    pub auth: Auth,
+    /// The run's cluster key (hex), made by the decode side when `auth` is not off.
+    pub auth_key: Option<String>,
+    pub verify: Verify,
+    pub verify_threads: usize,
+    pub baselines: bool,
+    pub baseline_buf_mib: usize,
+    /// Pages backing the pools and the baselines' buffers.
+    pub pool_pages: Pages,
+    pub baseline_write_kib: usize,
+    pub baseline_read_kib: usize,
+    pub poll_us: u64,
+    pub max_mem_gib: f64,
+    pub quick: bool,
+    pub json: bool,
+}
+
+impl Cli {
+    /// What to do and with which parameters: the preset, the options over it, checked.
+    pub fn resolve(self) -> Result<(Mode, Params), String> {
+        let preset = self.command.as_deref().unwrap_or(&self.preset);
+        let mut p = Params::preset(preset, self.measure.quick)?;
+        macro_rules! over {
+            ($group:ident: $($field:ident),*) => {
+                $(if let Some(v) = self.$group.$field { p.$field = v; })*
+            };
+        }
+        over!(shape: layers, layout, kv_heads, head_dim, latent_dim, dtype_bytes, page_tokens, aux_bytes);
+        over!(traffic: chunk_tokens, concurrency, rooms, repeat, abort_rate, dst_order, seed);
+        over!(engine: transport, conns, log_level, auth);
+        over!(measure: verify, verify_threads, baseline_buf_mib, baseline_write_kib);
+        over!(measure: baseline_read_kib, poll_us, max_mem_gib, pool_pages);
+        if let Some((a, b)) = self.traffic.prompt {
+            (p.prompt_min, p.prompt_max) = (a, b);
+        }
+        // --rooms and --duration override each other: at most one is given.
+        p.duration = self.traffic.duration;
+        p.workers = self.engine.workers;
+        p.auth_key = self.engine.auth_key;
+        p.baselines = !self.measure.no_baselines;
+        p.json = self.measure.json;
+        p.validate()?;
+        let h = self.hosts;
+        let mode = match (h.role, h.prefill_addr, h.listen, h.control) {
+            (Some(Role::Prefill), _, _, Some(_)) => Mode::Prefill(None),
+            (Some(Role::Prefill), _, Some(l), None) => Mode::Prefill(Some(l)),
+            (Some(Role::Prefill), ..) => {
+                return Err("--role prefill needs --listen HOST:PORT".into())
+            }
+            (Some(Role::Decode), Some(a), ..) => Mode::Decode(a),
+            (Some(Role::Decode), None, ..) => {
+                return Err("--role decode needs --prefill-addr HOST:PORT".into())
+            }
+            (None, ..) if preset == "table" => Mode::Table,
+            (None, ..) => Mode::Local,
+        };
+        Ok((mode, p))
+    }
+}
+
+impl Params {
+    fn preset(name: &str, quick: bool) -> Result<Params, String> {
+        let mut p = Params {
+            preset: name.to_string(),
+            layers: 32,
+            layout: Layout::Kv,
+            kv_heads: 8,
+            head_dim: 128,
+            latent_dim: 576,
+            dtype_bytes: 2,
+            page_tokens: 16,
+            aux_bytes: 64,
+            prompt_min: 4096,
+            prompt_max: 4096,
+            chunk_tokens: 2048,
+            concurrency: 4,
+            rooms: 16,
+            repeat: if quick { 1 } else { 3 },
+            duration: None,
+            abort_rate: 0.0,
+            dst_order: DstOrder::Contiguous,
+            seed: 1,
+            transport: "tcp".into(),
+            workers: None,
+            conns: 2,
+            log_level: "error".into(),
+            auth: Auth::Off,
+            auth_key: None,
+            verify: Verify::Full,
+            verify_threads: 1,
+            baselines: true,
+            baseline_buf_mib: 64,
+            pool_pages: Pages::Huge,
+            baseline_write_kib: 4096,
+            baseline_read_kib: 4096,
+            poll_us: 100,
+            max_mem_gib: 16.0,
+            quick,
+            json: false,
+        };
+        match name {
+            "llama3-8b" => {
+                p.poll_us = 500;
+                if quick {
+                    (p.prompt_min, p.prompt_max, p.rooms, p.concurrency) = (1024, 1024, 8, 2);
+                }
+            }
+            "deepseek-mla" => {
+                p.layers = 61;
+                p.layout = Layout::Mla;
+                p.page_tokens = 64;
+                p.poll_us = 500;
+                if quick {
+                    (p.prompt_min, p.prompt_max, p.rooms, p.concurrency) = (1024, 1024, 8, 2);
+                }
+            }
+            "single-page" => {
+                p.layers = 2;
+                p.kv_heads = 2;
+                p.head_dim = 64;
+                (p.prompt_min, p.prompt_max, p.chunk_tokens) = (16, 16, 16);
+                p.concurrency = 64;
+                p.rooms = if quick { 5_000 } else { 30_000 };
+            }
+            "table" => {}
+            _ => {
+                return Err(format!(
+                    "unknown preset '{name}' (known: llama3-8b, deepseek-mla, single-page, table)"
+                ))
+            }
+        }
+        Ok(p)
+    }
+
+    /// Checks what the options cannot express on their own (also on the prefill side, for
+    /// the plan it was handed).
+    pub fn validate(&self) -> Result<(), String> {
+        let item = self.item_len();
+        if self.layers == 0 || self.layers > 2048 {
+            return Err(format!("--layers {} is outside 1..=2048", self.layers));
+        }
+        if item % 8 != 0 || item < 24 {
+            return Err(format!(
+                "a page of {item} bytes per buffer: the checked pattern needs a multiple of 8 \
+                 bytes, at least 24"
+            ));
+        }
+        if self.aux_bytes != 0 && (self.aux_bytes % 8 != 0 || self.aux_bytes < 24) {
+            return Err("--aux-bytes must be 0 or a multiple of 8, at least 24".into());
+        }
+        if self.page_tokens == 0
+            || self.chunk_tokens == 0
+            || self.chunk_tokens % self.page_tokens != 0
+        {
+            return Err(format!(
+                "--chunk-tokens {} must be a positive multiple of --page-tokens {}",
+                self.chunk_tokens, self.page_tokens
+            ));
+        }
+        if self.prompt_min == 0 || self.prompt_min > self.prompt_max {
+            return Err(format!(
+                "--prompt {}-{} is not a range of positive token counts",
+                self.prompt_min, self.prompt_max
+            ));
+        }
+        if self.max_pages() > u32::MAX as usize / 4 {
+            return Err("prompts too long for u32 page indices".into());
+        }
+        if self.concurrency == 0 || self.concurrency > 100_000 {
+            return Err("--concurrency must be 1 to 100000".into());
+        }
+        if !(0.0..=1.0).contains(&self.abort_rate) {
+            return Err("--abort-rate must be between 0 and 1".into());
+        }
+        if self.repeat == 0 {
+            return Err("--repeat must be at least 1".into());
+        }
+        if self.conns == 0 || self.verify_threads == 0 {
+            return Err("--conns and --verify-threads must be positive".into());
+        }
+        let (w, r) = (self.baseline_write_kib, self.baseline_read_kib);
+        if w == 0 || r == 0 || (self.baseline_buf_mib << 10) < w.max(r) {
+            return Err(
+                "--baseline-write-kib and --baseline-read-kib must be positive and fit in \
+                 --baseline-buf-mib"
+                    .into(),
+            );
+        }
+        if self.duration.is_some_and(|d| d.is_nan() || d <= 0.0) {
+            return Err("--duration must be positive".into());
+        }
+        if self.rooms == 0 && self.duration.is_none() {
+            return Err("--rooms must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// KV buffers each engine registers.
+    pub fn n_buffers(&self) -> usize {
+        match self.layout {
+            Layout::Kv => 2 * self.layers,
+            Layout::Mla => self.layers,
+        }
+    }
+
+    /// Bytes of one page in one buffer.
+    pub fn item_len(&self) -> usize {
+        let per_token = match self.layout {
+            Layout::Kv => self.kv_heads * self.head_dim,
+            Layout::Mla => self.latent_dim,
+        };
+        per_token * self.dtype_bytes * self.page_tokens
+    }
+
+    /// Pages of a prompt of `tokens` tokens.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.page_tokens)
+    }
+
+    /// Pages of the longest prompt: the size of a pool slot.
+    pub fn max_pages(&self) -> usize {
+        self.pages_for(self.prompt_max)
+    }
+
+    /// Pages per chunk.
+    pub fn chunk_pages(&self) -> usize {
+        self.chunk_tokens / self.page_tokens
+    }
+
+    /// KV payload bytes of one page across every buffer.
+    pub fn page_bytes(&self) -> u64 {
+        (self.item_len() * self.n_buffers()) as u64
+    }
+
+    /// One line describing the shape, for the report.
+    pub fn shape_line(&self) -> String {
+        let mut s = String::new();
+        let _ = write!(
+            s,
+            "{} layers, {}, {} buffers x {} KiB pages ({} tokens), ",
+            self.layers,
+            match self.layout {
+                Layout::Kv => format!("K+V, {} KV heads x dim {}", self.kv_heads, self.head_dim),
+                Layout::Mla => format!("MLA latent {}", self.latent_dim),
+            },
+            self.n_buffers(),
+            self.item_len() as f64 / 1024.0,
+            self.page_tokens
+        );
+        if self.prompt_min == self.prompt_max {
+            let _ = write!(s, "prompt {} tokens", self.prompt_min);
+        } else {
+            let _ = write!(s, "prompt {}..={} tokens", self.prompt_min, self.prompt_max);
+        }
+        let _ = write!(
+            s,
+            ", chunk {}, {} in flight",
+            self.chunk_tokens, self.concurrency
+        );
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<(Mode, Params), String> {
+        let argv = std::iter::once("kvxfer-bench").chain(s.split_whitespace());
+        Cli::try_parse_from(argv)
+            .map_err(|e| e.to_string())?
+            .resolve()
+    }
+
+    fn params(s: &str) -> Params {
+        parse(s).unwrap().1
+    }
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn presets_have_the_documented_shapes() {
+        let l = params("--preset llama3-8b");
+        assert_eq!((l.n_buffers(), l.item_len()), (64, 32 * 1024));
+        assert_eq!(l.pages_for(4096), 256);
+        assert_eq!(
+            (l.rooms, l.concurrency, l.repeat, l.poll_us),
+            (16, 4, 3, 500)
+        );
+        let q = params("--preset llama3-8b --quick");
+        assert_eq!(
+            (q.prompt_max, q.rooms, q.concurrency, q.repeat),
+            (1024, 8, 2, 1)
+        );
+        let d = params("--preset deepseek-mla");
+        assert_eq!((d.n_buffers(), d.item_len()), (61, 576 * 2 * 64));
+        let s = params("--preset single-page");
+        assert_eq!((s.max_pages(), s.rooms, s.concurrency), (1, 30_000, 64));
+        assert_eq!(params("--preset single-page --quick").rooms, 5_000);
+        assert_eq!(parse("table --quick --json").unwrap().0, Mode::Table);
+        assert_eq!(parse("--preset table").unwrap().0, Mode::Table);
+        assert_eq!(
+            parse("").unwrap(),
+            (Mode::Local, params("--preset llama3-8b"))
+        );
+    }
+
+    #[test]
+    fn options_override_the_preset_and_later_options_win() {
+        let p = params("--preset single-page --prompt 10-20 --abort-rate 0.25 --workers 3");
+        assert_eq!((p.prompt_min, p.prompt_max, p.abort_rate), (10, 20, 0.25));
+        assert_eq!(p.workers, Some(3));
+        let p = params("--conns 1 --quick --pool-pages 4k --conns 4 --quick --prompt=512");
+        assert_eq!(
+            (p.conns, p.quick, p.prompt_min, p.prompt_max),
+            (4, true, 512, 512)
+        );
+        assert_eq!(p.pool_pages, Pages::Small);
+        assert_eq!(params("--rooms 5 --duration 2").duration, Some(2.0));
+        let p = params("--duration 2 --rooms 5");
+        assert_eq!((p.duration, p.rooms), (None, 5));
+        assert!(!params("--no-baselines").baselines);
+        let a = params("--auth both --auth-key 00ff --dst-order shuffled --verify sample");
+        assert_eq!((a.auth, a.auth_key.as_deref()), (Auth::Both, Some("00ff")));
+        assert_eq!(
+            (a.dst_order, a.verify),
+            (DstOrder::Shuffled, Verify::Sample)
+        );
+        assert_eq!(Auth::Both.pairs(), [false, true]);
+    }
+
+    #[test]
+    fn bad_command_lines_are_refused() {
+        for bad in [
+            "--auth maybe",
+            "--chunk-tokens 10",
+            "--bogus 1",
+            "--role decode",
+            "--role prefill",
+            "--prompt 20-10",
+            "--layers x",
+            "--preset gpt",
+            "table --preset llama3-8b",
+            "--transport ib",
+            "--control pipe --role prefill",
+        ] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            parse("--role prefill --control stdio").unwrap().0,
+            Mode::Prefill(None)
+        );
+        assert_eq!(
+            parse("--role prefill --listen 0.0.0.0:7000").unwrap().0,
+            Mode::Prefill(Some("0.0.0.0:7000".into()))
+        );
+        assert_eq!(
+            parse("--role decode --prefill-addr h:1 --preset single-page")
+                .unwrap()
+                .0,
+            Mode::Decode("h:1".into())
+        );
+    }
+
+    #[test]
+    fn the_command_lines_of_the_makefiles_and_scripts_parse() {
+        // Makefile (bench-smoke), Makefile.bench, scripts/rdma-bench.sh, bench/peers/.
+        for ok in [
+            "--preset single-page --quick --json",
+            "--preset llama3-8b --quick --abort-rate 0.2 --json",
+            "--preset deepseek-mla --json --quick",
+            "--preset table --json",
+            "--transport rdma --json --preset llama3-8b --prompt 1024 --rooms 6 --concurrency 2 \
+             --repeat 1",
+            "--layers 1 --layout mla --latent-dim 1024 --dtype-bytes 2 --page-tokens 512 \
+             --prompt 8192 --chunk-tokens 8192 --aux-bytes 0 --dst-order shuffled \
+             --verify sample --concurrency 4 --rooms 64 --repeat 1 --conns 1 --poll-us 100 \
+             --json --seed 3 --no-baselines",
+        ] {
+            parse(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+    }
+
+    #[test]
+    fn the_plan_round_trips_through_json() {
+        let p = params(
+            "--preset single-page --prompt 10-20 --abort-rate 0.25 --workers 3 \
+                        --auth on --auth-key 00ff --duration 1.5 --pool-pages 4k",
+        );
+        let text = serde_json::to_string(&p).unwrap();
+        let q: Params = serde_json::from_str(&text).unwrap();
+        assert_eq!(p, q);
+        assert!(text.contains(r#""pool_pages":"4k""#), "{text}");
+        assert!(text.contains(r#""auth":"on""#), "{text}");
+    }
+}

@@ -1,0 +1,895 @@
+//! Output: percentiles, the human table, and the one-line JSON object.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::args::{Auth, Params};
+use crate::baseline::Measured;
+use crate::decode::{KvResult, Report};
+use crate::sys::Usage;
+
+/// Nearest-rank percentile of sorted nanoseconds, in milliseconds (NaN when empty).
+pub fn pct_ms(sorted: &[u64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1] as f64 / 1e6
+}
+
+/// Percentiles of a latency, in milliseconds.
+#[derive(Serialize)]
+pub struct Latency {
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    max: f64,
+    n: usize,
+}
+
+impl Latency {
+    /// Of nanoseconds, in any order.
+    pub fn of(ns: &[u64]) -> Latency {
+        let v = sorted(ns);
+        Latency {
+            p50: pct_ms(&v, 0.50),
+            p99: pct_ms(&v, 0.99),
+            p999: pct_ms(&v, 0.999),
+            max: pct_ms(&v, 1.0),
+            n: v.len(),
+        }
+    }
+}
+
+fn sorted(v: &[u64]) -> Vec<u64> {
+    let mut v = v.to_vec();
+    v.sort_unstable();
+    v
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+/// `--auth both`: the phases without and with authentication, side by side.
+#[derive(Serialize)]
+pub struct AuthSplit {
+    off_gbps: f64,
+    on_gbps: f64,
+    gbps_ratio: f64,
+    off_rooms_per_sec: f64,
+    on_rooms_per_sec: f64,
+    rooms_per_sec_ratio: f64,
+}
+
+pub fn auth_split(r: &Report) -> Option<AuthSplit> {
+    let total = |auth: bool| {
+        let mut t = KvResult::default();
+        r.phases.iter().filter(|k| k.auth == auth).for_each(|k| {
+            (t.bytes, t.ok, t.secs) = (t.bytes + k.bytes, t.ok + k.ok, t.secs + k.secs)
+        });
+        (t.secs > 0.0).then_some(t)
+    };
+    let (off, on) = (total(false)?, total(true)?);
+    Some(AuthSplit {
+        off_gbps: off.gbps(),
+        on_gbps: on.gbps(),
+        gbps_ratio: on.gbps() / off.gbps(),
+        off_rooms_per_sec: off.rooms_per_sec(),
+        on_rooms_per_sec: on.rooms_per_sec(),
+        rooms_per_sec_ratio: on.rooms_per_sec() / off.rooms_per_sec(),
+    })
+}
+
+/// The figures derived from a report.
+pub struct Derived {
+    /// Each kvxfer phase against the mean of the TCP baselines on either side of it.
+    pub phase_ratios: Vec<f64>,
+    pub tcp_gbps: f64,
+    pub memcpy_gbps: f64,
+    /// The TCP baselines together: receiving (decode) and sending (prefill) side, and
+    /// their GB.
+    pub tcp_recv: Usage,
+    pub tcp_send: Usage,
+    pub tcp_gb: f64,
+    /// Baseline CPU per GB (both sides) over the engines' (both sides, benchmark threads
+    /// excluded): above 1, the engines spend less CPU per byte than a plain stream.
+    pub cpu_ratio: f64,
+    /// CPU seconds per wall second, both processes.
+    pub kv_cores: f64,
+    pub tcp_cores: f64,
+    pub gb: f64,
+}
+
+/// CPU seconds of both processes during the kvxfer phases, less the benchmark's own
+/// threads (the checkers and the two scheduler loops).
+pub fn engine_cpu_s(k: &KvResult) -> f64 {
+    k.decode.secs() - k.decode_bench().secs() + k.prefill.secs() - k.prefill_driver.secs()
+}
+
+pub fn derive(r: &Report) -> Derived {
+    let phase_ratios = r
+        .phases
+        .iter()
+        .enumerate()
+        .filter_map(|(i, k)| {
+            let (a, b) = (r.tcp.get(i)?, r.tcp.get(i + 1)?);
+            Some(k.gbps() / ((a.gbps() + b.gbps()) / 2.0))
+        })
+        .collect();
+    let tcp_recv: Usage = r.tcp.iter().map(|m| m.usage).sum();
+    let tcp_send: Usage = r.tcp_send.iter().copied().sum();
+    let tcp_gb: f64 = r.tcp.iter().map(|m| m.bytes as f64 / 1e9).sum();
+    let tcp_secs: f64 = r.tcp.iter().map(|m| m.secs).sum();
+    let k = &r.kv;
+    let gb = k.gb();
+    Derived {
+        tcp_recv,
+        tcp_send,
+        tcp_gb,
+        cpu_ratio: ((tcp_recv.secs() + tcp_send.secs()) / tcp_gb) / (engine_cpu_s(k) / gb),
+        kv_cores: (k.decode.secs() + k.prefill.secs()) / k.secs,
+        tcp_cores: (tcp_recv.secs() + tcp_send.secs()) / tcp_secs,
+        phase_ratios,
+        tcp_gbps: mean(&r.tcp.iter().map(Measured::gbps).collect::<Vec<_>>()),
+        memcpy_gbps: mean(&r.memcpy.iter().map(Measured::gbps).collect::<Vec<_>>()),
+        gb,
+    }
+}
+
+/// The `--json` line: one object, its keys listed in docs/BENCHMARKS.md.
+#[derive(Serialize)]
+struct Json<'a> {
+    preset: &'a str,
+    transport: &'a str,
+    verify: &'static str,
+    bytes: u64,
+    bytes_checked: u64,
+    seconds: f64,
+    gbps: f64,
+    baseline_tcp_gbps: f64,
+    baseline_memcpy_gbps: f64,
+    baseline_tcp_runs_gbps: Vec<f64>,
+    baseline_memcpy_runs_gbps: Vec<f64>,
+    ratio_vs_tcp: f64,
+    kvxfer_runs_gbps: Vec<f64>,
+    ratio_vs_tcp_per_phase: &'a [f64],
+    ratio_vs_memcpy: f64,
+    auth: &'static str,
+    kvxfer_runs_auth: Vec<bool>,
+    kvxfer_runs_rooms_per_sec: Vec<f64>,
+    auth_on_vs_off: Option<AuthSplit>,
+    cpu_ratio_vs_tcp: f64,
+    cores_busy: CoresBusy,
+    loadavg: [f64; 2],
+    pool_pages: &'static str,
+    decode_pool_huge_fraction: Option<f64>,
+    rooms: u64,
+    rooms_ok: u64,
+    rooms_per_sec: f64,
+    latency_ms: Latency,
+    latency_basis: &'static str,
+    latency_decode_ms: Latency,
+    latency_prefill_ms: Latency,
+    first_byte_ms: Latency,
+    first_byte_basis: &'static str,
+    first_byte_seen_at_success: u64,
+    failed_by_reason: &'a BTreeMap<String, u64>,
+    prefill_failed_by_reason: &'a BTreeMap<String, u64>,
+    expected_failures: u64,
+    unexpected_failures: u64,
+    prefill_expected_failures: u64,
+    prefill_unexpected_failures: u64,
+    aborts_planned: u64,
+    aborts_too_late: u64,
+    split_prefill_failed_decode_ok: u64,
+    split_prefill_ok_decode_failed: u64,
+    cpu_s_per_gb: CpuPerGb,
+    switches_per_gb: SwitchesPerGb,
+    phases: Vec<PhaseJson>,
+    baseline_tcp_runs: Vec<TcpRunJson>,
+    config: JsonConfig,
+    errors: &'a [String],
+}
+
+const FIRST_BYTE_BASIS: &str = "first enqueue (prefill) to the decode side's first poll that \
+                                saw TRANSFERRING (or SUCCESS, when none did)";
+
+/// CPU seconds per wall second, both processes.
+#[derive(Serialize)]
+struct CoresBusy {
+    kvxfer: f64,
+    baseline_tcp: f64,
+}
+
+/// CPU seconds per GB delivered (the baselines': per GB streamed).
+#[derive(Serialize)]
+struct CpuPerGb {
+    decode: f64,
+    decode_verify: f64,
+    decode_driver: f64,
+    prefill_driver: f64,
+    engines: f64,
+    decode_sys: f64,
+    prefill: f64,
+    prefill_sys: f64,
+    baseline_tcp_recv: f64,
+    baseline_tcp_send: f64,
+}
+
+/// Context switches per GB over every kvxfer phase (the baselines': per GB streamed):
+/// each process, and the benchmark's own threads inside it.
+#[derive(Serialize)]
+struct SwitchesPerGb {
+    decode_voluntary: f64,
+    decode_involuntary: f64,
+    decode_bench_voluntary: f64,
+    decode_bench_involuntary: f64,
+    prefill_voluntary: f64,
+    prefill_involuntary: f64,
+    prefill_bench_voluntary: f64,
+    prefill_bench_involuntary: f64,
+    baseline_tcp_recv_voluntary: f64,
+    baseline_tcp_recv_involuntary: f64,
+    baseline_tcp_send_voluntary: f64,
+    baseline_tcp_send_involuntary: f64,
+}
+
+/// What one process (or some of its threads) used over a phase, per GB moved.
+#[derive(Serialize)]
+struct PerGb {
+    cpu_s_per_gb: f64,
+    voluntary_switches_per_gb: f64,
+    involuntary_switches_per_gb: f64,
+}
+
+impl PerGb {
+    fn of(u: Usage, gb: f64) -> PerGb {
+        PerGb {
+            cpu_s_per_gb: u.secs() / gb,
+            voluntary_switches_per_gb: u.voluntary as f64 / gb,
+            involuntary_switches_per_gb: u.involuntary as f64 / gb,
+        }
+    }
+}
+
+/// A process over a kvxfer phase, and the benchmark's threads in it (decode: the
+/// checkers and the scheduler loop; prefill: the scheduler loop).
+#[derive(Serialize)]
+struct ProcessJson {
+    #[serde(flatten)]
+    all: PerGb,
+    bench_threads: PerGb,
+}
+
+/// One kvxfer phase on its own.
+#[derive(Serialize)]
+struct PhaseJson {
+    phase: usize,
+    auth: bool,
+    gb: f64,
+    gbps: f64,
+    rooms_per_sec: f64,
+    first_byte_ms: Latency,
+    decode: ProcessJson,
+    prefill: ProcessJson,
+}
+
+/// One TCP baseline on its own.
+#[derive(Serialize)]
+struct TcpRunJson {
+    run: usize,
+    gb: f64,
+    gbps: f64,
+    decode: PerGb,
+    prefill: PerGb,
+}
+
+#[derive(Serialize)]
+struct JsonConfig {
+    layers: usize,
+    buffers: usize,
+    item_len: usize,
+    page_tokens: usize,
+    prompt_min: usize,
+    prompt_max: usize,
+    chunk_tokens: usize,
+    concurrency: usize,
+    abort_rate: f64,
+    conns: usize,
+    /// A count, or "default".
+    workers: serde_json::Value,
+    quick: bool,
+}
+
+fn phase_json(i: usize, k: &KvResult) -> PhaseJson {
+    let gb = k.gb();
+    PhaseJson {
+        phase: i + 1,
+        auth: k.auth,
+        gb,
+        gbps: k.gbps(),
+        rooms_per_sec: k.rooms_per_sec(),
+        first_byte_ms: Latency::of(&k.lat_first),
+        decode: ProcessJson {
+            all: PerGb::of(k.decode, gb),
+            bench_threads: PerGb::of(k.decode_bench(), gb),
+        },
+        prefill: ProcessJson {
+            all: PerGb::of(k.prefill, gb),
+            bench_threads: PerGb::of(k.prefill_driver, gb),
+        },
+    }
+}
+
+pub fn json(p: &Params, r: &Report) -> String {
+    let d = derive(r);
+    let k = &r.kv;
+    let gbps = k.gbps();
+    let per_gb = |s: f64| s / d.gb;
+    let (lat, basis) = if r.same_host {
+        (&k.lat_e2e, "first enqueue (prefill) to decode SUCCESS")
+    } else {
+        (&k.lat_decode, "decode set_destination to decode SUCCESS")
+    };
+    let (kb, pb, tr, ts) = (k.decode_bench(), k.prefill_driver, d.tcp_recv, d.tcp_send);
+    let j = Json {
+        preset: &p.preset,
+        transport: &p.transport,
+        verify: p.verify.name(),
+        bytes: k.bytes,
+        bytes_checked: k.bytes_checked,
+        seconds: k.secs,
+        gbps,
+        baseline_tcp_gbps: d.tcp_gbps,
+        baseline_memcpy_gbps: d.memcpy_gbps,
+        baseline_tcp_runs_gbps: r.tcp.iter().map(Measured::gbps).collect(),
+        baseline_memcpy_runs_gbps: r.memcpy.iter().map(Measured::gbps).collect(),
+        ratio_vs_tcp: gbps / d.tcp_gbps,
+        kvxfer_runs_gbps: r.phases.iter().map(KvResult::gbps).collect(),
+        ratio_vs_tcp_per_phase: &d.phase_ratios,
+        ratio_vs_memcpy: gbps / d.memcpy_gbps,
+        auth: p.auth.name(),
+        kvxfer_runs_auth: r.phases.iter().map(|k| k.auth).collect(),
+        kvxfer_runs_rooms_per_sec: r.phases.iter().map(KvResult::rooms_per_sec).collect(),
+        auth_on_vs_off: auth_split(r),
+        cpu_ratio_vs_tcp: d.cpu_ratio,
+        cores_busy: CoresBusy {
+            kvxfer: d.kv_cores,
+            baseline_tcp: d.tcp_cores,
+        },
+        loadavg: [r.loadavg.0, r.loadavg.1],
+        pool_pages: r.pool_pages,
+        decode_pool_huge_fraction: r.pool_huge_fraction,
+        rooms: k.rooms,
+        rooms_ok: k.ok,
+        rooms_per_sec: k.rooms_per_sec(),
+        latency_ms: Latency::of(lat),
+        latency_basis: basis,
+        latency_decode_ms: Latency::of(&k.lat_decode),
+        latency_prefill_ms: Latency::of(&k.lat_prefill),
+        first_byte_ms: Latency::of(&k.lat_first),
+        first_byte_basis: FIRST_BYTE_BASIS,
+        first_byte_seen_at_success: k.first_at_success,
+        failed_by_reason: &k.failed,
+        prefill_failed_by_reason: &k.prefill_failed,
+        expected_failures: k.expected,
+        unexpected_failures: k.unexpected,
+        prefill_expected_failures: k.prefill_expected,
+        prefill_unexpected_failures: k.prefill_unexpected,
+        aborts_planned: k.aborts_planned,
+        aborts_too_late: k.aborts_too_late,
+        split_prefill_failed_decode_ok: k.split_prefill_failed_decode_ok,
+        split_prefill_ok_decode_failed: k.split_prefill_ok_decode_failed,
+        cpu_s_per_gb: CpuPerGb {
+            decode: per_gb(k.decode.secs()),
+            decode_verify: per_gb(k.verify.secs()),
+            decode_driver: per_gb(k.driver.secs()),
+            prefill_driver: per_gb(k.prefill_driver.secs()),
+            engines: per_gb(engine_cpu_s(k)),
+            decode_sys: per_gb(k.decode.sys_secs()),
+            prefill: per_gb(k.prefill.secs()),
+            prefill_sys: per_gb(k.prefill.sys_secs()),
+            baseline_tcp_recv: tr.secs() / d.tcp_gb,
+            baseline_tcp_send: ts.secs() / d.tcp_gb,
+        },
+        switches_per_gb: SwitchesPerGb {
+            decode_voluntary: per_gb(k.decode.voluntary as f64),
+            decode_involuntary: per_gb(k.decode.involuntary as f64),
+            decode_bench_voluntary: per_gb(kb.voluntary as f64),
+            decode_bench_involuntary: per_gb(kb.involuntary as f64),
+            prefill_voluntary: per_gb(k.prefill.voluntary as f64),
+            prefill_involuntary: per_gb(k.prefill.involuntary as f64),
+            prefill_bench_voluntary: per_gb(pb.voluntary as f64),
+            prefill_bench_involuntary: per_gb(pb.involuntary as f64),
+            baseline_tcp_recv_voluntary: tr.voluntary as f64 / d.tcp_gb,
+            baseline_tcp_recv_involuntary: tr.involuntary as f64 / d.tcp_gb,
+            baseline_tcp_send_voluntary: ts.voluntary as f64 / d.tcp_gb,
+            baseline_tcp_send_involuntary: ts.involuntary as f64 / d.tcp_gb,
+        },
+        phases: r
+            .phases
+            .iter()
+            .enumerate()
+            .map(|(i, k)| phase_json(i, k))
+            .collect(),
+        baseline_tcp_runs: r
+            .tcp
+            .iter()
+            .zip(&r.tcp_send)
+            .enumerate()
+            .map(|(i, (m, send))| {
+                let gb = m.bytes as f64 / 1e9;
+                TcpRunJson {
+                    run: i + 1,
+                    gb,
+                    gbps: m.gbps(),
+                    decode: PerGb::of(m.usage, gb),
+                    prefill: PerGb::of(*send, gb),
+                }
+            })
+            .collect(),
+        config: JsonConfig {
+            layers: p.layers,
+            buffers: p.n_buffers(),
+            item_len: p.item_len(),
+            page_tokens: p.page_tokens,
+            prompt_min: p.prompt_min,
+            prompt_max: p.prompt_max,
+            chunk_tokens: p.chunk_tokens,
+            concurrency: p.concurrency,
+            abort_rate: p.abort_rate,
+            conns: p.conns,
+            workers: p.workers.map_or("default".into(), Into::into),
+            quick: p.quick,
+        },
+        errors: &k.errors,
+    };
+    serde_json::to_string(&j).expect("a report is plain data")
+}
+
+fn ratio(x: f64, base: f64) -> String {
+    if base.is_finite() && base > 0.0 {
+        format!("{:.2}x", x / base)
+    } else {
+        "-".into()
+    }
+}
+
+/// Two figures of a row of the per-GB block: "decode / prefill".
+fn pair(a: f64, b: f64, decimals: usize) -> String {
+    format!("{a:.decimals$} / {b:.decimals$}")
+}
+
+pub fn human(p: &Params, r: &Report) -> String {
+    let d = derive(r);
+    let k = &r.kv;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "\nkvxfer-bench {}  (transport {}, verify {}, {} connection(s) per peer, workers {}, \
+         auth {})",
+        p.preset,
+        p.transport,
+        p.verify.name(),
+        p.conns,
+        p.workers.map_or("default".to_string(), |w| w.to_string()),
+        p.auth.name()
+    );
+    let _ = writeln!(o, "  {}", p.shape_line());
+    let _ = writeln!(
+        o,
+        "  host load average {:.2} before, {:.2} after (2 cores here: other work shares them)",
+        r.loadavg.0, r.loadavg.1
+    );
+    let _ = writeln!(
+        o,
+        "  pools and baseline buffers on {} pages{}",
+        r.pool_pages,
+        r.pool_huge_fraction.map_or(String::new(), |f| format!(
+            " ({:.0}% of the decode pool in huge pages)",
+            f * 100.0
+        ))
+    );
+    let _ = writeln!(
+        o,
+        "  {:<36} {:>8} {:>9}   CPU s per GB, decode process / prefill process",
+        "", "GB/s", "kvxfer/x"
+    );
+    let _ = writeln!(
+        o,
+        "  {:<36} {:>8.3} {:>9}   {:.3} / {:.3} (checker {:.3}, scheduler loops {:.3} + {:.3})",
+        "kvxfer, delivered and verified",
+        k.gbps(),
+        "",
+        k.decode.secs() / d.gb,
+        k.prefill.secs() / d.gb,
+        k.verify.secs() / d.gb,
+        k.driver.secs() / d.gb,
+        k.prefill_driver.secs() / d.gb
+    );
+    let phase_name = |i: usize, ph: &KvResult| {
+        let auth = match (p.auth, ph.auth) {
+            (Auth::Both, true) => ", auth on",
+            (Auth::Both, false) => ", auth off",
+            _ => "",
+        };
+        format!("kvxfer, phase {}{auth}", i + 1)
+    };
+    for (i, ph) in r.phases.iter().enumerate() {
+        // On one host only (across hosts the two clocks differ).
+        let first = sorted(&ph.lat_first);
+        let first = if first.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; first byte p50 {:.3} p99 {:.3} ms",
+                pct_ms(&first, 0.5),
+                pct_ms(&first, 0.99)
+            )
+        };
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>8.3} {:>9}   {:.0} rooms/s{first}",
+            phase_name(i, ph),
+            ph.gbps(),
+            d.phase_ratios
+                .get(i)
+                .map_or(String::new(), |x| format!("{x:.2}x tcp")),
+            ph.rooms_per_sec(),
+        );
+    }
+    if let Some(a) = auth_split(r) {
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>8.3} {:>9}   {:.0} / {:.0} rooms/s = {:.3}x",
+            "kvxfer, auth on / off",
+            a.on_gbps,
+            format!("{:.3}x", a.gbps_ratio),
+            a.on_rooms_per_sec,
+            a.off_rooms_per_sec,
+            a.rooms_per_sec_ratio
+        );
+    }
+    for (i, m) in r.tcp.iter().enumerate() {
+        let send = r.tcp_send.get(i).map_or(f64::NAN, |u| u.secs());
+        let gb = m.bytes as f64 / 1e9;
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>8.3} {:>9}   {:.3} / {:.3}",
+            format!("baseline tcp stream, run {}", i + 1),
+            m.gbps(),
+            ratio(k.gbps(), m.gbps()),
+            m.usage.secs() / gb,
+            send / gb
+        );
+    }
+    if !r.tcp.is_empty() {
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>8.3} {:>9}",
+            "baseline tcp stream, mean",
+            d.tcp_gbps,
+            ratio(k.gbps(), d.tcp_gbps)
+        );
+    }
+    for (i, m) in r.memcpy.iter().enumerate() {
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>8.3} {:>9}",
+            format!("baseline memcpy, run {}", i + 1),
+            m.gbps(),
+            ratio(k.gbps(), m.gbps())
+        );
+    }
+    if !r.memcpy.is_empty() {
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>8.3} {:>9}",
+            "baseline memcpy, mean",
+            d.memcpy_gbps,
+            ratio(k.gbps(), d.memcpy_gbps)
+        );
+    }
+    if !r.tcp.is_empty() {
+        let _ = writeln!(
+            o,
+            "  CPU per GB, both sides: engines {:.3} s (benchmark threads excluded), tcp stream \
+             {:.3} s: {:.2}x; cores busy: kvxfer {:.2}, tcp stream {:.2}",
+            engine_cpu_s(k) / d.gb,
+            (d.tcp_recv.secs() + d.tcp_send.secs()) / d.tcp_gb,
+            d.cpu_ratio,
+            d.kv_cores,
+            d.tcp_cores
+        );
+    }
+    // Per GB, each process: CPU and context switches, every phase on its own line.
+    let _ = writeln!(
+        o,
+        "  {:<36} {:>15}  {:>17}  {:>15}",
+        "per GB, decode / prefill process", "CPU s", "vol. switches", "invol. switches"
+    );
+    let mut per_gb = |name: String, dec: Usage, pre: Usage, gb: f64| {
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>15}  {:>17}  {:>15}",
+            name,
+            pair(dec.secs() / gb, pre.secs() / gb, 3),
+            pair(dec.voluntary as f64 / gb, pre.voluntary as f64 / gb, 0),
+            pair(dec.involuntary as f64 / gb, pre.involuntary as f64 / gb, 0)
+        );
+    };
+    for (i, ph) in r.phases.iter().enumerate() {
+        per_gb(phase_name(i, ph), ph.decode, ph.prefill, ph.gb());
+    }
+    per_gb(
+        "  of which benchmark threads".into(),
+        k.decode_bench(),
+        k.prefill_driver,
+        d.gb,
+    );
+    for (i, (m, send)) in r.tcp.iter().zip(&r.tcp_send).enumerate() {
+        let name = format!("baseline tcp stream, run {}", i + 1);
+        per_gb(name, m.usage, *send, m.bytes as f64 / 1e9);
+    }
+    let _ = writeln!(
+        o,
+        "  rooms: {} ok of {} started in {:.2} s: {:.1} rooms/s, {:.2} GB delivered and \
+         verified ({:.2} GB checked word by word)",
+        k.ok,
+        k.rooms,
+        k.secs,
+        k.rooms_per_sec(),
+        d.gb,
+        k.bytes_checked as f64 / 1e9
+    );
+    let lat = |name: &str, v: &[u64]| {
+        let v = sorted(v);
+        format!(
+            "  latency {:<44} p50 {:>9.3}  p99 {:>9.3}  p999 {:>9.3}  max {:>9.3} ms\n",
+            name,
+            pct_ms(&v, 0.5),
+            pct_ms(&v, 0.99),
+            pct_ms(&v, 0.999),
+            pct_ms(&v, 1.0)
+        )
+    };
+    if r.same_host {
+        o.push_str(&lat("first enqueue -> decode TRANSFERRING", &k.lat_first));
+        o.push_str(&lat("first enqueue -> decode SUCCESS", &k.lat_e2e));
+    }
+    o.push_str(&lat(
+        "decode set_destination -> decode SUCCESS",
+        &k.lat_decode,
+    ));
+    o.push_str(&lat("first enqueue -> prefill SUCCESS", &k.lat_prefill));
+    if k.first_at_success > 0 {
+        let _ = writeln!(
+            o,
+            "  (first byte: {} of {} rooms went from waiting to SUCCESS between two polls; \
+             their first byte counts as seen at SUCCESS)",
+            k.first_at_success,
+            k.lat_first.len()
+        );
+    }
+    let list = |m: &BTreeMap<String, u64>| {
+        if m.is_empty() {
+            "none".to_string()
+        } else {
+            m.iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let _ = writeln!(
+        o,
+        "  failed (decode side): {}; expected (planned aborts) {}, unexpected {}",
+        list(&k.failed),
+        k.expected,
+        k.unexpected
+    );
+    let _ = writeln!(
+        o,
+        "  failed (prefill side): {}; expected {}, unexpected {}; aborts planned {}, too late \
+         to fail {}",
+        list(&k.prefill_failed),
+        k.prefill_expected,
+        k.prefill_unexpected,
+        k.aborts_planned,
+        k.aborts_too_late
+    );
+    let _ = writeln!(
+        o,
+        "  outcomes that differ between the sides: decode SUCCESS with prefill FAILED {}, \
+         prefill SUCCESS with decode FAILED {}",
+        k.split_prefill_failed_decode_ok, k.split_prefill_ok_decode_failed
+    );
+    for e in &k.errors {
+        let _ = writeln!(o, "  error: {e}");
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::Cli;
+    use clap::Parser;
+
+    /// The top-level keys of the `--json` line (docs/BENCHMARKS.md lists them;
+    /// make bench, scripts/rdma-bench.sh and bench/peers/ read them).
+    const KEYS: &[&str] = &[
+        "preset",
+        "transport",
+        "verify",
+        "bytes",
+        "bytes_checked",
+        "seconds",
+        "gbps",
+        "baseline_tcp_gbps",
+        "baseline_memcpy_gbps",
+        "baseline_tcp_runs_gbps",
+        "baseline_memcpy_runs_gbps",
+        "ratio_vs_tcp",
+        "kvxfer_runs_gbps",
+        "ratio_vs_tcp_per_phase",
+        "ratio_vs_memcpy",
+        "auth",
+        "kvxfer_runs_auth",
+        "kvxfer_runs_rooms_per_sec",
+        "auth_on_vs_off",
+        "cpu_ratio_vs_tcp",
+        "cores_busy",
+        "loadavg",
+        "pool_pages",
+        "decode_pool_huge_fraction",
+        "rooms",
+        "rooms_ok",
+        "rooms_per_sec",
+        "latency_ms",
+        "latency_basis",
+        "latency_decode_ms",
+        "latency_prefill_ms",
+        "first_byte_ms",
+        "first_byte_basis",
+        "first_byte_seen_at_success",
+        "failed_by_reason",
+        "prefill_failed_by_reason",
+        "expected_failures",
+        "unexpected_failures",
+        "prefill_expected_failures",
+        "prefill_unexpected_failures",
+        "aborts_planned",
+        "aborts_too_late",
+        "split_prefill_failed_decode_ok",
+        "split_prefill_ok_decode_failed",
+        "cpu_s_per_gb",
+        "switches_per_gb",
+        "phases",
+        "baseline_tcp_runs",
+        "config",
+        "errors",
+    ];
+
+    /// An object's keys, sorted (serde_json's map is ordered by key).
+    fn keys(v: &serde_json::Value) -> Vec<&str> {
+        v.as_object()
+            .expect("an object")
+            .keys()
+            .map(String::as_str)
+            .collect()
+    }
+
+    #[test]
+    fn the_json_line_has_the_documented_keys_and_nulls_for_what_was_not_measured() {
+        let (_, p) = Cli::parse_from(["kvxfer-bench", "--preset", "single-page"])
+            .resolve()
+            .unwrap();
+        let mut r = Report {
+            same_host: true,
+            ..Default::default()
+        };
+        let mut k = KvResult {
+            rooms: 3,
+            ok: 2,
+            bytes: 2 * p.page_bytes(),
+            secs: 0.5,
+            lat_e2e: vec![2_000_000, 1_000_000],
+            ..Default::default()
+        };
+        k.failed.insert("aborted".into(), 1);
+        r.kv.absorb(&k);
+        r.phases.push(k);
+        let v: serde_json::Value = serde_json::from_str(&json(&p, &r)).unwrap();
+        let mut want: Vec<&str> = KEYS.to_vec();
+        want.sort_unstable();
+        assert_eq!(keys(&v), want);
+        assert_eq!(v["preset"], "single-page");
+        assert_eq!(v["rooms_ok"], 2);
+        assert_eq!(v["latency_ms"]["p50"], 1.0);
+        assert_eq!(v["latency_ms"]["n"], 2);
+        assert_eq!(v["failed_by_reason"]["aborted"], 1);
+        assert_eq!(v["config"]["workers"], "default");
+        // No baselines ran and no huge-page figure exists: null, not a made-up number.
+        assert!(v["baseline_tcp_gbps"].is_null());
+        assert!(v["ratio_vs_tcp"].is_null());
+        assert!(v["auth_on_vs_off"].is_null());
+        assert!(v["decode_pool_huge_fraction"].is_null());
+        assert!(v["first_byte_ms"]["p50"].is_null());
+        assert_eq!(v["phases"].as_array().unwrap().len(), 1);
+        assert_eq!(v["baseline_tcp_runs"], serde_json::json!([]));
+    }
+
+    #[test]
+    fn each_phase_and_each_stream_reports_its_own_first_byte_cpu_and_switches_per_gb() {
+        let (_, p) = Cli::parse_from(["kvxfer-bench"]).resolve().unwrap();
+        let usage = |cpu_ms: u64, voluntary: u64, involuntary: u64| Usage {
+            user_us: cpu_ms * 600,
+            sys_us: cpu_ms * 400,
+            voluntary,
+            involuntary,
+        };
+        let phase = |gb: u64, first_ms: &[u64], auth: bool| KvResult {
+            auth,
+            ok: first_ms.len() as u64,
+            bytes: gb * 1_000_000_000,
+            secs: 1.0,
+            lat_first: first_ms.iter().map(|ms| ms * 1_000_000).collect(),
+            decode: usage(300 * gb, 2000 * gb, 10 * gb),
+            prefill: usage(200 * gb, 1000 * gb, 4 * gb),
+            driver: usage(50 * gb, 900 * gb, 0),
+            prefill_driver: usage(40 * gb, 800 * gb, 0),
+            ..Default::default()
+        };
+        let mut r = Report {
+            same_host: true,
+            ..Default::default()
+        };
+        for k in [phase(2, &[4, 1, 3, 2], false), phase(1, &[9], true)] {
+            r.kv.absorb(&k);
+            r.phases.push(k);
+        }
+        r.tcp.push(Measured {
+            bytes: 2_000_000_000,
+            secs: 0.5,
+            usage: usage(500, 400, 2),
+        });
+        r.tcp_send.push(usage(400, 300, 6));
+        let v: serde_json::Value = serde_json::from_str(&json(&p, &r)).unwrap();
+        let ph = &v["phases"];
+        assert_eq!(ph[0]["phase"], 1);
+        assert_eq!(ph[0]["first_byte_ms"]["p50"], 2.0);
+        assert_eq!(ph[0]["first_byte_ms"]["p99"], 4.0);
+        assert_eq!(ph[1]["first_byte_ms"]["p50"], 9.0);
+        assert_eq!(ph[1]["auth"], true);
+        assert_eq!(v["first_byte_ms"]["n"], 5);
+        let dec = &ph[0]["decode"];
+        assert_eq!(dec["cpu_s_per_gb"], 0.3);
+        assert_eq!(dec["voluntary_switches_per_gb"], 2000.0);
+        assert_eq!(dec["involuntary_switches_per_gb"], 10.0);
+        assert_eq!(dec["bench_threads"]["voluntary_switches_per_gb"], 900.0);
+        assert_eq!(ph[1]["prefill"]["involuntary_switches_per_gb"], 4.0);
+        let tcp = &v["baseline_tcp_runs"][0];
+        assert_eq!(
+            (tcp["run"].clone(), tcp["gbps"].clone()),
+            (1.into(), 4.0.into())
+        );
+        assert_eq!(tcp["decode"]["cpu_s_per_gb"], 0.25);
+        assert_eq!(tcp["prefill"]["involuntary_switches_per_gb"], 3.0);
+        let sw = &v["switches_per_gb"];
+        assert_eq!(sw["decode_voluntary"], 2000.0);
+        assert_eq!(sw["prefill_bench_voluntary"], 800.0);
+        assert_eq!(sw["baseline_tcp_send_voluntary"], 150.0);
+        let text = human(&p, &r);
+        assert!(text.contains("first byte p50 2.000 p99 4.000 ms"), "{text}");
+        assert!(text.contains("0.300 / 0.200"), "{text}");
+        assert!(text.contains("2000 / 1000"), "{text}");
+    }
+}

@@ -1,0 +1,147 @@
+//! The benchmark end to end, small: two processes over loopback (and the two-host mode on
+//! one host), checked for what each run must report, not for how fast it was.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+
+const BENCH: &str = env!("CARGO_BIN_EXE_kvxfer-bench");
+
+/// Small enough for a debug build on a loaded host.
+const SMALL: &[&str] = &[
+    "--preset",
+    "single-page",
+    "--rooms",
+    "200",
+    "--concurrency",
+    "8",
+    "--baseline-buf-mib",
+    "4",
+    "--baseline-write-kib",
+    "1024",
+    "--baseline-read-kib",
+    "1024",
+    "--json",
+];
+
+/// Runs the decode side with `args`: the table it printed, and its last line parsed.
+fn run(args: &[&str]) -> (String, Value) {
+    let out = Command::new(BENCH)
+        .args(SMALL)
+        .args(args)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("kvxfer-bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{:?}\n{stdout}", out.status);
+    let last = stdout.lines().last().expect("output");
+    let j = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
+    (stdout.to_string(), j)
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+#[test]
+fn a_local_run_reports_each_phases_first_byte_cpu_and_switches_for_both_processes() {
+    let (table, j) = run(&["--repeat", "2"]);
+    assert!(table.contains("kvxfer, phase 2 "), "{table}");
+    assert!(
+        table.contains("latency first enqueue -> decode TRANSFERRING"),
+        "{table}"
+    );
+    assert_eq!(j["rooms_ok"], 400, "{j}");
+    assert_eq!(j["unexpected_failures"], 0);
+    let phases = j["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 2);
+    // Every delivered room has a first byte, which comes before its SUCCESS.
+    let firsts: u64 = phases
+        .iter()
+        .map(|p| p["first_byte_ms"]["n"].as_u64().unwrap())
+        .sum();
+    assert_eq!(firsts, 400);
+    assert_eq!(j["first_byte_ms"]["n"], 400);
+    assert!(f(&j["first_byte_ms"]["p50"]) > 0.0);
+    for q in ["p50", "p99", "max"] {
+        assert!(
+            f(&j["first_byte_ms"][q]) <= f(&j["latency_ms"][q]),
+            "{q}: {j}"
+        );
+    }
+    assert!(j["first_byte_seen_at_success"].as_u64().unwrap() <= 400);
+    for p in phases {
+        assert!(f(&p["first_byte_ms"]["p50"]) <= f(&p["first_byte_ms"]["p99"]));
+        for side in ["decode", "prefill"] {
+            let s = &p[side];
+            // Both processes worked and slept (the scheduler loops sleep when idle).
+            assert!(f(&s["cpu_s_per_gb"]) > 0.0, "{side}: {p}");
+            assert!(f(&s["voluntary_switches_per_gb"]) > 0.0, "{side}: {p}");
+            assert!(f(&s["involuntary_switches_per_gb"]) >= 0.0, "{side}: {p}");
+            assert!(f(&s["bench_threads"]["voluntary_switches_per_gb"]) > 0.0);
+        }
+        // The prefill scheduler loop is measured inside its process's window.
+        let pre = &p["prefill"];
+        assert!(
+            f(&pre["bench_threads"]["voluntary_switches_per_gb"])
+                <= f(&pre["voluntary_switches_per_gb"])
+        );
+        assert!(f(&pre["bench_threads"]["cpu_s_per_gb"]) <= f(&pre["cpu_s_per_gb"]) + 1e-9);
+    }
+    // A stream before, between and after the phases, each with both sides' figures.
+    let tcp = j["baseline_tcp_runs"].as_array().unwrap();
+    assert_eq!(tcp.len(), 3);
+    for t in tcp {
+        assert!(f(&t["gb"]) > 0.0);
+        for side in ["decode", "prefill"] {
+            assert!(f(&t[side]["cpu_s_per_gb"]) > 0.0, "{side}: {t}");
+            assert!(
+                f(&t[side]["voluntary_switches_per_gb"]) >= 0.0,
+                "{side}: {t}"
+            );
+        }
+    }
+    assert!(f(&j["switches_per_gb"]["decode_voluntary"]) > 0.0);
+    assert!(f(&j["switches_per_gb"]["prefill_voluntary"]) > 0.0);
+}
+
+#[test]
+fn across_hosts_no_cross_process_latency_is_computed() {
+    let mut prefill = Command::new(BENCH)
+        .args(["--role", "prefill", "--listen", "127.0.0.1:0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvxfer-bench runs");
+    let mut err = BufReader::new(prefill.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .rsplit(' ')
+        .next()
+        .expect("the prefill side says where it waits")
+        .to_string();
+    let (table, j) = run(&[
+        "--role",
+        "decode",
+        "--prefill-addr",
+        &addr,
+        "--repeat",
+        "1",
+        "--no-baselines",
+    ]);
+    assert!(prefill.wait().unwrap().success());
+    assert_eq!(j["rooms_ok"], 200, "{j}");
+    assert_eq!(
+        j["latency_basis"],
+        "decode set_destination to decode SUCCESS"
+    );
+    assert_eq!(j["first_byte_ms"]["n"], 0);
+    assert!(j["first_byte_ms"]["p50"].is_null());
+    assert!(
+        !table.contains("first byte") && !table.contains("NaN"),
+        "{table}"
+    );
+    assert!(f(&j["phases"][0]["prefill"]["cpu_s_per_gb"]) > 0.0);
+}

@@ -1,0 +1,151 @@
+//! Prefill side: accepting decode engines' connections, each set up on a thread of its
+//! own: authentication first, then the control connection's setup or a data connection.
+
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{panic_message, Control, Peer, SetupError};
+use crate::proto::{ConnKind, Message};
+use crate::transport::tcp::SendConn;
+use crate::transport::DataLink;
+
+impl Control {
+    /// Accepts connections until the engine stops.
+    pub fn accept_loop(self: &Arc<Self>, listener: TcpListener) {
+        let node = &self.node;
+        if let Err(e) = listener.set_nonblocking(true) {
+            crate::log!(node.log, Error, "listener: {e}");
+            return;
+        }
+        while !node.is_stopping() {
+            match listener.accept() {
+                Ok((s, from)) => {
+                    let control = self.clone();
+                    let token = self.handshaking.track(&s);
+                    let started = node.spawn("kvxfer-accept", move || {
+                        let _ = s.set_nonblocking(false);
+                        let _ = s.set_nodelay(true);
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            control.incoming(s)
+                        }))
+                        .unwrap_or_else(|e| {
+                            Err(format!(
+                                "internal error: the handshake panicked: {}",
+                                panic_message(&*e)
+                            ))
+                        });
+                        control.handshaking.untrack(token);
+                        if let Err(why) = r {
+                            control
+                                .node
+                                .metrics
+                                .protocol_errors
+                                .fetch_add(1, Ordering::Relaxed);
+                            crate::log!(
+                                control.node.log,
+                                Warn,
+                                "rejected connection from {from}: {why}"
+                            );
+                        }
+                    });
+                    if let Err(e) = started {
+                        // The connection is closed with the closure that held it.
+                        self.handshaking.untrack(token);
+                        crate::log!(node.log, Error, "connection from {from} dropped: {e}");
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(e) => {
+                    crate::log!(node.log, Warn, "accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+            }
+        }
+    }
+
+    /// An accepted connection: handshake, then control (registration, reader) or data.
+    fn incoming(self: &Arc<Self>, mut s: TcpStream) -> Result<(), String> {
+        let node = &self.node;
+        if node.role != crate::Role::Prefill {
+            return Err("decode engines accept no connections".into());
+        }
+        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        s.set_read_timeout(Some(node.bootstrap_timeout()))
+            .map_err(|e| e.to_string())?;
+        let Some((engine_id, conn, index)) = self.admit(&mut s)? else {
+            return Ok(()); // refused: counted and logged by admit; dropping `s` closes it
+        };
+        let key = format!("{engine_id:016x}");
+        match conn {
+            ConnKind::Control => {
+                if node.memory.kv.get().is_none() {
+                    return Err("this prefill engine has not registered its KV buffers yet".into());
+                }
+                node.memory.seal();
+                let peer = Peer::new(
+                    key.clone(),
+                    format!("decode engine {key} at {from}"),
+                    node.now_ms(),
+                    node.log.clone(),
+                );
+                peer.track(&s);
+                // Known before our Registration goes out: the decode engine opens its data
+                // connections as soon as it has read it, and they must find this peer.
+                let old = self.peers.lock().insert(key, peer.clone());
+                if let Some(old) = old {
+                    self.lose(
+                        &old,
+                        "replaced by a new connection from the same engine".into(),
+                    );
+                }
+                let setup = (|| -> Result<(), SetupError> {
+                    self.write_msg(&mut s, &self.hello(ConnKind::Control, 0))?;
+                    self.write_msg(&mut s, &Message::Registration(self.registration(None)))?;
+                    let theirs = self.expect_registration(&mut s)?;
+                    let map = self.check_registration(&peer.name, &theirs)?;
+                    self.prefill_transport(&peer, &mut s, &theirs, &map)?;
+                    s.set_read_timeout(None).map_err(|e| e.to_string())?;
+                    Ok(self.start_control(&peer, s)?)
+                })();
+                if let Err(e) = setup {
+                    self.lose_with(&peer, e.cause, e.why.clone());
+                    return Err(e.why);
+                }
+                // Silence is measured from here: a slow setup is not a missed heartbeat.
+                peer.last_recv_ms.store(node.now_ms(), Ordering::Relaxed);
+                peer.set_ready();
+                crate::log!(node.log, Info, "accepted {}", peer.name);
+                Ok(())
+            }
+            ConnKind::Data => {
+                let peer =
+                    self.peers.lock().get(&key).cloned().ok_or_else(|| {
+                        format!("data connection {index} from unknown engine {key}")
+                    })?;
+                if node.rdma.is_some() {
+                    return Err(format!(
+                        "data connection {index} from {key}: this engine moves data over RDMA"
+                    ));
+                }
+                peer.track(&s);
+                self.write_msg(&mut s, &self.hello(ConnKind::Data, index))?;
+                let w = s.try_clone().map_err(|e| e.to_string())?;
+                let conn = SendConn::data(w, node.peer_deadline()).map_err(|e| e.to_string())?;
+                let link: Arc<dyn DataLink> = Arc::new(conn);
+                peer.data.write().push(link.clone());
+                if peer.is_lost() {
+                    peer.data.write().clear();
+                    return Ok(());
+                }
+                if let Some(events) = self.events() {
+                    events.link_up(&peer, link);
+                }
+                Ok(())
+            }
+        }
+    }
+}

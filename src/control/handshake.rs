@@ -1,0 +1,314 @@
+//! The messages of a peer's setup and their checks: hello, the registration exchange and
+//! the transport agreement (over RDMA, the queue-pair exchange, and later the exchange
+//! that replaces a broken queue pair). Each step returns a [`SetupError`] and changes
+//! nothing else: the caller of a setup loses the peer, once.
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{pairing, Control, Peer, SetupError};
+use crate::proto::{
+    self, ConnKind, Message, QpInfo, Registration, Role as WireRole, WireTransport, PROTO_VERSION,
+};
+use crate::room::Cause;
+use crate::transport::rdma::link::{replacement, ControlSender, RemoteBuffer};
+use crate::transport::rdma::peer::{self as rdma, Inbound};
+use crate::transport::DataLink;
+
+fn transport_name(t: WireTransport) -> &'static str {
+    match t {
+        WireTransport::Tcp => "TCP",
+        WireTransport::Rdma => "RDMA",
+    }
+}
+
+impl Control {
+    pub(super) fn hello(&self, conn: ConnKind, conn_index: u16) -> Message {
+        Message::Hello {
+            proto_version: PROTO_VERSION,
+            role: self.wire_role(),
+            engine_id: self.node.engine_id,
+            conn,
+            conn_index,
+        }
+    }
+
+    pub(super) fn wire_role(&self) -> WireRole {
+        match self.node.role {
+            crate::Role::Prefill => WireRole::Prefill,
+            crate::Role::Decode => WireRole::Decode,
+        }
+    }
+
+    /// Our registration for a peer. Over RDMA a decode engine tells each prefill engine
+    /// where to write with the keys of the regions it registered for that engine alone
+    /// (`inbound`); a prefill engine is never written into and tells no key.
+    pub(super) fn registration(&self, inbound: Option<&Inbound>) -> Registration {
+        let m = &self.node.memory;
+        Registration {
+            kv: rdma::buffer_infos(m.kv.get(), |i| inbound.and_then(|k| k.key(false, i))),
+            aux: rdma::buffer_infos(m.aux.get(), |i| inbound.and_then(|k| k.key(true, i))),
+            layout: proto::Layout::default(),
+        }
+    }
+
+    /// Checks the peer's registration against ours and returns, for each of the prefill
+    /// engine's kv buffers, the decode buffer it fills. A mismatch names the buffer.
+    pub(super) fn check_registration(
+        &self,
+        peer: &str,
+        theirs: &Registration,
+    ) -> Result<Vec<u32>, SetupError> {
+        let ours = self.registration(None);
+        let (decode, prefill) = match self.node.role {
+            crate::Role::Decode => (&ours, theirs),
+            crate::Role::Prefill => (theirs, &ours),
+        };
+        pairing::pair_kv(&decode.kv, &prefill.kv)
+            .and_then(|map| pairing::check_aux(&decode.aux, &prefill.aux).map(|()| map))
+            .map_err(|why| {
+                SetupError::new(
+                    Cause::Mismatch,
+                    format!("registration mismatch with {peer}: {why}"),
+                )
+            })
+    }
+
+    pub(super) fn write_msg(&self, s: &mut TcpStream, msg: &Message) -> Result<(), String> {
+        let mut frame = Vec::new();
+        msg.encode(&mut frame).map_err(|e| e.to_string())?;
+        s.write_all(&frame).map_err(|e| e.to_string())
+    }
+
+    pub(super) fn read_msg(&self, s: &mut TcpStream) -> Result<Message, String> {
+        let limits = &self.node.limits;
+        let hdr = proto::read_frame_header(s, limits).map_err(|e| e.to_string())?;
+        if !hdr.kind.is_control() {
+            return Err(format!("expected a control frame, got {}", hdr.kind.name()));
+        }
+        proto::read_control(s, &hdr, limits).map_err(|e| e.to_string())
+    }
+
+    pub(super) fn expect_hello(
+        &self,
+        s: &mut TcpStream,
+        role: WireRole,
+    ) -> Result<(u64, ConnKind, u16), String> {
+        match self.read_msg(s)? {
+            Message::Hello {
+                proto_version,
+                role: r,
+                engine_id,
+                conn,
+                conn_index,
+            } => {
+                if proto_version != PROTO_VERSION {
+                    return Err(format!(
+                        "peer speaks protocol {proto_version}, this build {PROTO_VERSION}"
+                    ));
+                }
+                if r != role {
+                    return Err(format!("peer is a {r:?} engine, expected {role:?}"));
+                }
+                Ok((engine_id, conn, conn_index))
+            }
+            other => Err(format!("expected Hello, got {}", other.kind().name())),
+        }
+    }
+
+    pub(super) fn expect_registration(&self, s: &mut TcpStream) -> Result<Registration, String> {
+        match self.read_msg(s)? {
+            Message::Registration(r) => Ok(r),
+            other => Err(format!(
+                "expected Registration, got {}",
+                other.kind().name()
+            )),
+        }
+    }
+
+    fn wire_transport(&self) -> WireTransport {
+        if self.node.rdma.is_some() {
+            WireTransport::Rdma
+        } else {
+            WireTransport::Tcp
+        }
+    }
+
+    fn expect_transport(&self, s: &mut TcpStream, peer: &Peer) -> Result<Vec<QpInfo>, SetupError> {
+        let (transport, qps) = match self.read_msg(s)? {
+            Message::Transport { transport, qps } => (transport, qps),
+            other => return Err(format!("expected Transport, got {}", other.kind().name()).into()),
+        };
+        self.agree_transport(peer, transport)?;
+        Ok(qps)
+    }
+
+    /// Both engines must move data the same way: a mismatch fails the peer as MISMATCH.
+    fn agree_transport(&self, peer: &Peer, theirs: WireTransport) -> Result<(), SetupError> {
+        let ours = self.wire_transport();
+        if theirs == ours {
+            return Ok(());
+        }
+        Err(SetupError::new(
+            Cause::Mismatch,
+            format!(
+                "transport mismatch: this {} engine moves data over {}, {} over {}",
+                self.node.role,
+                transport_name(ours),
+                peer.name,
+                transport_name(theirs)
+            ),
+        ))
+    }
+
+    /// Decode side, after the registration exchange: agree on the transport and, over
+    /// RDMA, connect one queue pair to each of the prefill engine's (one per worker), in
+    /// the peer's own protection domain. Returns whether the peer writes over RDMA.
+    pub(super) fn decode_transport(
+        &self,
+        peer: &Arc<Peer>,
+        ctrl: &mut TcpStream,
+    ) -> Result<bool, SetupError> {
+        let ours = self.wire_transport();
+        self.write_msg(
+            ctrl,
+            &Message::Transport {
+                transport: ours,
+                qps: Vec::new(),
+            },
+        )?;
+        let theirs = self.expect_transport(ctrl, peer)?;
+        let Some(inbound) = peer.inbound.get() else {
+            return Ok(false);
+        };
+        let infos = inbound.connect(&theirs, &peer.name)?;
+        self.write_msg(
+            ctrl,
+            &Message::Transport {
+                transport: ours,
+                qps: infos,
+            },
+        )?;
+        Ok(true)
+    }
+
+    /// Prefill side, after the registration exchange: agree on the transport and, over
+    /// RDMA, open one queue pair per worker to the decode engine, each a data link.
+    pub(super) fn prefill_transport(
+        &self,
+        peer: &Arc<Peer>,
+        s: &mut TcpStream,
+        theirs: &Registration,
+        map: &[u32],
+    ) -> Result<(), SetupError> {
+        let ours = self.wire_transport();
+        let reply = |s: &mut TcpStream, qps: Vec<QpInfo>| {
+            self.write_msg(
+                s,
+                &Message::Transport {
+                    transport: ours,
+                    qps,
+                },
+            )
+        };
+        let asked = match self.read_msg(s)? {
+            Message::Transport { transport, .. } => transport,
+            other => return Err(format!("expected Transport, got {}", other.kind().name()).into()),
+        };
+        let Some(dev) = self.node.rdma.as_ref().filter(|_| asked == ours) else {
+            // TCP, or a mismatch: our answer tells the peer which, then agree or fail.
+            reply(s, Vec::new())?;
+            return self.agree_transport(peer, asked);
+        };
+        let config = &self.node.config;
+        let eps = rdma::outbound_endpoints(dev, config.rdma_queue_depth, config.workers)?;
+        reply(s, eps.iter().map(|e| e.info()).collect())?;
+        let remotes = self.expect_transport(s, peer)?;
+        let memory = &self.node.memory;
+        let control = || -> ControlSender {
+            let weak = Arc::downgrade(peer);
+            Box::new(move |frame| match weak.upgrade() {
+                Some(p) if p.send_frame(frame) => Ok(()),
+                _ => Err(std::io::Error::other("the control connection is gone")),
+            })
+        };
+        let setup = rdma::Outbound {
+            device: dev,
+            depth: config.rdma_queue_depth,
+            local_kv: memory.kv_regions.get().cloned().unwrap_or_default(),
+            local_aux: memory.aux_regions.get().cloned().unwrap_or_default(),
+            remote_kv: map
+                .iter()
+                .map(|&j| RemoteBuffer::from(&theirs.kv[j as usize]))
+                .collect(),
+            remote_aux: theirs.aux.iter().map(RemoteBuffer::from).collect(),
+            slice: config.rdma_slice_bytes,
+            stall: Duration::from_millis(config.transfer_timeout_ms),
+            control: &control,
+        };
+        let links = rdma::outbound(eps, &remotes, &setup, &peer.name)?;
+        *peer.data.write() = links
+            .iter()
+            .map(|l| l.clone() as Arc<dyn DataLink>)
+            .collect();
+        *peer.rdma_links.write() = links;
+        if peer.is_lost() {
+            peer.data.write().clear();
+            peer.rdma_links.write().clear();
+            return Ok(());
+        }
+        if let Some(events) = self.events() {
+            for link in peer.data.read().iter() {
+                events.clone().link_up(peer, link.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// A replacement queue pair after a broken one. On the decode side: the prefill
+    /// engine's new queue pair `i` (the first entry with a queue pair number); shut the
+    /// old one, connect a new one of ours to it and answer, echoing the request's queue
+    /// pair in entry `i + 1`. On the prefill side: that answer.
+    pub(super) fn on_reconnect(&self, peer: &Arc<Peer>, qps: &[QpInfo]) -> Result<(), String> {
+        let Some((i, q)) = qps.iter().enumerate().find(|(_, q)| q.qpn != 0) else {
+            return Err("a queue pair request names no queue pair".into());
+        };
+        match self.node.role {
+            crate::Role::Prefill => {
+                let link = peer.rdma_links.read().get(i).cloned();
+                // The entry after the answer echoes the queue pair it answers.
+                let echo = qps.get(i + 1).map_or(0, |e| e.qpn);
+                match link {
+                    Some(l) => {
+                        l.answer(*q, echo);
+                        Ok(())
+                    }
+                    None => Err(format!(
+                        "an answer for queue pair {i}, which we never asked for"
+                    )),
+                }
+            }
+            crate::Role::Decode => {
+                let Some(inbound) = peer.inbound.get() else {
+                    return Err("a queue pair request from a peer that writes over TCP".into());
+                };
+                // First of all (inside replace): nothing more lands through the old one
+                // (the prefill engine sends this before it acknowledges anything written
+                // through it). None if the peer is shut: no queue pair may reopen.
+                let Some(info) = inbound.replace(i, q)? else {
+                    return Ok(());
+                };
+                crate::log!(
+                    self.node.log,
+                    Info,
+                    "replaced RDMA queue pair {i} of {}",
+                    peer.name
+                );
+                peer.send(&replacement(i, info, Some(*q)));
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,342 @@
+//! A peer engine as the control layer keeps it: its identity, its outgoing control
+//! queue, the connections and links set up for it, and its loss (once).
+
+use std::collections::{HashSet, VecDeque};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::log::Logger;
+use crate::proto::Message;
+use crate::transport::rdma::link::RdmaLink;
+use crate::transport::rdma::peer::Inbound;
+use crate::transport::DataLink;
+
+/// A remote engine.
+pub(crate) struct Peer {
+    /// Key in the control layer's peer map: the address (decode side) or the engine id
+    /// (prefill side).
+    pub key: String,
+    /// How messages name the peer.
+    pub name: String,
+    /// Handshake, registration and transport are done. Release (when set, after the
+    /// setup) / Acquire (in `is_ready`): whoever sees it set sees what the setup
+    /// published before it (`kv_map`, `aux_count`, the links).
+    ready: AtomicBool,
+    /// Why it was lost, set once: the first loss wins.
+    lost: OnceLock<String>,
+    /// Control frames to send. Created with the peer, so that messages queued before the
+    /// connection is up (an abort right after room creation) go out once it is.
+    pub(super) ctrl: CtrlQueue,
+    log: Logger,
+    /// Connections data frames are written to (prefill side).
+    pub data: RwLock<Vec<Arc<dyn DataLink>>>,
+    /// Prefill side over RDMA: the links of `data`, for answers to reconnections.
+    pub rdma_links: RwLock<Vec<Arc<RdmaLink>>>,
+    /// Decode side over RDMA: the domain, regions and queue pairs this peer writes into
+    /// our memory through; shut when it is lost, so no write lands after.
+    pub inbound: OnceLock<Inbound>,
+    streams: Mutex<Vec<TcpStream>>,
+    /// Decode side: for each of this prefill engine's kv buffers, our buffer it fills.
+    pub kv_map: OnceLock<Vec<u32>>,
+    /// Decode side: how many aux buffers this prefill engine registered (0 or ours).
+    pub aux_count: OnceLock<usize>,
+    /// Rooms (id, local generation) that depend on this peer: the engine's record, which
+    /// the peer's loss hands back to it.
+    pub rooms: Mutex<HashSet<(u64, u64)>>,
+    /// Engine-clock ms of the last frame received. Relaxed: read only by the watchdog to
+    /// compare with a generous bound.
+    pub last_recv_ms: AtomicU64,
+    /// Engine-clock ms of the last control frame written. Relaxed, as `last_recv_ms`.
+    pub(super) last_sent_ms: AtomicU64,
+    /// The next heartbeat's sequence number. Relaxed: only its uniqueness matters (one
+    /// thread, the watchdog, sends heartbeats).
+    pub(super) hb_seq: AtomicU64,
+    /// Engine-clock ms when the peer was created: its setup (handshake, registration,
+    /// transport, data connections) must finish within `bootstrap_timeout_ms` of it.
+    pub(super) since_ms: u64,
+}
+
+impl Peer {
+    pub fn new(key: String, name: String, now_ms: u64, log: Logger) -> Arc<Peer> {
+        Arc::new(Peer {
+            key,
+            name,
+            ready: AtomicBool::new(false),
+            lost: OnceLock::new(),
+            ctrl: CtrlQueue::default(),
+            log,
+            data: RwLock::new(Vec::new()),
+            rdma_links: RwLock::new(Vec::new()),
+            inbound: OnceLock::new(),
+            streams: Mutex::new(Vec::new()),
+            kv_map: OnceLock::new(),
+            aux_count: OnceLock::new(),
+            rooms: Mutex::new(HashSet::new()),
+            last_recv_ms: AtomicU64::new(now_ms),
+            last_sent_ms: AtomicU64::new(now_ms),
+            hb_seq: AtomicU64::new(0),
+            since_ms: now_ms,
+        })
+    }
+
+    /// Handshake and registration done, and not lost.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire) && !self.is_lost()
+    }
+
+    /// The setup is done: rooms may use the peer.
+    pub(super) fn set_ready(&self) {
+        self.ready.store(true, Ordering::Release);
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.get().is_some()
+    }
+
+    /// "lost NAME: WHY", the reason a room fails with when this peer is lost.
+    pub fn loss(&self) -> String {
+        match self.lost.get() {
+            Some(why) => format!("lost {}: {why}", self.name),
+            None => format!("lost {}", self.name),
+        }
+    }
+
+    /// Test faults aimed at one peer are keyed by the port of its address (decode side).
+    #[cfg(feature = "test-hooks")]
+    pub fn fault_key(&self) -> u64 {
+        self.key
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Queues a control message for the writer thread. Never blocks; a lost peer drops it.
+    pub fn send(&self, msg: &Message) {
+        let mut frame = Vec::with_capacity(64);
+        if let Err(e) = msg.encode(&mut frame) {
+            crate::log!(
+                self.log,
+                Error,
+                "cannot encode {:?} for {}: {e}",
+                msg.kind(),
+                self.name
+            );
+            return;
+        }
+        self.send_frame(frame);
+    }
+
+    /// Queues an encoded control frame; false if the peer is lost (or doomed: its queue
+    /// overflowed, and the watchdog loses it).
+    pub fn send_frame(&self, frame: Vec<u8>) -> bool {
+        self.ctrl.push(frame)
+    }
+
+    /// Why the peer must be lost although no thread of it failed (its control queue
+    /// overflowed: it does not read what we send), if so.
+    pub fn doomed(&self) -> Option<String> {
+        self.ctrl.overflowed()
+    }
+
+    /// Keeps a handle on `s` so that losing the peer closes it (and unblocks its reader).
+    /// A stream tracked after the loss is closed at once.
+    pub(super) fn track(&self, s: &TcpStream) {
+        if let Ok(c) = s.try_clone() {
+            self.streams.lock().push(c);
+        }
+        if self.is_lost() {
+            for s in self.streams.lock().drain(..) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+
+    /// Marks the peer lost with `why`; false if it was lost before (the first loss
+    /// wins, and only it tears the peer down).
+    pub(super) fn mark_lost(&self, why: &str) -> bool {
+        self.lost.set(why.to_string()).is_ok()
+    }
+
+    /// Tears down everything set up for the peer, RDMA writes into our memory first:
+    /// its queue pairs shut and keys revoked, then its control queue, connections and
+    /// links. Called once, by the loss.
+    pub(super) fn close(&self) {
+        if let Some(inbound) = self.inbound.get() {
+            inbound.shut();
+        }
+        self.ctrl.close();
+        for s in self.streams.lock().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        self.data.write().clear();
+        for link in self.rdma_links.write().drain(..) {
+            link.close();
+        }
+    }
+}
+
+/// The most bytes of control frames queued for one peer (64 MiB; a Destination of a
+/// million pages is 4 MiB).
+const CTRL_QUEUE_BYTES: usize = 64 << 20;
+
+/// A peer's outgoing control frames: pushed from any thread without blocking, popped by
+/// its writer thread. Bounded in bytes: a peer that does not read what we send cannot
+/// make us hold more; the push that would pass the bound dooms the peer instead (its
+/// frames are dropped from then on, and the watchdog loses it with the reason), since a
+/// control frame is never dropped for a peer that is kept.
+#[derive(Default)]
+pub(super) struct CtrlQueue {
+    inner: Mutex<CtrlInner>,
+    ready: parking_lot::Condvar,
+}
+
+#[derive(Default)]
+struct CtrlInner {
+    frames: VecDeque<Vec<u8>>,
+    bytes: usize,
+    closed: bool,
+    overflow: Option<String>,
+}
+
+impl CtrlQueue {
+    /// Queues `frame`; false if the queue is closed or overflowed.
+    fn push(&self, frame: Vec<u8>) -> bool {
+        self.push_within(frame, CTRL_QUEUE_BYTES)
+    }
+
+    fn push_within(&self, frame: Vec<u8>, limit: usize) -> bool {
+        let mut q = self.inner.lock();
+        if q.closed || q.overflow.is_some() {
+            return false;
+        }
+        if q.bytes + frame.len() > limit {
+            q.overflow = Some(format!(
+                "it does not read its control connection: {} frames ({} bytes) are waiting \
+                 to be sent, the most a peer may hold is {limit} bytes",
+                q.frames.len(),
+                q.bytes
+            ));
+            q.frames.clear();
+            q.bytes = 0;
+            self.ready.notify_all();
+            return false;
+        }
+        q.bytes += frame.len();
+        q.frames.push_back(frame);
+        self.ready.notify_one();
+        true
+    }
+
+    /// The next frame to write, waiting for one; `None` once closed or overflowed.
+    pub(super) fn pop(&self) -> Option<Vec<u8>> {
+        let mut q = self.inner.lock();
+        loop {
+            if q.closed || q.overflow.is_some() {
+                return None;
+            }
+            if let Some(f) = q.frames.pop_front() {
+                q.bytes -= f.len();
+                return Some(f);
+            }
+            self.ready.wait(&mut q);
+        }
+    }
+
+    /// No more frames: the writer ends and pushes are refused.
+    pub(super) fn close(&self) {
+        let mut q = self.inner.lock();
+        q.closed = true;
+        q.frames.clear();
+        q.bytes = 0;
+        self.ready.notify_all();
+    }
+
+    fn overflowed(&self) -> Option<String> {
+        self.inner.lock().overflow.clone()
+    }
+}
+
+/// Accepted connections still in their handshake, so that stopping the engine can close
+/// them instead of waiting for a silent client's read timeout.
+#[derive(Default)]
+pub(crate) struct Handshaking {
+    /// The next connection's token. Relaxed: tokens need only be unique.
+    next: AtomicU64,
+    streams: Mutex<std::collections::HashMap<u64, TcpStream>>,
+}
+
+impl Handshaking {
+    pub(super) fn track(&self, s: &TcpStream) -> u64 {
+        let token = self.next.fetch_add(1, Ordering::Relaxed);
+        if let Ok(c) = s.try_clone() {
+            self.streams.lock().insert(token, c);
+        }
+        token
+    }
+
+    pub(super) fn untrack(&self, token: u64) {
+        self.streams.lock().remove(&token);
+    }
+
+    /// Closes every connection still in its handshake.
+    pub fn close_all(&self) {
+        for (_, s) in self.streams.lock().drain() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn the_control_queue_keeps_order_and_refuses_after_close() {
+        let q = CtrlQueue::default();
+        assert!(q.push(vec![1]));
+        assert!(q.push(vec![2, 2]));
+        assert_eq!(q.pop(), Some(vec![1]));
+        assert_eq!(q.pop(), Some(vec![2, 2]));
+        q.close();
+        assert!(!q.push(vec![3]));
+        assert_eq!(q.pop(), None);
+        assert_eq!(q.overflowed(), None);
+    }
+
+    /// Past its bound the queue holds nothing more and says why the peer must go.
+    #[test]
+    fn a_control_queue_past_its_bound_dooms_its_peer() {
+        let q = CtrlQueue::default();
+        assert!(q.push_within(vec![0; 60], 100));
+        assert!(q.push_within(vec![0; 40], 100));
+        assert!(!q.push_within(vec![0; 1], 100));
+        let why = q.overflowed().expect("overflowed");
+        assert!(
+            why.contains("does not read its control connection"),
+            "{why}"
+        );
+        assert!(why.contains("2 frames (100 bytes)"), "{why}");
+        assert!(!q.push_within(vec![0; 1], 100), "nothing more is queued");
+        assert_eq!(q.pop(), None, "the writer ends");
+    }
+
+    #[test]
+    fn a_writer_waiting_on_an_empty_queue_wakes_for_a_frame_and_for_close() {
+        let q = Arc::new(CtrlQueue::default());
+        let w = {
+            let q = q.clone();
+            std::thread::spawn(move || (q.pop(), q.pop()))
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(q.push(vec![7]));
+        std::thread::sleep(Duration::from_millis(20));
+        q.close();
+        assert_eq!(w.join().unwrap(), (Some(vec![7]), None));
+    }
+}

@@ -1,0 +1,386 @@
+//! The decode (receiving) side: rooms that pull from prefill engines, their destinations
+//! sent once the engines are connected, data counted as it lands (TCP frames through
+//! [`receive`], RDMA progress over the control connection), completion when every
+//! prefill engine is done, and (over RDMA) the drain after a failure.
+
+mod receive;
+mod room;
+
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::core::{self, Core, Side};
+use super::lifecycle;
+use crate::config::parse_host_port;
+use crate::control::{pairing, Control, Events, Peer};
+use crate::err;
+use crate::error::Result;
+use crate::node::Node;
+use crate::proto::Message;
+use crate::room::{Cause, FailureReason, Room, State};
+use crate::transport::tcp::recv;
+use room::{DecodeRoom, Settle};
+
+pub(crate) type DRoom = Room<DecodeRoom>;
+
+/// The most prefill engines one decode room may pull from.
+pub const MAX_ROOM_PEERS: usize = super::prefill::MAX_ROOM_PEERS;
+
+/// Checks the prefill engine addresses a decode room may pull from.
+pub(crate) fn check_prefills(addrs: &[String]) -> Result<()> {
+    if addrs.is_empty() || addrs.len() > MAX_ROOM_PEERS {
+        return Err(err!(
+            InvalidArgument,
+            "a decode room pulls from 1 to {MAX_ROOM_PEERS} prefill engines, not {}",
+            addrs.len()
+        ));
+    }
+    for (i, a) in addrs.iter().enumerate() {
+        parse_host_port(a).map_err(|why| {
+            err!(
+                InvalidArgument,
+                "peer {i} address '{a}' is not host:port: {why}"
+            )
+        })?;
+        if addrs[..i].contains(a) {
+            return Err(err!(InvalidArgument, "peer address '{a}' is listed twice"));
+        }
+    }
+    Ok(())
+}
+
+/// A decode engine.
+pub(crate) struct DecodeEngine {
+    pub core: Core<DecodeRoom>,
+}
+
+impl DecodeEngine {
+    pub fn start(node: Arc<Node>, control: Arc<Control>) -> Arc<DecodeEngine> {
+        let engine = Arc::new(DecodeEngine {
+            core: Core::new(node, control.clone()),
+        });
+        control.bind(Arc::downgrade(&(engine.clone() as Arc<dyn Events>)));
+        engine
+    }
+
+    /// Creates room `id`, pulling from the prefill engines at `addrs` (checked by
+    /// [`check_prefills`]).
+    pub fn create(&self, id: u64, addrs: Vec<String>) -> Result<()> {
+        let core = &self.core;
+        let node = &core.node;
+        let deadline = lifecycle::bootstrap_deadline(node);
+        let peers: Vec<Arc<Peer>> = addrs.iter().map(|a| core.control.peer_for(a)).collect();
+        let room = core
+            .rooms
+            .create(id, node.role, deadline, DecodeRoom::new(peers.clone()))?;
+        lifecycle::created(self, &room, format_args!("from {addrs:?}"));
+        for p in &peers {
+            p.rooms.lock().insert((id, room.generation()));
+            if p.is_lost() {
+                // Lost between peer_for and now: its loss pass may have missed us.
+                lifecycle::fail(
+                    self,
+                    &room,
+                    FailureReason::local(Cause::PeerLost, p.loss()),
+                    None,
+                );
+            }
+        }
+        self.try_ready(&room);
+        Ok(())
+    }
+
+    /// The destination pages and aux slot of room `id`, sent to every prefill engine of
+    /// the room once they are connected.
+    pub fn set_destination(&self, id: u64, pages: &[u32], aux: Option<u32>) -> Result<()> {
+        let room = self.core.room(id)?;
+        super::require_live(&room)?;
+        let node = &self.core.node;
+        super::check_pages(node, pages, "destination")?;
+        let mut sorted = pages.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(err!(
+                InvalidArgument,
+                "destination page {} is listed twice",
+                w[0]
+            ));
+        }
+        super::check_aux(node, aux)?;
+        if !room.ext.set_destination(pages, aux) {
+            return Err(err!(WrongState, "room {id} already has its destination"));
+        }
+        lifecycle::waiting_again(self, &room);
+        self.send_destination(&room);
+        // Nothing to receive (no pages, no aux slot) still completes only on every
+        // prefill's Done.
+        Ok(())
+    }
+
+    /// Moves a room whose peers are all connected to WAITING_FOR_INPUT, and sends its
+    /// destination if the scheduler already gave it.
+    fn try_ready(&self, room: &Arc<DRoom>) {
+        let d = &room.ext;
+        if !d.peers.iter().all(|p| p.is_ready()) {
+            return;
+        }
+        let n_kv = self
+            .core
+            .node
+            .memory
+            .kv
+            .get()
+            .map_or(0, |m| m.buffers().len());
+        let maps: Vec<&[u32]> = d
+            .peers
+            .iter()
+            .map(|p| p.kv_map.get().map_or(&[][..], |m| &m[..]))
+            .collect();
+        if let Err(why) = pairing::check_coverage(n_kv, &maps) {
+            lifecycle::fail(
+                self,
+                room,
+                FailureReason::local(Cause::Mismatch, format!("room {}: {why}", room.id())),
+                None,
+            );
+            return;
+        }
+        if room.state() == State::Bootstrapping {
+            lifecycle::ready(self, room);
+        }
+        self.send_destination(room);
+    }
+
+    /// Sends the destination to every peer, once, when both it and the peers are ready.
+    ///
+    /// Whether the room is live and whether its destination went out are decided in one
+    /// step, under the room's lock: `room_drained` reads `sent` under it after the room
+    /// is terminal, and an Abort is queued under it after the room failed. So either the
+    /// destination went out ahead of the Abort (and over RDMA the room drains only on
+    /// the peers' acknowledgements), or it never goes out.
+    fn send_destination(&self, room: &Arc<DRoom>) {
+        if room.state() != State::WaitingForInput {
+            return;
+        }
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("decode.send_destination", room.id());
+        room.ext.send_destination(
+            || room.state() == State::WaitingForInput,
+            |pages, aux| Message::Destination {
+                room: room.id(),
+                generation: room.generation(),
+                pages: pages.to_vec(),
+                aux_slot: aux,
+            },
+        );
+    }
+
+    /// The decode room a prefill engine's message names, and that engine's position in
+    /// it; an unknown room (or generation), or one that does not pull from that engine,
+    /// is counted.
+    fn room_of(&self, peer: &Arc<Peer>, id: u64, generation: u64) -> Option<(Arc<DRoom>, usize)> {
+        let Some(room) = self.core.rooms.get_generation(id, generation) else {
+            self.core.unknown_room();
+            return None;
+        };
+        let idx = room.ext.index_of(peer);
+        if idx.is_none() {
+            // A room of ours that does not pull from this engine: counted, not silent.
+            self.core.unknown_room();
+        }
+        Some((room, idx?))
+    }
+
+    /// Counts page writes and aux rows of peer `idx` that landed in the room's pages (a
+    /// TCP frame read, or an RDMA batch completed), re-arms the room's no-progress
+    /// deadline, and completes the room if the peer's Done was only waiting for them.
+    fn count(&self, peer: &Arc<Peer>, room: &Arc<DRoom>, idx: usize, kv_pages: u64, aux_rows: u64) {
+        let claimed = room.ext.count(idx, kv_pages, aux_rows);
+        lifecycle::progressed(self, room);
+        if claimed {
+            self.settle(peer, room, idx);
+        }
+    }
+
+    /// A prefill engine's Done: its claim is checked against what arrived (see
+    /// [`DecodeRoom::settle`]), and the room completes when every prefill engine is done.
+    fn on_done(&self, peer: &Arc<Peer>, id: u64, generation: u64, pages_sent: u32, aux_sent: bool) {
+        let Some((room, idx)) = self.room_of(peer, id, generation) else {
+            return;
+        };
+        room.ext.claim(idx, pages_sent, aux_sent);
+        self.settle(peer, &room, idx);
+    }
+
+    /// Completes the room (or fails it) once peer `idx`'s Done claim and every frame it
+    /// counts have arrived.
+    fn settle(&self, _peer: &Arc<Peer>, room: &Arc<DRoom>, idx: usize) {
+        let ordered = self.core.node.rdma.is_some();
+        match room.ext.settle(idx, ordered) {
+            Settle::Fail(why) => {
+                lifecycle::fail(
+                    self,
+                    room,
+                    FailureReason::local(Cause::Mismatch, format!("room {}: {why}", room.id())),
+                    None,
+                );
+            }
+            Settle::Done { all: true } => {
+                lifecycle::complete(self, room);
+            }
+            Settle::Done { all: false } | Settle::Wait | Settle::Nothing => {}
+        }
+    }
+}
+
+impl Side for DecodeEngine {
+    type Ext = DecodeRoom;
+
+    fn core(&self) -> &Core<DecodeRoom> {
+        &self.core
+    }
+
+    fn parties(&self, room: &DRoom) -> Vec<(Arc<Peer>, u64)> {
+        room.ext
+            .peers
+            .iter()
+            .map(|p| (p.clone(), room.generation()))
+            .collect()
+    }
+
+    /// Under the room's lock, which a destination is sent under too: a destination that
+    /// went out before the room failed is ahead of this Abort on the peer's control
+    /// connection, and none goes out after (`send_destination`).
+    fn tell_failed(&self, room: &DRoom, msg: &str, origin: Option<&Arc<Peer>>) {
+        let limits = &self.core.node.limits;
+        room.ext.with_lock(|| {
+            for peer in &room.ext.peers {
+                if !origin.is_some_and(|o| Arc::ptr_eq(o, peer)) {
+                    peer.send(&Message::abort(room.id(), room.generation(), msg, limits));
+                }
+            }
+        })
+    }
+
+    /// Over RDMA, no peer can still write into the room: it succeeded (every write
+    /// completed before Done), its destination never went out, or every peer
+    /// acknowledged the abort or was cut off. Over TCP the receiver itself refuses late
+    /// bytes, and the io count covers the rest.
+    fn quiet(&self, room: &DRoom) -> bool {
+        self.core.node.rdma.is_none() || room.state() == State::Success || room.ext.quiet()
+    }
+
+    fn deadline_note(&self, room: &DRoom) -> Option<String> {
+        room.ext.missing().map(|m| format!(": {m}"))
+    }
+
+    /// Over RDMA, a failed room whose peers have not all acknowledged within
+    /// `drain_timeout_ms` has those peers cut off (their queue pairs shut), so that it
+    /// drains and no late write can land in its pages.
+    fn watch(&self, room: &DRoom, now: u64) {
+        if room.state() != State::Failed || self.quiet(room) {
+            return;
+        }
+        let drain_ms = self.core.node.config.drain_timeout_ms;
+        for p in room.ext.silent_past_drain(now, drain_ms) {
+            self.core.control.lose(
+                &p,
+                format!(
+                    "no acknowledgement of the abort of room {} within drain_timeout_ms={drain_ms}",
+                    room.id()
+                ),
+            );
+            room.ext.peer_quiet(&p);
+        }
+    }
+}
+
+impl Events for DecodeEngine {
+    fn abort(&self, peer: &Arc<Peer>, id: u64, generation: u64, reason: String) {
+        match self.core.rooms.get_generation(id, generation) {
+            Some(room) => {
+                lifecycle::fail(
+                    self,
+                    &room,
+                    FailureReason::peer(Cause::Aborted, reason),
+                    Some(peer),
+                );
+            }
+            None => self.core.unknown_room(),
+        }
+    }
+
+    /// The prefill engine's writes into the room have all completed.
+    fn abort_ack(&self, peer: &Arc<Peer>, id: u64, generation: u64) {
+        if let Some(room) = self.core.find_room(id, generation) {
+            room.ext.peer_quiet(peer);
+        }
+    }
+
+    fn done(&self, peer: &Arc<Peer>, room: u64, generation: u64, pages: u32, aux: bool) {
+        self.on_done(peer, room, generation, pages, aux)
+    }
+
+    /// RDMA: a prefill engine's writes of one batch of the room completed. Counts them
+    /// as TCP data frames are counted.
+    fn progress(
+        &self,
+        peer: &Arc<Peer>,
+        id: u64,
+        generation: u64,
+        pages: u32,
+        aux_rows: u32,
+        bytes: u64,
+    ) {
+        let Some((room, idx)) = self.room_of(peer, id, generation) else {
+            return;
+        };
+        if room.state().is_terminal() {
+            return;
+        }
+        if !room.ext.sent() {
+            lifecycle::fail(
+                self,
+                &room,
+                FailureReason::local(
+                    Cause::Mismatch,
+                    format!(
+                        "room {id}: {} wrote before it had the destination",
+                        peer.name
+                    ),
+                ),
+                None,
+            );
+            return;
+        }
+        self.core
+            .node
+            .metrics
+            .bytes_received
+            .fetch_add(bytes, Ordering::Relaxed);
+        self.count(peer, &room, idx, pages as u64, aux_rows as u64);
+        let _ = lifecycle::start(self, &room);
+    }
+
+    fn connected(&self, peer: &Arc<Peer>) {
+        let rooms: Vec<(u64, u64)> = peer.rooms.lock().iter().copied().collect();
+        for (id, generation) in rooms {
+            if let Some(room) = self.core.rooms.get_generation(id, generation) {
+                self.try_ready(&room);
+            }
+        }
+    }
+
+    fn serve_data(&self, peer: &Arc<Peer>, stream: TcpStream) -> String {
+        let sink = receive::Receiver { engine: self, peer };
+        recv::serve(stream, &sink, &self.core.node.limits)
+    }
+
+    /// Its rooms fail; its queue pairs are shut, so it can write into them no more.
+    fn lost(&self, peer: &Arc<Peer>, cause: Cause, _why: &str) {
+        for room in core::fail_rooms_of(self, peer, cause) {
+            room.ext.peer_quiet(peer);
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! The decode side's answer to the TCP receiver ([`crate::transport::tcp::recv`]): where
+//! each data frame may go. A frame is admitted only for a live room that pulls from the
+//! peer that sent it, into pages granted to that room, within registered buffers, with
+//! the right length (invariant 8); anything else is discarded (a room that ended) or
+//! closes the connection (a broken peer).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::{DRoom, DecodeEngine};
+use crate::control::Peer;
+use crate::engine::lifecycle;
+use crate::proto::{DataHeader, Target};
+use crate::room::{Cause, FailureReason, IoGuard};
+use crate::transport::tcp::recv::{Admit, FrameSink, Grant};
+use crate::transport::Memory;
+
+/// One prefill engine's data connection, as the decode engine receives it.
+pub(super) struct Receiver<'a> {
+    pub engine: &'a DecodeEngine,
+    pub peer: &'a Arc<Peer>,
+}
+
+/// The granted pages of one data frame.
+pub(super) struct Pages<'a> {
+    engine: &'a DecodeEngine,
+    peer: &'a Arc<Peer>,
+    room: Arc<DRoom>,
+    mem: &'a Memory,
+    /// Our buffer the frame fills.
+    buffer: u32,
+    /// The peer's position in the room.
+    idx: usize,
+    h: DataHeader,
+}
+
+impl Grant for Pages<'_> {
+    fn pages(&self) -> &mut [u8] {
+        // Checked in `admit`: the pages lie in a registered buffer and are granted to
+        // this live room, whose frames one reader at a time writes.
+        self.mem
+            .pages_mut(self.buffer as usize, self.h.first_page, self.h.n_pages)
+            .expect("admitted pages lie inside a registered buffer")
+    }
+
+    fn enter(&self) -> Option<IoGuard<'_>> {
+        // Counted in before the state is checked: once the room is terminal nothing more
+        // lands, and `drained` is false while a write is in progress.
+        let io = self.room.begin_io();
+        (!self.room.state().is_terminal()).then_some(io)
+    }
+
+    fn finish(self, complete: bool) {
+        let node = &self.engine.core.node;
+        node.metrics
+            .bytes_received
+            .fetch_add(self.h.byte_len as u64, Ordering::Relaxed);
+        if complete {
+            let (pages, rows) = match self.h.target {
+                Target::Kv => (self.h.n_pages as u64, 0),
+                Target::Aux => (0, 1),
+            };
+            self.engine
+                .count(self.peer, &self.room, self.idx, pages, rows);
+        }
+    }
+}
+
+impl<'a> FrameSink for Receiver<'a> {
+    type Grant<'g>
+        = Pages<'g>
+    where
+        Self: 'g;
+
+    fn heard(&self) {
+        self.peer
+            .last_recv_ms
+            .store(self.engine.core.node.now_ms(), Ordering::Relaxed);
+    }
+
+    fn admit(&self, h: &DataHeader) -> Admit<Pages<'_>> {
+        #[cfg(feature = "test-hooks")]
+        if crate::testing::take_fault("recv.panic", h.room) {
+            panic!("injected fault recv.panic");
+        }
+        let engine = self.engine;
+        let Some(room) = engine.core.rooms.get_generation(h.room, h.generation) else {
+            return self.discard();
+        };
+        match engine.check_data(self.peer, &room, h) {
+            Ok((mem, buffer, idx)) => Admit::Write(Pages {
+                engine,
+                peer: self.peer,
+                room,
+                mem,
+                buffer,
+                idx,
+                h: *h,
+            }),
+            Err(Refuse::Discard) => self.discard(),
+            Err(Refuse::Protocol(why)) => {
+                lifecycle::fail(
+                    engine,
+                    &room,
+                    FailureReason::local(Cause::Protocol, format!("{} sent {why}", self.peer.name)),
+                    None,
+                );
+                Admit::Refuse(why)
+            }
+        }
+    }
+
+    fn done(&self, room: u64, generation: u64, pages_sent: u32, aux_sent: bool) {
+        self.engine
+            .on_done(self.peer, room, generation, pages_sent, aux_sent);
+    }
+
+    fn protocol_error(&self) {
+        self.engine
+            .core
+            .node
+            .metrics
+            .protocol_errors
+            .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Receiver<'_> {
+    fn discard(&self) -> Admit<Pages<'_>> {
+        self.engine
+            .core
+            .node
+            .metrics
+            .dropped_frames
+            .fetch_add(1, Ordering::Relaxed);
+        Admit::Discard
+    }
+}
+
+/// Why a data frame was refused: the peer broke the protocol (close the connection) or
+/// the room simply cannot take it any more (discard the bytes).
+pub(super) enum Refuse {
+    Protocol(String),
+    Discard,
+}
+
+impl DecodeEngine {
+    /// Checks a data frame: the room pulls from this peer, is live, has a destination,
+    /// and the frame's pages are granted to it, in registered buffers, with the right
+    /// length. Returns the memory, our buffer the frame fills, and the peer's position.
+    fn check_data(
+        &self,
+        peer: &Arc<Peer>,
+        room: &Arc<DRoom>,
+        h: &DataHeader,
+    ) -> Result<(&Memory, u32, usize), Refuse> {
+        let proto_err =
+            |why: String| Refuse::Protocol(format!("a bad data frame for room {}: {why}", h.room));
+        let d = &room.ext;
+        let Some(idx) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) else {
+            return Err(proto_err("the room does not pull from this engine".into()));
+        };
+        if room.state().is_terminal() {
+            return Err(Refuse::Discard);
+        }
+        let memory = &self.core.node.memory;
+        let (mem, what, local) = match h.target {
+            Target::Kv => (
+                memory.kv.get(),
+                "kv",
+                peer.kv_map
+                    .get()
+                    .and_then(|m| m.get(h.buffer as usize).copied()),
+            ),
+            Target::Aux => (memory.aux.get(), "aux", Some(h.buffer)),
+        };
+        let (mem, local, item_len) = local
+            .and_then(|b| mem.and_then(|m| m.item_len(b as usize).map(|len| (m, b, len))))
+            .ok_or_else(|| proto_err(format!("{what} buffer {} is not registered", h.buffer)))?;
+        if h.byte_len as u64 != h.n_pages as u64 * item_len as u64 {
+            return Err(proto_err(format!(
+                "{} bytes for {} pages of {item_len}",
+                h.byte_len, h.n_pages
+            )));
+        }
+        d.check_grant(h).map_err(proto_err)?;
+        if mem
+            .check_range(local as usize, h.first_page, h.n_pages)
+            .is_err()
+        {
+            return Err(proto_err(format!(
+                "pages {}..{} are outside {what} buffer {local}",
+                h.first_page,
+                h.first_page as u64 + h.n_pages as u64
+            )));
+        }
+        // Progress: TRANSFERRING (or staying in it), with a fresh deadline.
+        let _ = lifecycle::start(self, room);
+        Ok((mem, local, idx))
+    }
+}

@@ -1,0 +1,299 @@
+//! A decode room's data: the prefill engines it pulls from, its destination, what each
+//! engine has delivered and claimed, and (over RDMA) which engines can no longer write
+//! into it. The checks on that data are here too; what they lead to (a transition, a
+//! message) is the engine's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::control::Peer;
+use crate::proto::{DataHeader, Message, Target};
+
+pub(crate) struct DecodeRoom {
+    /// The prefill engines the room pulls from.
+    pub peers: Vec<Arc<Peer>>,
+    /// Under this lock: whether the room's destination went out, and the Aborts sent
+    /// when it fails (see `DecodeEngine::send_destination`).
+    inner: Mutex<DecodeState>,
+}
+
+#[derive(Default)]
+struct DecodeState {
+    dest: Option<Destination>,
+    /// The destination went out to the peers.
+    sent: bool,
+    /// Per peer (same order as `peers`).
+    progress: Vec<Progress>,
+    /// RDMA, per peer: it can write into the room no more (it acknowledged the abort, or
+    /// its queue pairs are shut).
+    quiet: Vec<bool>,
+    /// RDMA: engine-clock ms after which a failed room's silent peers are cut off.
+    drain_deadline_ms: Option<u64>,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Progress {
+    /// KV page writes and aux rows of the peer that landed.
+    kv_pages: u64,
+    aux_rows: u64,
+    /// The peer's Done arrived: the pages it says it sent and whether it sent aux rows.
+    /// Over TCP the room's last frames may still be on another data connection.
+    claim: Option<(u32, bool)>,
+    done: bool,
+}
+
+struct Destination {
+    pages: Arc<[u32]>,
+    /// page → position in `pages`.
+    pos: HashMap<u32, u32>,
+    aux: Option<u32>,
+}
+
+/// What a peer's Done claim comes to, given what has arrived so far.
+pub(crate) enum Settle {
+    /// Not yet (no claim, or already settled).
+    Nothing,
+    Fail(String),
+    /// Frames the claim counts are still on their way (another data connection).
+    Wait,
+    /// The peer is done; with whether every peer of the room is.
+    Done {
+        all: bool,
+    },
+}
+
+impl DecodeRoom {
+    pub fn new(peers: Vec<Arc<Peer>>) -> Self {
+        let n = peers.len();
+        DecodeRoom {
+            peers,
+            inner: Mutex::new(DecodeState {
+                progress: vec![Progress::default(); n],
+                quiet: vec![false; n],
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// The position of `peer` among the room's prefill engines.
+    pub fn index_of(&self, peer: &Arc<Peer>) -> Option<usize> {
+        self.peers.iter().position(|p| Arc::ptr_eq(p, peer))
+    }
+
+    /// Records the destination; false if the room already has one.
+    pub fn set_destination(&self, pages: &[u32], aux: Option<u32>) -> bool {
+        let mut st = self.inner.lock();
+        if st.dest.is_some() {
+            return false;
+        }
+        st.dest = Some(Destination {
+            pages: pages.into(),
+            pos: pages
+                .iter()
+                .enumerate()
+                .map(|(i, &p)| (p, i as u32))
+                .collect(),
+            aux,
+        });
+        true
+    }
+
+    /// Sends the destination (the message `msg` makes of it) to every peer, once, if
+    /// `live()` still holds under the room's lock; whether it went out.
+    pub fn send_destination(
+        &self,
+        live: impl Fn() -> bool,
+        msg: impl Fn(&[u32], Option<u32>) -> Message,
+    ) -> bool {
+        let mut st = self.inner.lock();
+        if st.sent || !live() {
+            return false;
+        }
+        let Some(dest) = st.dest.as_ref() else {
+            return false;
+        };
+        let m = msg(&dest.pages, dest.aux);
+        st.sent = true;
+        for p in &self.peers {
+            p.send(&m);
+        }
+        true
+    }
+
+    /// Runs `f` under the room's lock (what a destination is sent under).
+    pub fn with_lock<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _st = self.inner.lock();
+        f()
+    }
+
+    /// Whether the destination went out.
+    pub fn sent(&self) -> bool {
+        self.inner.lock().sent
+    }
+
+    /// Checks that frame `h`'s pages (or aux slot) were granted to the room; why not.
+    pub fn check_grant(&self, h: &DataHeader) -> Result<(), String> {
+        let st = self.inner.lock();
+        let dest = st
+            .dest
+            .as_ref()
+            .ok_or_else(|| "no destination was sent".to_string())?;
+        match h.target {
+            Target::Kv => {
+                let pos = *dest
+                    .pos
+                    .get(&h.first_page)
+                    .ok_or_else(|| format!("page {} was not granted", h.first_page))?
+                    as usize;
+                let end = pos + h.n_pages as usize;
+                let granted = end <= dest.pages.len()
+                    && dest.pages[pos..end]
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &p)| p as u64 == h.first_page as u64 + i as u64);
+                if !granted {
+                    return Err(format!(
+                        "pages {}..{} were not granted",
+                        h.first_page,
+                        h.first_page as u64 + h.n_pages as u64
+                    ));
+                }
+            }
+            Target::Aux => {
+                if dest.aux != Some(h.first_page) || h.n_pages != 1 {
+                    return Err(format!("aux slot {} was not granted", h.first_page));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts page writes and aux rows of peer `idx` that landed; whether its Done claim
+    /// was waiting for them.
+    pub fn count(&self, idx: usize, kv_pages: u64, aux_rows: u64) -> bool {
+        let mut st = self.inner.lock();
+        let pr = &mut st.progress[idx];
+        pr.kv_pages += kv_pages;
+        pr.aux_rows += aux_rows;
+        pr.claim.is_some()
+    }
+
+    /// Records peer `idx`'s Done claim.
+    pub fn claim(&self, idx: usize, pages_sent: u32, aux_sent: bool) {
+        self.inner.lock().progress[idx].claim = Some((pages_sent, aux_sent));
+    }
+
+    /// What peer `idx`'s Done claim comes to now. `ordered`: over RDMA, progress and
+    /// Done come in order on the control connection, so a claim short of what arrived
+    /// is a broken promise at once; over TCP the missing frames may still be on another
+    /// data connection, and the room's transfer deadline bounds the wait.
+    pub fn settle(&self, idx: usize, ordered: bool) -> Settle {
+        let peer = &self.peers[idx];
+        let n_kv = peer.kv_map.get().map_or(0, Vec::len) as u64;
+        let n_aux = peer.aux_count.get().copied().unwrap_or(0) as u64;
+        let any_aux = self
+            .peers
+            .iter()
+            .any(|p| p.aux_count.get().copied().unwrap_or(0) > 0);
+        let mut st = self.inner.lock();
+        let pr = st.progress[idx];
+        let Some((pages_sent, aux_sent)) = pr.claim else {
+            return Settle::Nothing;
+        };
+        if pr.done {
+            return Settle::Nothing;
+        }
+        let (want_pages, want_aux) = match &st.dest {
+            Some(dest) => (dest.pages.len() as u64, dest.aux.is_some()),
+            None => (0, false),
+        };
+        let want_writes = want_pages * n_kv;
+        let want_rows = if want_aux { n_aux } else { 0 };
+        if pages_sent as u64 != want_pages {
+            Settle::Fail(format!(
+                "{} sent {pages_sent} pages for a destination of {want_pages}",
+                peer.name
+            ))
+        } else if want_aux && !any_aux {
+            Settle::Fail(
+                "the destination has an aux slot but no prefill engine registered aux buffers"
+                    .to_string(),
+            )
+        } else if want_aux && n_aux > 0 && !aux_sent {
+            Settle::Fail(format!("{} did not send the aux rows", peer.name))
+        } else if pr.kv_pages > want_writes || pr.aux_rows > want_rows {
+            Settle::Fail(format!(
+                "{} wrote {} page writes and {} aux rows for {want_writes} and {want_rows}",
+                peer.name, pr.kv_pages, pr.aux_rows
+            ))
+        } else if pr.kv_pages < want_writes || pr.aux_rows < want_rows {
+            if ordered {
+                Settle::Fail(format!(
+                    "{} reported done after {} of {want_writes} page writes and {} of \
+                     {want_rows} aux rows",
+                    peer.name, pr.kv_pages, pr.aux_rows
+                ))
+            } else {
+                Settle::Wait
+            }
+        } else {
+            st.progress[idx].done = true;
+            Settle::Done {
+                all: st.progress.iter().all(|p| p.done),
+            }
+        }
+    }
+
+    /// For a transfer timeout's message: the peers whose Done arrived while frames it
+    /// counts never did.
+    pub fn missing(&self) -> Option<String> {
+        let st = self.inner.lock();
+        let missing: Vec<String> = self
+            .peers
+            .iter()
+            .zip(&st.progress)
+            .filter(|(_, pr)| pr.claim.is_some() && !pr.done)
+            .map(|(p, pr)| {
+                format!(
+                    "{} reported done but only {} page writes and {} aux rows arrived",
+                    p.name, pr.kv_pages, pr.aux_rows
+                )
+            })
+            .collect();
+        (!missing.is_empty()).then(|| missing.join("; "))
+    }
+
+    /// Over RDMA: whether no peer can still write into the room: its destination never
+    /// went out, or every peer acknowledged the abort or was cut off.
+    pub fn quiet(&self) -> bool {
+        let st = self.inner.lock();
+        !st.sent || st.quiet.iter().all(|&q| q)
+    }
+
+    /// `peer` can no longer write into the room.
+    pub fn peer_quiet(&self, peer: &Arc<Peer>) {
+        if let Some(i) = self.index_of(peer) {
+            self.inner.lock().quiet[i] = true;
+        }
+    }
+
+    /// The peers not yet quiet once `now` passed the room's drain deadline (armed at
+    /// `now + drain_ms` the first time this is asked).
+    pub fn silent_past_drain(&self, now: u64, drain_ms: u64) -> Vec<Arc<Peer>> {
+        let mut st = self.inner.lock();
+        let deadline = *st
+            .drain_deadline_ms
+            .get_or_insert(now.saturating_add(drain_ms));
+        if now < deadline {
+            return Vec::new();
+        }
+        self.peers
+            .iter()
+            .zip(&st.quiet)
+            .filter(|(_, &q)| !q)
+            .map(|(p, _)| p.clone())
+            .collect()
+    }
+}

@@ -1,0 +1,341 @@
+//! What decode engines send a prefill engine about its rooms: destinations (attached to
+//! their room, or held until it is created) and aborts (failing the room, or kept as
+//! tombstones), each told apart from late messages about an earlier, cleared use of the
+//! same id; and what a cleared room leaves behind.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::holding::{Full, Grave};
+use super::{ext, Dest, Job, PRoom, PrefillEngine};
+use crate::control::Peer;
+use crate::engine::lifecycle;
+use crate::proto::Message;
+use crate::room::{Cause, FailureReason};
+
+/// The answer to a late destination for a cleared use of room `id`.
+fn cleared_why(id: u64, reason: Option<String>) -> String {
+    match reason {
+        Some(r) => format!("prefill room {id} already failed and was cleared: {r}"),
+        None => format!("prefill room {id} already finished and was cleared"),
+    }
+}
+
+impl PrefillEngine {
+    /// A decode engine's destination for room `id`.
+    pub(super) fn on_destination(
+        &self,
+        peer: &Arc<Peer>,
+        id: u64,
+        generation: u64,
+        pages: Vec<u32>,
+        aux: Option<u32>,
+    ) {
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("prefill.on_destination", id);
+        if let Some(old) = self.earlier_use(peer, id, generation) {
+            self.refuse(peer, id, generation, &cleared_why(id, old));
+            return;
+        }
+        let Some(room) = self.core.rooms.get(id) else {
+            return self.hold(peer, id, generation, pages, aux);
+        };
+        self.attach(&room, peer, generation, pages, aux);
+    }
+
+    /// Whether a message from `peer` about `id` with decode generation `generation`
+    /// belongs to an earlier, cleared use of the id; if so, with the old use's failure
+    /// reason.
+    fn earlier_use(&self, peer: &Arc<Peer>, id: u64, generation: u64) -> Option<Option<String>> {
+        self.holding.lock().earlier_use(peer, id, generation)
+    }
+
+    /// Answers, and stops holding, the held destinations for `id` that belong to a
+    /// cleared use of it. Called after a clear records the use and after a destination is
+    /// held, so that whichever of the two comes second sees the other.
+    pub(super) fn answer_held_for_cleared(&self, id: u64) {
+        let answered = self.holding.lock().take_cleared_dests(id);
+        for (d, reason) in answered {
+            self.refuse(&d.peer, id, d.generation, &cleared_why(id, reason));
+        }
+    }
+
+    /// Counts one record the holding area had no place for, and logs the first and then
+    /// every power of two.
+    pub(super) fn overflowed(
+        &self,
+        counter: &std::sync::atomic::AtomicU64,
+        what: &str,
+        limit: usize,
+        consequence: &str,
+    ) {
+        let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            crate::log!(
+                self.core.node.log,
+                Warn,
+                "holding area: {what} full ({limit}); {n} not kept so far: {consequence}"
+            );
+        }
+    }
+
+    pub(super) fn tombstones_overflowed(&self) {
+        let metrics = &self.core.node.metrics;
+        self.overflowed(
+            &metrics.tombstone_overflow,
+            "tombstones (aborts and losses before their room)",
+            self.holding.lock().limits().tombstones,
+            "those rooms fail at their bootstrap deadline instead of at once",
+        );
+    }
+
+    fn attach(
+        &self,
+        room: &Arc<PRoom>,
+        peer: &Arc<Peer>,
+        generation: u64,
+        pages: Vec<u32>,
+        aux: Option<u32>,
+    ) {
+        let id = room.id();
+        if room.state().is_terminal() {
+            let why = match room.failure() {
+                Some(f) => format!("prefill room {id} already failed: {f}"),
+                None => format!("prefill room {id} already finished"),
+            };
+            self.refuse(peer, id, generation, &why);
+            return;
+        }
+        let mut p = ext(room).lock();
+        if p.dests.iter().any(|d| Arc::ptr_eq(&d.peer, peer)) || p.complete() {
+            // The same destination again may have writes in flight: its acknowledgement
+            // is the one the failure queues below, not an immediate one.
+            let known = p
+                .dests
+                .iter()
+                .any(|d| Arc::ptr_eq(&d.peer, peer) && d.generation == generation);
+            drop(p);
+            let why = format!(
+                "prefill room {id} got a second destination from {}",
+                peer.name
+            );
+            if known {
+                peer.send(&Message::abort(
+                    id,
+                    generation,
+                    &why,
+                    &self.core.node.limits,
+                ));
+            } else {
+                self.refuse(peer, id, generation, &why);
+            }
+            lifecycle::fail(
+                self,
+                room,
+                FailureReason::local(Cause::Protocol, why),
+                Some(peer),
+            );
+            return;
+        }
+        peer.rooms.lock().insert((id, room.generation()));
+        p.dests.push(Dest {
+            peer: peer.clone(),
+            generation,
+            pages: pages.into(),
+            aux,
+        });
+        // An abort that raced us failed the room after our first check: if it read the
+        // destinations before our push, it told nobody about this one. Checking again
+        // under the lock, after the push, closes that gap (a failure makes the room
+        // terminal before it takes this lock to read the destinations).
+        if let Some(f) = room.failure() {
+            let why = format!("prefill room {id} already failed: {f}");
+            drop(p);
+            self.refuse(peer, id, generation, &why);
+            return;
+        }
+        if peer.is_lost() {
+            drop(p);
+            #[cfg(feature = "test-hooks")]
+            crate::testing::pause_point("prefill.attach_lost", id);
+            lifecycle::fail(
+                self,
+                room,
+                FailureReason::local(Cause::PeerLost, peer.loss()),
+                None,
+            );
+            return;
+        }
+        if p.complete() && lifecycle::ready(self, room) {
+            p.ready = true;
+            let mut sent = true;
+            while let Some(chunk) = p.held.pop_front() {
+                sent &= self.dispatch(Job {
+                    room: room.clone(),
+                    chunk,
+                });
+            }
+            drop(p);
+            if !sent {
+                self.fail_undispatched(room);
+            }
+        }
+    }
+
+    fn hold(&self, peer: &Arc<Peer>, id: u64, generation: u64, pages: Vec<u32>, aux: Option<u32>) {
+        let node = &self.core.node;
+        let expires_ms = node.now_ms() + node.config.bootstrap_timeout_ms;
+        let mut h = self.holding.lock();
+        if h.hold(peer, id, generation, pages, aux, expires_ms) == Err(Full) {
+            let limits = h.limits();
+            drop(h);
+            node.metrics.held_overflow.fetch_add(1, Ordering::Relaxed);
+            let why = format!(
+                "prefill has no room {id} and its holding area is full ({} destinations, \
+                 {} pages)",
+                limits.dests, limits.pages
+            );
+            self.refuse(peer, id, generation, &why);
+            return;
+        }
+        node.metrics.held.fetch_add(1, Ordering::Relaxed);
+        drop(h);
+        // A use of the id may have been created, failed and cleared between our lookup
+        // and the insert: then this destination is its late one and is answered now.
+        self.answer_held_for_cleared(id);
+        // The room may have been created between our lookup and the insert.
+        if let Some(room) = self.core.rooms.get(id) {
+            self.adopt_held(&room);
+        }
+    }
+
+    /// A new room takes the destinations (and aborts) that were waiting for it.
+    pub(super) fn adopt_held(&self, room: &Arc<PRoom>) {
+        let (tombs, held) = self.holding.lock().adopt(room.id());
+        for t in tombs {
+            let reason = match t.grave {
+                Grave::Aborted(why) => {
+                    ext(room).lock().known.push((t.peer.clone(), t.generation));
+                    FailureReason::peer(Cause::Aborted, why)
+                }
+                Grave::Lost(why) => FailureReason::local(
+                    Cause::PeerLost,
+                    format!(
+                        "lost {}, which had sent the destination of room {} before the room \
+                         was created: {why}",
+                        t.peer.name,
+                        room.id()
+                    ),
+                ),
+            };
+            lifecycle::fail(self, room, reason, Some(&t.peer));
+        }
+        for d in held {
+            // attach() fails the room if the peer was lost meanwhile.
+            self.attach(room, &d.peer, d.generation, d.pages, d.aux);
+        }
+    }
+
+    /// Answers a destination that will never be written to with an Abort, and over
+    /// RDMA with its AbortAck too: nothing of it can be outstanding, so the decode side
+    /// may reuse the pages at once.
+    pub(super) fn refuse(&self, peer: &Arc<Peer>, id: u64, generation: u64, why: &str) {
+        let node = &self.core.node;
+        peer.send(&Message::abort(id, generation, why, &node.limits));
+        if node.rdma.is_some() {
+            peer.send(&Message::AbortAck {
+                room: id,
+                generation,
+            });
+        }
+    }
+
+    /// A decode engine's Abort for room `id`.
+    ///
+    /// It fails the prefill room when the room has that decode room's destination, or
+    /// has none from that engine yet while still waiting for destinations (the decode
+    /// side gave up before its destination went out). An Abort for a room not created yet
+    /// is held like an early destination and fails the room when it is created. Anything
+    /// else (another generation of a destination we hold) is a late message for an
+    /// earlier use of the id and is dropped.
+    pub(super) fn on_abort(&self, peer: &Arc<Peer>, id: u64, generation: u64, reason: String) {
+        if self.earlier_use(peer, id, generation).is_some() {
+            // A late abort for an earlier use of the id: it must not touch this one.
+            return self.core.unknown_room();
+        }
+        if let Some(room) = self.core.rooms.get(id) {
+            let applies = {
+                let mut p = ext(&room).lock();
+                let from_peer = p.dests.iter().find(|d| Arc::ptr_eq(&d.peer, peer));
+                match from_peer {
+                    Some(d) => d.generation == generation,
+                    None if !p.complete() => {
+                        // Remembered for the cleared-use record; the first such abort
+                        // fails the room, so at most one per engine while it is live.
+                        let seen = p
+                            .known
+                            .iter()
+                            .any(|(k, g)| Arc::ptr_eq(k, peer) && *g == generation);
+                        if !seen && !room.state().is_terminal() {
+                            p.known.push((peer.clone(), generation));
+                        }
+                        true
+                    }
+                    None => false,
+                }
+            };
+            if applies {
+                lifecycle::fail(
+                    self,
+                    &room,
+                    FailureReason::peer(Cause::Aborted, reason),
+                    Some(peer),
+                );
+            } else {
+                self.core.unknown_room();
+            }
+            return;
+        }
+        self.core.unknown_room();
+        let node = &self.core.node;
+        let expires_ms = node.now_ms() + node.config.bootstrap_timeout_ms;
+        let kept = self
+            .holding
+            .lock()
+            .abort_early(peer, id, generation, reason, expires_ms);
+        if kept.is_err() {
+            self.tombstones_overflowed();
+        }
+        // The room may have been created between our lookup and the insert.
+        if let Some(room) = self.core.rooms.get(id) {
+            self.adopt_held(&room);
+        }
+    }
+
+    /// Over RDMA: a decode engine aborted its room `id` (its generation `generation`);
+    /// acknowledge once no write into that destination can be outstanding. The
+    /// destination is held by the room of that id or by a cleared use of it still
+    /// draining; if neither holds it, nothing was ever written there.
+    pub(super) fn ack_abort(&self, peer: &Arc<Peer>, id: u64, generation: u64) {
+        let holds = |room: &PRoom| {
+            ext(room)
+                .lock()
+                .dests
+                .iter()
+                .any(|d| Arc::ptr_eq(&d.peer, peer) && d.generation == generation)
+        };
+        let room = self
+            .core
+            .rooms
+            .get(id)
+            .filter(|r| holds(r))
+            .or_else(|| self.core.draining_of(id).into_iter().find(|r| holds(r)));
+        match room {
+            Some(room) => self.acks.queue(&self.core, &room, peer.clone(), generation),
+            None => peer.send(&Message::AbortAck {
+                room: id,
+                generation,
+            }),
+        }
+    }
+}

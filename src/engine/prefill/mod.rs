@@ -1,0 +1,412 @@
+//! The prefill (sending) side: rooms that wait for the destinations of their decode
+//! engines, the holding area for what arrives before its room ([`holding`]), the chunk
+//! queues and the workers that write pages to the decode engines ([`sender`]), and the
+//! acknowledgements of aborts over RDMA ([`acks`]).
+
+mod acks;
+mod arrivals;
+pub(crate) mod holding;
+mod outbox;
+mod sender;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::TcpListener;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+
+use parking_lot::{Mutex, RwLock};
+
+use super::core::{self, Core, Side};
+use super::lifecycle;
+use crate::control::{Control, Events, Peer};
+use crate::err;
+use crate::error::Result;
+use crate::node::Node;
+use crate::proto::Message;
+use crate::room::{Cause, FailureReason, Room, State};
+use crate::transport::DataLink;
+use acks::Acks;
+use holding::Holding;
+use outbox::Outbox;
+
+/// One chunk of source pages.
+#[derive(Debug, Clone)]
+pub(crate) struct Chunk {
+    pub pages: Vec<u32>,
+    pub is_last: bool,
+    pub aux: Option<u32>,
+}
+
+/// Where one decode engine wants the room's pages.
+#[derive(Clone)]
+pub(crate) struct Dest {
+    pub peer: Arc<Peer>,
+    /// The decode room's generation: every message about the room carries it.
+    pub generation: u64,
+    pub pages: Arc<[u32]>,
+    pub aux: Option<u32>,
+}
+
+/// A prefill room's data.
+pub(crate) struct PrefillRoom {
+    expected: usize,
+    dests: Vec<Dest>,
+    /// The room was made WAITING_FOR_INPUT (every destination arrived and the Ready
+    /// transition was applied): chunks go to the worker from now on, not before.
+    ready: bool,
+    /// Chunks enqueued before every destination arrived.
+    held: VecDeque<Chunk>,
+    /// The last chunk was enqueued.
+    closed: bool,
+    /// Destination pages filled so far (the same for every destination).
+    cursor: usize,
+    /// Decode generations heard from engines by messages that were not destinations
+    /// (an abort that came before the destination), kept for the cleared-use record.
+    known: Vec<(Arc<Peer>, u64)>,
+    /// Batches planned and not yet ended (written, skipped or failed), all chunks.
+    outstanding: usize,
+    /// The last chunk was planned: the room completes when `outstanding` reaches 0.
+    sealed: bool,
+    /// The Done frame for each destination, sent by whoever completes the room (taken
+    /// then, so that only one does).
+    finishes: Vec<(Arc<Peer>, Vec<u8>)>,
+}
+
+impl PrefillRoom {
+    fn new(expected: usize) -> Self {
+        PrefillRoom {
+            expected,
+            dests: Vec::new(),
+            ready: false,
+            held: VecDeque::new(),
+            closed: false,
+            cursor: 0,
+            known: Vec::new(),
+            outstanding: 0,
+            sealed: false,
+            finishes: Vec::new(),
+        }
+    }
+
+    /// Every destination it waits for arrived.
+    fn complete(&self) -> bool {
+        self.dests.len() >= self.expected
+    }
+}
+
+pub(crate) type PRoom = Room<Mutex<PrefillRoom>>;
+
+fn ext(room: &PRoom) -> &Mutex<PrefillRoom> {
+    &room.ext
+}
+
+/// A unit of work for a prefill worker: one chunk of one room.
+pub(crate) struct Job {
+    room: Arc<PRoom>,
+    chunk: Chunk,
+}
+
+/// The most decode engines one prefill room may wait for.
+pub const MAX_ROOM_PEERS: usize = 1024;
+
+/// Checks how many decode engines a prefill room may wait for.
+pub(crate) fn check_decoders(n: usize) -> Result<()> {
+    if n == 0 || n > MAX_ROOM_PEERS {
+        return Err(err!(
+            InvalidArgument,
+            "a prefill room waits for 1 to {MAX_ROOM_PEERS} decode engines, not {n}"
+        ));
+    }
+    Ok(())
+}
+
+/// A prefill engine.
+pub(crate) struct PrefillEngine {
+    pub core: Core<Mutex<PrefillRoom>>,
+    /// Each decode engine's outbox, by the address of its peer (made when its first link
+    /// comes up, closed when it is lost).
+    outboxes: Mutex<HashMap<usize, Arc<Outbox>>>,
+    holding: Mutex<Holding<Arc<Peer>>>,
+    workers: RwLock<Vec<mpsc::Sender<Job>>>,
+    acks: Acks,
+}
+
+impl PrefillEngine {
+    /// Starts a prefill engine on `node`: its workers and its acceptor on `listener`.
+    pub fn start(
+        node: Arc<Node>,
+        control: Arc<Control>,
+        listener: TcpListener,
+    ) -> Result<Arc<PrefillEngine>> {
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..node.config.workers)
+            .map(|_| mpsc::channel::<Job>())
+            .unzip();
+        let engine = Arc::new(PrefillEngine {
+            core: Core::new(node.clone(), control.clone()),
+            outboxes: Mutex::new(HashMap::new()),
+            holding: Mutex::new(Holding::default()),
+            workers: RwLock::new(senders),
+            acks: Acks::default(),
+        });
+        control.bind(Arc::downgrade(&(engine.clone() as Arc<dyn Events>)));
+        for (i, rx) in receivers.into_iter().enumerate() {
+            let e = engine.clone();
+            node.spawn(&format!("kvxfer-worker-{i}"), move || e.worker(i, rx))?;
+        }
+        node.spawn("kvxfer-accept", move || control.accept_loop(listener))?;
+        Ok(engine)
+    }
+
+    /// The outbox of decode engine `peer`, if a link to it is up.
+    fn outbox(&self, peer: &Arc<Peer>) -> Option<Arc<Outbox>> {
+        self.outboxes
+            .lock()
+            .get(&(Arc::as_ptr(peer) as usize))
+            .cloned()
+    }
+
+    /// Stopping: no chunk is dispatched any more, and the workers end.
+    pub fn stop_workers(&self) {
+        self.workers.write().clear();
+    }
+
+    /// Creates room `id`, waiting for `decoders` decode engines' destinations (checked
+    /// by [`check_decoders`]).
+    pub fn create(&self, id: u64, decoders: usize) -> Result<()> {
+        let node = &self.core.node;
+        let deadline = lifecycle::bootstrap_deadline(node);
+        let room = self.core.rooms.create(
+            id,
+            node.role,
+            deadline,
+            Mutex::new(PrefillRoom::new(decoders)),
+        )?;
+        lifecycle::created(self, &room, format_args!("{decoders} decode engine(s)"));
+        self.adopt_held(&room);
+        Ok(())
+    }
+
+    /// Queues the next chunk of room `id`: source `pages`, whether it is the last, and
+    /// the aux slot that goes with the last. Never blocks on the network.
+    pub fn enqueue(&self, id: u64, pages: &[u32], is_last: bool, aux: Option<u32>) -> Result<()> {
+        let room = self.core.room(id)?;
+        super::require_live(&room)?;
+        let node = &self.core.node;
+        super::check_pages(node, pages, "source")?;
+        if aux.is_some() && !is_last {
+            return Err(err!(
+                InvalidArgument,
+                "an aux slot may only come with the last chunk (is_last)"
+            ));
+        }
+        super::check_aux(node, aux)?;
+        let chunk = Chunk {
+            pages: pages.to_vec(),
+            is_last,
+            aux,
+        };
+        let mut p = ext(&room).lock();
+        if p.closed {
+            return Err(err!(WrongState, "room {id} already has its last chunk"));
+        }
+        p.closed = chunk.is_last;
+        if !p.ready {
+            p.held.push_back(chunk);
+            return Ok(());
+        }
+        // Dispatched under the lock, so that chunks keep their order with held ones.
+        let sent = self.dispatch(Job {
+            room: room.clone(),
+            chunk,
+        });
+        drop(p);
+        if !sent {
+            self.fail_undispatched(&room);
+        }
+        Ok(())
+    }
+
+    /// Sends `job` to the worker that owns its room (rooms spread over all workers; one
+    /// room's chunks always go to the same worker, in order). Returns false when the
+    /// engine is shutting down: the caller fails the room, once it holds no room lock
+    /// (failing reads the room's destinations under that lock).
+    #[must_use]
+    fn dispatch(&self, job: Job) -> bool {
+        let workers = self.workers.read();
+        if workers.is_empty() {
+            return false;
+        }
+        let h = job.room.generation().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        let w = (h as usize) % workers.len();
+        workers[w].send(job).is_ok()
+    }
+
+    /// Fails a room whose chunk could not be dispatched.
+    fn fail_undispatched(&self, room: &PRoom) {
+        lifecycle::fail(
+            self,
+            room,
+            FailureReason::local(Cause::Shutdown, "engine shut down"),
+            None,
+        );
+    }
+}
+
+impl Side for PrefillEngine {
+    type Ext = Mutex<PrefillRoom>;
+
+    fn core(&self) -> &Core<Self::Ext> {
+        &self.core
+    }
+
+    fn parties(&self, room: &PRoom) -> Vec<(Arc<Peer>, u64)> {
+        ext(room)
+            .lock()
+            .dests
+            .iter()
+            .map(|d| (d.peer.clone(), d.generation))
+            .collect()
+    }
+
+    fn tell_failed(&self, room: &PRoom, msg: &str, origin: Option<&Arc<Peer>>) {
+        let node = &self.core.node;
+        for (peer, generation) in self.parties(room) {
+            if !origin.is_some_and(|o| Arc::ptr_eq(o, &peer)) {
+                peer.send(&Message::abort(room.id(), generation, msg, &node.limits));
+            }
+            if node.rdma.is_some() {
+                // The decode side may reuse the pages only once our writes are done.
+                self.acks.queue(&self.core, room, peer, generation);
+            }
+        }
+    }
+
+    /// A room failing its bootstrap deadline: the last refusal at authentication since
+    /// it was created, if any (the decode engine that would have claimed it may be the
+    /// one refused).
+    fn deadline_note(&self, room: &PRoom) -> Option<String> {
+        if room.state() != State::Bootstrapping {
+            return None;
+        }
+        let node = &self.core.node;
+        let (at, text) = self.core.control.last_refusal()?;
+        // The room entered bootstrapping one bootstrap timeout before its deadline.
+        let since = room
+            .deadline_ms()
+            .saturating_sub(node.config.bootstrap_timeout_ms);
+        let ago = node.now_ms().saturating_sub(at);
+        (at >= since).then(|| {
+            format!(
+                "; meanwhile a connection failed authentication ({ago} ms ago: {text}; \
+                 auth_failures counts every refusal)"
+            )
+        })
+    }
+
+    /// Held destinations whose room never came are answered with a failure, and
+    /// acknowledgements whose writes completed go.
+    fn tick(&self, now: u64) {
+        let expired = self.holding.lock().expire(now);
+        let node = &self.core.node;
+        for (id, d) in expired {
+            node.metrics.held_expired.fetch_add(1, Ordering::Relaxed);
+            let why = format!(
+                "prefill created no room {id} within bootstrap_timeout_ms={}",
+                node.config.bootstrap_timeout_ms
+            );
+            self.refuse(&d.peer, id, d.generation, &why);
+        }
+        self.acks.send_due(&self.core);
+    }
+
+    /// Remembers, for a while, which decode generations the room knew and why it failed,
+    /// so late messages about it neither touch a new use of the id nor wait for a
+    /// deadline to be answered.
+    fn on_clear(&self, room: &PRoom) {
+        let (gens, complete) = {
+            let p = ext(room).lock();
+            let gens = p
+                .dests
+                .iter()
+                .map(|d| (d.peer.clone(), d.generation))
+                .chain(p.known.iter().cloned())
+                .collect();
+            (gens, p.complete())
+        };
+        let node = &self.core.node;
+        let reason = room.failure().map(|f| f.to_string());
+        let expires_ms =
+            node.now_ms() + node.config.bootstrap_timeout_ms + node.config.waiting_timeout_ms;
+        let kept = self
+            .holding
+            .lock()
+            .clear_use(room.id(), reason, gens, complete, expires_ms);
+        if kept.is_err() {
+            self.overflowed(
+                &node.metrics.cleared_overflow,
+                "cleared-room records",
+                self.holding.lock().limits().cleared,
+                "late messages about these rooms may be taken for a new use of their id",
+            );
+        }
+        self.answer_held_for_cleared(room.id());
+    }
+}
+
+impl Events for PrefillEngine {
+    /// A sender thread for the link, taking batches from the peer's outbox.
+    fn link_up(self: Arc<Self>, peer: &Arc<Peer>, link: Arc<dyn DataLink>) {
+        let outbox = self
+            .outboxes
+            .lock()
+            .entry(Arc::as_ptr(peer) as usize)
+            .or_default()
+            .clone();
+        let (engine, p) = (self.clone(), peer.clone());
+        self.core
+            .control
+            .spawn_for_peer("kvxfer-send", peer, move || {
+                engine.send_loop(&p, &link, &outbox)
+            });
+    }
+
+    fn destination(
+        &self,
+        peer: &Arc<Peer>,
+        room: u64,
+        generation: u64,
+        pages: Vec<u32>,
+        aux: Option<u32>,
+    ) {
+        self.on_destination(peer, room, generation, pages, aux)
+    }
+
+    /// Over TCP nothing is outstanding once the worker sees the room terminal (the
+    /// decode side refuses every later byte itself); over RDMA the abort is acknowledged
+    /// once the room's posted writes have completed.
+    fn abort(&self, peer: &Arc<Peer>, room: u64, generation: u64, reason: String) {
+        self.on_abort(peer, room, generation, reason);
+        if self.core.node.rdma.is_some() {
+            self.ack_abort(peer, room, generation);
+        }
+    }
+
+    /// The destinations the engine left in the holding area become tombstones (their
+    /// rooms fail at once when created), and its rooms fail.
+    fn lost(&self, peer: &Arc<Peer>, cause: Cause, why: &str) {
+        let node = &self.core.node;
+        let expires_ms = node.now_ms() + node.config.bootstrap_timeout_ms;
+        let overflow = self.holding.lock().peer_lost(peer, why, expires_ms);
+        for _ in 0..overflow {
+            self.tombstones_overflowed();
+        }
+        core::fail_rooms_of(self, peer, cause);
+        // Its senders end; what they had not taken is dropped (its rooms just failed).
+        let outbox = self.outboxes.lock().remove(&(Arc::as_ptr(peer) as usize));
+        if let Some(outbox) = outbox {
+            for batch in outbox.close() {
+                self.batch_ended(&batch, false);
+            }
+        }
+    }
+}

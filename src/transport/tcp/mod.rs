@@ -1,0 +1,47 @@
+//! The TCP transport: data frames written straight from registered memory with vectored
+//! writes (no staging copy) by the sender ([`send`]), and read straight into the granted
+//! pages by the receiver ([`recv`]), which asks the engine where each frame may go.
+
+pub mod recv;
+pub mod send;
+
+use std::io::{self, Read};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+pub use send::SendConn;
+
+/// Largest data frame payload the sender produces; longer runs are split so that frames
+/// of other rooms interleave and an abort takes effect within one frame.
+pub const MAX_FRAME_BYTES: usize = 4 << 20;
+
+/// How long one blocked write (or a read straight into a room's pages) waits before it
+/// looks again at its room and its deadline.
+const TICK: Duration = Duration::from_millis(10);
+
+/// Reads and throws away `n` bytes (data for a room that may no longer be written).
+pub fn discard(r: &mut impl Read, mut n: u64) -> io::Result<()> {
+    let mut scratch = [0u8; 64 * 1024];
+    while n > 0 {
+        let k = n.min(scratch.len() as u64) as usize;
+        r.read_exact(&mut scratch[..k])?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+/// Connects to `addr` (`host:port`) within `timeout`, trying each resolved address.
+pub fn connect(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                return Ok(s);
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}

@@ -1,0 +1,55 @@
+//! Waiting for an engine to get somewhere, with one patience for every test.
+
+use std::time::{Duration, Instant};
+
+use kvxfer::{Engine, State};
+
+/// How long a test waits for anything before it fails. Below every default deadline
+/// (bootstrap and transfer 30 s), so that a room a watchdog fails at its deadline is
+/// never taken for one that ended by itself.
+pub const LIMIT: Duration = Duration::from_secs(20);
+
+/// Waits until `f` holds; fails the test, naming `what`, after [`LIMIT`].
+pub fn wait_until(what: &str, f: impl FnMut() -> bool) {
+    wait_until_within(what, LIMIT, f)
+}
+
+/// As [`wait_until`], failing after `limit`.
+pub fn wait_until_within(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Waits until room `room` of `e` is in state `want`.
+pub fn wait_state(e: &Engine, room: u64, want: State) {
+    wait_until(&format!("room {room} to be {want}"), || {
+        e.room_poll(room).unwrap() == want
+    });
+}
+
+/// Waits until room `room` of `e` is terminal and returns its state; fails the test if
+/// the room is still live after [`LIMIT`].
+pub fn wait_terminal(e: &Engine, room: u64) -> State {
+    let s = terminal_within(e, room, LIMIT);
+    assert!(s.is_terminal(), "room {room} stuck in {s}");
+    s
+}
+
+/// The state of room `room` of `e` as soon as it is terminal, or after `limit` if it is
+/// not by then: the caller says what it expects.
+pub fn terminal_within(e: &Engine, room: u64, limit: Duration) -> State {
+    let t = Instant::now();
+    loop {
+        let s = e.room_poll(room).unwrap();
+        if s.is_terminal() || t.elapsed() > limit {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
