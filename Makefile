@@ -65,7 +65,7 @@ install-test: build
 
 test: deps
 	@start=$$(date +%s); times=""; \
-	for stage in rust-checks loom ctest asan install-test bench-smoke test-rdma; do \
+	for stage in rust-checks loom ctest asan install-test bench-smoke python-test test-rdma; do \
 	  t=$$(date +%s); \
 	  $(MAKE) --no-print-directory $$stage; \
 	  times="$$times $$stage=$$(( $$(date +%s) - t ))s"; \
@@ -95,3 +95,4 @@ clean:
 include Makefile.bench
 include Makefile.verify
 include Makefile.rdma
+include Makefile.python

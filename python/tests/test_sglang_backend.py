@@ -1,0 +1,347 @@
+"""The SGLang backend driven the way SGLang's scheduler loops drive it, prefill and
+decode in two processes, with client cancellations at random points; and the seed's
+interleaving (an abort during a non-last chunk while the last chunk is queued)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import types
+
+import numpy as np
+import pytest
+
+import kvxfer
+from kvxfer.sglang import (
+    ABORT_REASON,
+    KVArgs,
+    KVPoll,
+    KVTransferError,
+    KvxferKVBootstrapServer,
+    KvxferKVManager,
+    KvxferKVReceiver,
+    KvxferKVSender,
+)
+import sglang_sched
+
+TIMEOUTS = "bootstrap_timeout_ms=3000,waiting_timeout_ms=6000,transfer_timeout_ms=6000"
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_scheduler_loops_with_random_cancellations(monkeypatch, seed):
+    monkeypatch.setenv("KVXFER_CONFIG", TIMEOUTS)
+    n = 120
+    ctx = mp.get_context("spawn")
+    pconn, pchild = ctx.Pipe()
+    dconn, dchild = ctx.Pipe()
+    pproc = ctx.Process(target=sglang_sched.prefill_main, args=(pchild, seed, n, 60.0), daemon=True)
+    pproc.start()
+    try:
+        assert pconn.poll(60), "prefill process did not start"
+        port = pconn.recv()
+        dproc = ctx.Process(target=sglang_sched.decode_main, args=(dchild, seed, n, port, 60.0),
+                            daemon=True)
+        dproc.start()
+        try:
+            assert dconn.poll(60), "decode process did not start"
+            assert dconn.recv() == "up"
+            pconn.send("go")
+            assert pconn.poll(90) and dconn.poll(90), "a scheduler loop did not report"
+            pre, dec = pconn.recv(), dconn.recv()
+            pconn.send("exit")
+            dconn.send("exit")
+        finally:
+            dproc.join(30)
+    finally:
+        pproc.join(30)
+
+    plan = sglang_sched.plan(seed, n)
+    # Zero requests left non-terminal, on either side, and nothing left in either engine.
+    assert pre["left"] == [] and dec["left"] == []
+    assert pre["engine_empty"] and dec["engine_empty"], (pre["metrics"], dec["metrics"])
+    # Every poll answered a state the scheduler's queue accepts.
+    assert pre["violations"] == [] and dec["violations"] == []
+    # Every success on decode arrived byte for byte (KV pages and the aux row).
+    assert dec["corrupt"] == []
+    for side in (pre, dec):
+        for i, reason in side["reasons"].items():
+            assert reason and "no failure reason" not in reason, (i, reason)
+        assert set(side["reasons"]) == {i for i, s in side["state"].items() if s == "failed"}
+    # Cancellations issued before any page could have arrived fail both sides, with
+    # SGLang's reason on the side that aborted; later ones may lose the race to the
+    # last byte. A request nobody aborted succeeds on both sides.
+    early = {"bootstrap", "chunking", "before_init", "prealloc"}
+    for r in plan:
+        p, d = pre["state"][r.index], dec["state"][r.index]
+        by_pre, by_dec = pre["aborted"].get(r.index), dec["aborted"].get(r.index)
+        why = (r, p, d, pre["reasons"].get(r.index), dec["reasons"].get(r.index))
+        if by_pre is None and by_dec is None:
+            assert (p, d) == ("success", "success"), why
+            continue
+        side, phase = ("prefill", by_pre) if by_pre else ("decode", by_dec)
+        mine, theirs = (p, d) if side == "prefill" else (d, p)
+        if phase in early:
+            assert mine in ("failed", "dropped") and theirs == "failed", why
+        if mine == "failed":
+            assert ABORT_REASON in (pre if side == "prefill" else dec)["reasons"][r.index], why
+        if p == "dropped":  # its last chunk was never sent: decode cannot complete
+            assert d == "failed", why
+        # The sides disagree only in a race with a cancellation on one of them (an
+        # abort that lands after the peer already saw the last byte).
+        if (p, d) == ("success", "failed"):
+            assert side == "decode", why
+        if (p, d) == ("failed", "success"):
+            assert side == "prefill", why
+    phases = set(pre["aborted"].values()) | set(dec["aborted"].values())
+    assert len(pre["aborted"]) + len(dec["aborted"]) >= n // 5, "too few cancellations issued"
+    assert pre["aborted"] and dec["aborted"] and early & phases, phases
+
+
+
+def _args(kv, aux):
+    return sglang_sched.kv_args(kv, aux)
+
+
+def _decode_seed(conn, port, n_pages, page_bytes):
+    """The decode side of the seed's interleaving, in its own process."""
+    kv = [np.zeros((n_pages, page_bytes), np.uint8) for _ in range(2)]
+    aux = np.zeros((4, sglang_sched.AUX_BYTES), np.uint8)
+    a = _args(kv, aux)
+    a.kv_item_lens = [page_bytes, page_bytes]
+    mgr = KvxferKVManager(a, "decode", sglang_sched.server_args(port))
+    addr = f"127.0.0.1:{port}"
+    rcv = KvxferKVReceiver(mgr, addr, 4242)
+    assert mgr.try_ensure_parallel_info(addr)
+    rcv.init(0)
+    while rcv.poll() == KVPoll.Bootstrapping:
+        time.sleep(0.002)
+    rcv.send_metadata(np.arange(n_pages, dtype=np.int32), 1)
+    conn.send("sent")
+    deadline = time.monotonic() + 60
+    while rcv.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    state = rcv.poll()
+    reason = None
+    try:
+        rcv.failure_exception()
+    except KVTransferError as e:
+        reason = e.failure_reason
+    second_half_written = bool(any(k[n_pages // 2:].any() for k in kv))
+    conn.send((state, reason, mgr.engine.metrics()["bytes_received"], second_half_written))
+    conn.recv()
+    mgr.close()
+
+
+def test_seed_interleaving_abort_during_a_non_last_chunk_with_the_last_queued():
+    """The reported silent pin, through this backend: the prefill's first chunk is on
+    the wire (the decode process is stopped, so the worker is blocked mid-chunk), the
+    last chunk is queued behind it, and the request is aborted. Both sides must end
+    FAILED with the reason; nothing of the queued last chunk may land."""
+    n_pages, page_bytes = 1024, 64 * 1024  # 2 buffers: 64 MiB per half, past any socket buffer
+    server = KvxferKVBootstrapServer("127.0.0.1", 0)
+    kv = [np.full((n_pages, page_bytes), b + 1, np.uint8) for b in range(2)]
+    aux = np.zeros((4, sglang_sched.AUX_BYTES), np.uint8)
+    a = _args(kv, aux)
+    a.kv_item_lens = [page_bytes, page_bytes]
+    mgr = KvxferKVManager(a, "prefill", sglang_sched.server_args(server.port))
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_seed, args=(child, server.port, n_pages, page_bytes), daemon=True)
+    sender = KvxferKVSender(mgr, server.address, 4242)
+    proc.start()
+    stopped = False
+    try:
+        assert conn.poll(60) and conn.recv() == "sent"
+        deadline = time.monotonic() + 30
+        while sender.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert sender.poll() == KVPoll.WaitingForInput
+        sender.init(n_pages, 1)
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = True
+        half = n_pages // 2
+        sender.send(np.arange(half, dtype=np.int32))  # a non-last chunk
+        while sender.poll() != KVPoll.Transferring and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(0.2)  # the worker fills the socket buffers and blocks
+        m = mgr.engine.metrics()
+        # Mid-chunk: the first chunk has started and is not fully sent.
+        assert sender.poll() == KVPoll.Transferring and m["chunks"] == 0
+        sender.send(np.arange(half, n_pages, dtype=np.int32))  # the last chunk, queued
+        assert sender.curr_idx == n_pages
+        sender.abort()
+        os.kill(proc.pid, signal.SIGCONT)
+        stopped = False
+        deadline = time.monotonic() + 30
+        while sender.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert sender.poll() == KVPoll.Failed, "the prefill request never ended"
+        with pytest.raises(KVTransferError, match="Aborted by AbortReq") as e:
+            sender.failure_exception()
+        assert e.value.bootstrap_room == 4242
+        assert conn.poll(60)
+        state, reason, received, second_half_written = conn.recv()
+        assert state == KVPoll.Failed
+        assert reason.startswith("peer: ") and ABORT_REASON in reason
+        assert received < 2 * half * page_bytes * 2  # the whole request never arrived
+        assert not second_half_written  # nothing of the queued last chunk landed
+        assert mgr.engine.metrics()["inflight"] == 0
+        conn.send("exit")
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        mgr.close()
+        server.close()
+
+
+@pytest.fixture
+def one_process_pair():
+    server = KvxferKVBootstrapServer("127.0.0.1", 0)
+    mk = lambda: ([np.zeros((32, sglang_sched.PAGE_BYTES), np.uint8) for _ in range(2)],
+                  np.zeros((4, sglang_sched.AUX_BYTES), np.uint8))
+    (pkv, paux), (dkv, daux) = mk(), mk()
+    sa = sglang_sched.server_args(server.port)
+    pm = KvxferKVManager(_args(pkv, paux), "prefill", sa)
+    dm = KvxferKVManager(_args(dkv, daux), "decode", sa)
+    yield server, pm, dm
+    pm.close()
+    dm.close()
+    server.close()
+
+
+def _until(fn, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.002)
+    return fn()
+
+
+def test_a_dropped_sender_has_its_live_room_aborted_and_released(one_process_pair):
+    server, pm, dm = one_process_pair
+    s = KvxferKVSender(pm, server.address, 9)
+    assert pm.engine.metrics()["inflight"] == 1
+    del s  # SGLang dropped the request without a terminal poll
+    assert _until(lambda: pm.engine.metrics()["rooms_created"] == 1 and
+                  not any(pm.engine.metrics()["rooms_by_state"].values()))
+    assert pm.engine.metrics()["rooms_failed"] == 1
+    # The id is free again.
+    s2 = KvxferKVSender(pm, server.address, 9)
+    assert s2.poll() == KVPoll.Bootstrapping
+
+
+def test_sender_failures_carry_the_librarys_reason(one_process_pair):
+    server, pm, dm = one_process_pair
+    a = KvxferKVSender(pm, server.address, 5)
+    dup = KvxferKVSender(pm, server.address, 5)  # the same room id while the first is live
+    assert dup.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="5") as e:
+        dup.failure_exception()
+    assert "already" in e.value.failure_reason
+    a.send([1])  # before init
+    assert _until(lambda: a.poll() == KVPoll.Failed)
+    with pytest.raises(KVTransferError, match="before init"):
+        a.failure_exception()
+    r = KvxferKVReceiver(dm, server.address, 6)
+    r.abort()  # before init: no room, still a reason
+    assert r.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="Aborted by AbortReq"):
+        r.failure_exception()
+    r2 = KvxferKVReceiver(dm, server.address, 7)
+    r2.init(0)
+    assert _until(lambda: r2.poll() == KVPoll.WaitingForInput)
+    r2.send_metadata(np.array([99], np.int32), None)  # page 99 of 32
+    assert _until(lambda: r2.poll() == KVPoll.Failed)
+    with pytest.raises(KVTransferError, match="99"):
+        r2.failure_exception()
+    r3 = KvxferKVReceiver(dm, server.address, 8)
+    r3.init(0)
+    assert _until(lambda: r3.poll() == KVPoll.WaitingForInput)
+    r3.send_metadata(np.array([1], np.int32), None, decode_prefix_len=16)
+    assert _until(lambda: r3.poll() == KVPoll.Failed)
+    with pytest.raises(KVTransferError, match="prefix reuse"):
+        r3.failure_exception()
+
+
+def test_manager_refuses_state_buffers_and_mismatched_tp(one_process_pair):
+    server, pm, dm = one_process_pair
+    kv, aux = [np.zeros((4, sglang_sched.PAGE_BYTES), np.uint8)], np.zeros((2, 32), np.uint8)
+    a = _args(kv, aux)
+    a.state_data_ptrs = [[aux.ctypes.data]]
+    with pytest.raises(NotImplementedError, match="state buffers"):
+        KvxferKVManager(a, "decode", sglang_sched.server_args(server.port))
+    sa = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=server.port,
+                               tp_size=2, dp_size=1, pp_size=1)
+    a = _args(kv, aux)
+    d2 = KvxferKVManager(a, "decode", sa)
+    try:
+        r = KvxferKVReceiver(d2, server.address, 1)
+        r.init(0)
+        assert r.poll() == KVPoll.Failed
+        with pytest.raises(KVTransferError, match="TP sizes"):
+            r.failure_exception()
+    finally:
+        d2.close()
+
+
+def test_transfer_metric_counts_the_bytes_and_latency(one_process_pair):
+    server, pm, dm = one_process_pair
+    s = KvxferKVSender(pm, server.address, 3)
+    r = KvxferKVReceiver(dm, server.address, 3)
+    r.init(0)
+    assert _until(lambda: r.poll() == KVPoll.WaitingForInput)
+    r.send_metadata(np.array([4, 5, 6], np.int64), 0)
+    assert _until(lambda: s.poll() == KVPoll.WaitingForInput)
+    s.init(3, 0)
+    s.send(np.array([1, 2], np.int32))
+    s.send(np.array([3], np.int32))
+    assert _until(lambda: s.poll() == KVPoll.Success and r.poll() == KVPoll.Success)
+    m = s.get_transfer_metric()
+    assert m.transfer_total_bytes == 3 * 2 * sglang_sched.PAGE_BYTES
+    assert m.transfer_latency_s is not None and m.transfer_latency_s >= 0
+    s.clear()
+    r.clear()
+    for mgr in (pm, dm):
+        assert not any(mgr.engine.metrics()["rooms_by_state"].values())
+
+
+def _one_request(pm, dm, server, room):
+    s = KvxferKVSender(pm, server.address, room)
+    r = KvxferKVReceiver(dm, server.address, room)
+    dm.try_ensure_parallel_info(server.address)
+    r.init(0)
+    _until(lambda: r.poll() != KVPoll.Bootstrapping)
+    if r.poll() == KVPoll.WaitingForInput:
+        r.send_metadata(np.array([1, 2], np.int32), 0)
+        if _until(lambda: s.poll() == KVPoll.WaitingForInput):
+            s.init(2, 0)
+            s.send(np.array([3, 4], np.int32))
+    _until(lambda: r.poll() in (KVPoll.Success, KVPoll.Failed))
+    return r, s
+
+
+def test_decode_looks_up_a_restarted_prefill_again(one_process_pair):
+    server, pm, dm = one_process_pair
+    r, _ = _one_request(pm, dm, server, 1)
+    assert r.poll() == KVPoll.Success
+    old = pm.address
+    pm.close()
+    mk = [np.zeros((32, sglang_sched.PAGE_BYTES), np.uint8) for _ in range(2)]
+    pm2 = KvxferKVManager(_args(mk, np.zeros((4, sglang_sched.AUX_BYTES), np.uint8)), "prefill",
+                          sglang_sched.server_args(server.port))
+    try:
+        assert pm2.address != old
+        r, _ = _one_request(pm2, dm, server, 2)  # still the cached, dead address
+        assert r.poll() == KVPoll.Failed and r.failure_cause == kvxfer.FailureCause.PEER_LOST
+        assert old in r.failure_reason
+        r, _ = _one_request(pm2, dm, server, 3)  # looked up again: the new engine
+        assert r.poll() == KVPoll.Success
+    finally:
+        pm2.close()
