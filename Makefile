@@ -5,6 +5,7 @@
 #   make test    fmt, clippy, cargo test, ctest, ctest under ASan+UBSan, install test
 #   make demo    install to build/demo-prefix, build examples/ against it, run the demo
 #   make test-rdma  the Rust and gtest suites over real verbs in a soft-RoCE QEMU guest
+#   make test-vllm  opt-in: a vLLM prefill/decode pair on KvxferConnector (Makefile.vllm)
 #   make header  regenerate include/kvxfer.h from src/ffi/ (after changing the C ABI)
 #   make clean   remove build/, build-asan/ and cargo's target/
 
@@ -96,3 +97,4 @@ include Makefile.bench
 include Makefile.verify
 include Makefile.rdma
 include Makefile.python
+include Makefile.vllm
