@@ -6,20 +6,143 @@
 //! only then writes, into exactly the bytes granted, under the room's io count, asking
 //! the room again before each write ([`read_payload`]).
 
-use std::io::{self, BufRead, BufReader, Read};
+use std::io::{self, BufRead, IoSliceMut, Read};
 use std::net::TcpStream;
 
 use super::TICK;
-use crate::proto::{self, DataHeader, Kind, Limits, Message, ReadError};
+use crate::proto::{self, DataHeader, Kind, Limits, Message, ReadError, DATA_FRAME_PREFIX_LEN};
 use crate::room::IoGuard;
 
 /// Read buffer of a data connection: headers and small frames (a few KiB per page on
 /// small models) come out of one `recv` per buffer-full instead of three per frame.
-/// Payload reads at least this long bypass it and land straight in the pages.
 pub const READ_BUFFER: usize = 64 * 1024;
 
-/// A data connection as the receiver reads it.
-pub type DataStream = BufReader<TcpStream>;
+/// A payload rest at least this long is read straight from the socket into the pages
+/// (one copy, the kernel's) rather than through the buffer (the kernel's copy into the
+/// buffer, then ours out of it into pages that are not in cache). Below it, the frames
+/// are small enough that reading several per `recv` through the buffer costs less.
+pub const DIRECT_MIN: usize = 16 * 1024;
+
+/// A data connection as the receiver reads it: the socket and its read buffer.
+///
+/// A `BufReader`, except in two ways. A read straight into a room's pages also asks,
+/// in the same `recv` (a vectored read), for the next data frame's prefix into the
+/// buffer, so that a stream of large frames costs one `recv` per frame and none of the
+/// next frame's payload lands in the buffer to be copied again; and after a large
+/// payload, a header read into the empty buffer asks for no more than a prefix, for the
+/// same reason. And the socket's read
+/// timeout (`TICK`, which lets a read straight into the pages look at its room again)
+/// is set when such a read begins and taken off only when the connection goes quiet for
+/// a tick, not twice per frame; reads through the buffer wait as long as it takes.
+pub struct DataStream {
+    sock: TcpStream,
+    buf: Box<[u8]>,
+    /// The unread bytes are `buf[pos..end]`.
+    pos: usize,
+    end: usize,
+    /// The socket's read timeout is `TICK` (else none).
+    ticking: bool,
+    /// How much a read into the empty buffer asks for: all of it, or only a data frame's
+    /// prefix after a large payload (the next frame is likely large too, and its payload
+    /// is better read straight into its pages than through the buffer).
+    fill: usize,
+}
+
+impl DataStream {
+    pub fn new(sock: TcpStream) -> DataStream {
+        DataStream {
+            sock,
+            buf: vec![0; READ_BUFFER].into_boxed_slice(),
+            pos: 0,
+            end: 0,
+            ticking: false,
+            fill: READ_BUFFER,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.pos == self.end
+    }
+
+    /// Sets the read timeout to `TICK`, if it is not.
+    fn tick(&mut self) -> io::Result<()> {
+        if !self.ticking {
+            self.sock.set_read_timeout(Some(TICK))?;
+            self.ticking = true;
+        }
+        Ok(())
+    }
+
+    /// A read from the socket that is to wait as long as it takes failed with `e`: if it
+    /// was a tick's timeout, the connection went quiet, so the timeout comes off and the
+    /// read is to be tried again (`Ok`); any other error of the stream is returned.
+    fn waited(&mut self, e: io::Error) -> io::Result<()> {
+        if !read_again(&e) {
+            return Err(e);
+        }
+        if self.ticking && e.kind() != io::ErrorKind::Interrupted {
+            self.sock.set_read_timeout(None)?;
+            self.ticking = false;
+        }
+        Ok(())
+    }
+
+    /// One `recv` straight into `dst` (a room's pages), with the next data frame's prefix
+    /// into the buffer, which must be empty; gives up after a tick without bytes (the
+    /// timeout must be set). Returns how many bytes landed in `dst`.
+    fn read_direct(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        debug_assert!(self.is_empty() && self.ticking && !dst.is_empty());
+        let mut into = [
+            IoSliceMut::new(dst),
+            IoSliceMut::new(&mut self.buf[..DATA_FRAME_PREFIX_LEN]),
+        ];
+        let n = self.sock.read_vectored(&mut into)?;
+        let mine = n.min(into[0].len());
+        self.pos = 0;
+        self.end = n - mine;
+        Ok(mine)
+    }
+}
+
+impl Read for DataStream {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if self.is_empty() && out.len() >= self.buf.len() {
+            loop {
+                match self.sock.read(out) {
+                    Ok(n) => return Ok(n),
+                    Err(e) => self.waited(e)?,
+                }
+            }
+        }
+        let have = self.fill_buf()?;
+        let n = have.len().min(out.len());
+        out[..n].copy_from_slice(&have[..n]);
+        self.consume(n);
+        Ok(n)
+    }
+}
+
+impl BufRead for DataStream {
+    fn fill_buf(&mut self) -> io::Result<&[u8]> {
+        while self.is_empty() {
+            match self.sock.read(&mut self.buf[..self.fill]) {
+                Ok(n) => {
+                    self.pos = 0;
+                    self.end = n;
+                    if n == 0 {
+                        break;
+                    }
+                }
+                Err(e) => self.waited(e)?,
+            }
+        }
+        Ok(&self.buf[self.pos..self.end])
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.pos = (self.pos + n).min(self.end);
+    }
+}
 
 /// Where a data frame's payload may go, as the engine decides.
 pub enum Admit<G> {
@@ -69,7 +192,7 @@ pub trait FrameSink {
 
 /// Reads one data connection until it ends; returns why it ended.
 pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
-    let mut s = BufReader::with_capacity(READ_BUFFER, s);
+    let mut s = DataStream::new(s);
     loop {
         let hdr = match proto::read_frame_header(&mut s, limits) {
             Ok(h) => h,
@@ -139,10 +262,10 @@ fn discard(s: &mut DataStream, n: u64) -> Result<(), String> {
 }
 
 /// Reads `dst.len()` payload bytes into `dst` (a room's pages): what the buffer holds,
-/// then more from the socket, a `recv` at a time. A rest at least as long as the buffer
-/// is read straight from the socket into `dst`, so large payloads are copied once, by
-/// the kernel, as without the buffer; a shorter rest goes through the buffer, which then
-/// also picks up the frames behind it.
+/// then more from the socket, a `recv` at a time. A rest of at least [`DIRECT_MIN`]
+/// bytes is read straight from the socket into `dst` (with the next frame's prefix into
+/// the buffer), so large payloads are copied once, by the kernel; a shorter rest goes
+/// through the buffer, which then also picks up the frames behind it.
 ///
 /// `enter` counts a write into the room's pages in (the guard counts it out) and says
 /// whether the room is still live; it is asked before each copy out of the buffer and
@@ -159,52 +282,40 @@ pub fn read_payload<'r>(
     enter: &dyn Fn() -> Option<IoGuard<'r>>,
 ) -> io::Result<usize> {
     let mut filled = 0;
-    let mut ticking = false;
-    let r = (|| {
-        while filled < dst.len() {
-            let rest = &mut dst[filled..];
-            let n = if s.buffer().is_empty() && rest.len() >= s.capacity() {
-                if !ticking {
-                    s.get_ref().set_read_timeout(Some(TICK))?;
-                    ticking = true;
-                }
-                let Some(_io) = enter() else { break };
-                // The buffer is empty, so bypassing it keeps the byte order.
-                match s.get_mut().read(rest) {
-                    Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                    Ok(n) => n,
-                    Err(e) if read_again(&e) => continue,
-                    Err(e) => return Err(e),
-                }
-            } else {
-                // Once a read straight into the pages set the tick, a slow peer's
-                // rest makes this read time out too: wait on (nothing is held here).
-                let have = match s.fill_buf() {
-                    Ok([]) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                    Ok(have) => have,
-                    Err(e) if read_again(&e) => continue,
-                    Err(e) => return Err(e),
-                };
-                let Some(_io) = enter() else { break };
-                let n = have.len().min(rest.len());
-                rest[..n].copy_from_slice(&have[..n]);
-                s.consume(n);
-                n
-            };
-            filled += n;
-        }
-        Ok(())
-    })();
-    if ticking {
-        // Frame headers are read without a timeout: an idle connection just waits.
-        s.get_ref().set_read_timeout(None)?;
+    s.fill = READ_BUFFER;
+    while filled < dst.len() {
+        let rest = &mut dst[filled..];
+        let n = if s.is_empty() && rest.len() >= DIRECT_MIN {
+            s.tick()?;
+            let Some(_io) = enter() else { break };
+            match s.read_direct(rest) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => n,
+                Err(e) if read_again(&e) => continue,
+                Err(e) => return Err(e),
+            }
+        } else {
+            // Waits as long as the peer takes (nothing is held here).
+            let have = s.fill_buf()?;
+            if have.is_empty() {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            let Some(_io) = enter() else { break };
+            let n = have.len().min(rest.len());
+            rest[..n].copy_from_slice(&have[..n]);
+            s.consume(n);
+            n
+        };
+        filled += n;
     }
-    r.map(|()| filled)
+    if dst.len() >= DIRECT_MIN {
+        s.fill = DATA_FRAME_PREFIX_LEN;
+    }
+    Ok(filled)
 }
 
 /// A read that ended without bytes and without an error of the stream: interrupted, or
-/// the tick's read timeout (`read_payload` sets it on the first read straight into the
-/// pages, and every later read of the payload, through the buffer too, may meet it).
+/// the tick's read timeout.
 fn read_again(e: &io::Error) -> bool {
     matches!(
         e.kind(),
@@ -234,11 +345,12 @@ mod tests {
         let send = bytes.clone();
         let writer = std::thread::spawn(move || write(TcpStream::connect(addr).unwrap(), send));
         let (s, _) = l.accept().unwrap();
-        (bytes, BufReader::with_capacity(READ_BUFFER, s), writer)
+        (bytes, DataStream::new(s), writer)
     }
 
-    /// Mixed small and large payload reads through the buffer come out in stream order,
-    /// and `discard` through the buffer skips exactly its bytes.
+    /// Mixed small and large payload reads, through the buffer and straight into the
+    /// pages with the next bytes into the buffer, come out in stream order, and `discard`
+    /// through the buffer skips exactly its bytes.
     #[test]
     fn buffered_payload_reads_keep_the_byte_order() {
         let sizes = [
@@ -250,6 +362,13 @@ mod tests {
             READ_BUFFER,
             1,
             300_000,
+            // Straight into the pages with the next bytes into the buffer, back to back.
+            DIRECT_MIN,
+            32 * 1024,
+            32 * 1024,
+            DIRECT_MIN + 1,
+            20,
+            50_000,
         ];
         let total: usize = sizes.iter().sum::<usize>() + 5000;
         let (bytes, mut s, writer) = stream_of(total, |mut c, send| {
