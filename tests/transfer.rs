@@ -55,6 +55,55 @@ fn single_chunk_transfer_delivers_every_byte() {
     assert_eq!(m.rooms_succeeded, 1);
 }
 
+/// A scheduler that sleeps in `Engine::wait` instead of polling on a timer is woken by
+/// every change of its rooms' states, on both sides, through to SUCCESS and FAILED, and
+/// by `Engine::wake`: each wait below returns a count past the one it was given, where a
+/// missed change would leave it asleep until its timeout and fail the test.
+#[test]
+fn a_scheduler_waiting_on_its_engine_is_woken_by_every_change_of_state() {
+    let t = pair(&[]);
+    const LONG: Duration = Duration::from_secs(20);
+    // Waits on `e` until room `id` is in `want`, asserting that no wait timed out.
+    let until = |e: &Engine, id: u64, want: State| {
+        loop {
+            let seen = e.changes();
+            let now = e.room_poll(id).unwrap();
+            if now == want {
+                return;
+            }
+            assert!(!now.is_terminal(), "room {id} is {now:?}, not {want:?}");
+            assert!(e.wait(seen, LONG) > seen, "a wait for room {id} timed out");
+        }
+    };
+    let (p, d) = (&t.p, &t.d);
+    t.create(1);
+    std::thread::scope(|s| {
+        s.spawn(|| until(p, 1, State::Success));
+        s.spawn(|| until(d, 1, State::Success));
+        t.d.room_set_destination(1, &[5, 6, 7], None).unwrap();
+        t.p.enqueue_chunk(1, &[0, 1, 2], true, None).unwrap();
+    });
+    t.assert_pages(&[0, 1, 2], &[5, 6, 7]);
+    t.create(2);
+    std::thread::scope(|s| {
+        s.spawn(|| until(p, 2, State::Failed));
+        s.spawn(|| until(d, 2, State::Failed));
+        t.d.room_set_destination(2, &[8], None).unwrap();
+        wait_state(&t.p, 2, State::WaitingForInput);
+        t.d.room_abort(2, "client went away").unwrap();
+    });
+    // The host's own wakeup.
+    let seen = t.d.changes();
+    std::thread::scope(|s| {
+        s.spawn(|| assert!(t.d.wait(seen, LONG) > seen, "wake did not wake the wait"));
+        std::thread::sleep(Duration::from_millis(20));
+        t.d.wake();
+    });
+    // Nothing changes: a wait times out with the count it was given.
+    let seen = t.d.changes();
+    assert_eq!(t.d.wait(seen, Duration::from_millis(20)), seen);
+}
+
 #[test]
 fn many_scattered_chunks_with_aux_rows_arrive_in_order() {
     let t = pair(&[]);

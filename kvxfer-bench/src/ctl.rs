@@ -214,6 +214,20 @@ pub fn room_plan(p: &Params, idx: u64) -> RoomPlan {
     }
 }
 
+/// Both sides' scheduler loops found nothing to do: wait as `--sched` says, for a room
+/// of `engine` to change state after `seen` (the engine's count of changes read before
+/// the rooms were polled) or for `longest`, or sleep `--poll-us`.
+pub fn idle(p: &Params, engine: &kvxfer::Engine, seen: u64, longest: std::time::Duration) {
+    match p.sched {
+        crate::args::Sched::Wait => {
+            engine.wait(seen, longest);
+        }
+        crate::args::Sched::Poll => {
+            std::thread::sleep(std::time::Duration::from_micros(p.poll_us));
+        }
+    }
+}
+
 /// The router's room id for room `idx` of a run (both sides agree on it).
 pub fn room_id(p: &Params, idx: u64) -> u64 {
     (mix(p.seed) & 0xFFFF_FFFF_0000_0000) | (idx & 0xFFFF_FFFF)

@@ -404,7 +404,7 @@ fn kvxfer_phase(
 #[allow(clippy::too_many_arguments)]
 fn kvxfer_loop<'s>(
     p: &'s Params,
-    engine: &Engine,
+    engine: &'s Engine,
     pool: &'s Pool,
     ctl: &mut Ctl,
     (prefill_addr, prefill_engine): (&str, usize),
@@ -433,6 +433,8 @@ fn kvxfer_loop<'s>(
                         slot: job.slot,
                         result,
                     });
+                    // The scheduler loop may be waiting in the engine.
+                    engine.wake();
                 }
                 Usage::thread().since(u0)
             })
@@ -464,6 +466,7 @@ fn kvxfer_loop<'s>(
     let mut t_last = t0;
     loop {
         let mut progress = false;
+        let seen = engine.changes();
         // Pages the checkers are done with.
         while let Ok(c) = ret_rx.try_recv() {
             progress = true;
@@ -647,7 +650,17 @@ fn kvxfer_loop<'s>(
             );
         }
         if !progress {
-            std::thread::sleep(Duration::from_micros(p.poll_us));
+            // A room's change of state and a checked room wake the wait; a failed room
+            // draining does not, so it is looked at every --poll-us; the progress line
+            // and the run's deadline bound the rest.
+            let mut longest = next_progress.saturating_duration_since(Instant::now());
+            if let Some(d) = deadline {
+                longest = longest.min(d.saturating_duration_since(Instant::now()));
+            }
+            if !draining.is_empty() {
+                longest = longest.min(Duration::from_micros(p.poll_us));
+            }
+            crate::ctl::idle(p, engine, seen, longest);
         }
     }
     out.secs = t_last

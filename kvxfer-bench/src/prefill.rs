@@ -99,16 +99,32 @@ pub fn serve(listen: Option<&str>) -> Result<(), String> {
 
     // A reader thread takes the announcements of a phase in flight (`upto`, `end`) as
     // they come, and hands every other message to the loop below.
+    // An announcement wakes the scheduler loop waiting in its engine (the engines are
+    // reached through a weak reference, so that they still stop here, when this
+    // function drops them).
     let (mut r, mut w) = ctl.split();
     let upto = Arc::new(AtomicU64::new(0));
     let end = Arc::new(AtomicU64::new(u64::MAX));
     let (tx, rx) = mpsc::channel::<Result<ToPrefill, String>>();
+    let engines = Arc::new(engines);
     {
         let (upto, end) = (upto.clone(), end.clone());
+        let engines = Arc::downgrade(&engines);
+        let wake = move || {
+            if let Some(es) = engines.upgrade() {
+                es.iter().for_each(Engine::wake);
+            }
+        };
         std::thread::spawn(move || loop {
             match ctl::recv::<ToPrefill>(&mut r) {
-                Ok(ToPrefill::Upto(n)) => upto.store(n, Ordering::Release),
-                Ok(ToPrefill::End(n)) => end.store(n, Ordering::Release),
+                Ok(ToPrefill::Upto(n)) => {
+                    upto.store(n, Ordering::Release);
+                    wake();
+                }
+                Ok(ToPrefill::End(n)) => {
+                    end.store(n, Ordering::Release);
+                    wake();
+                }
                 m => {
                     let last = m.is_err();
                     if tx.send(m).is_err() || last {
@@ -189,6 +205,7 @@ fn run_rooms(
     let chunk = p.chunk_pages();
     loop {
         let mut progress = false;
+        let seen = engine.changes();
         let limit = upto
             .load(Ordering::Acquire)
             .min(end.load(Ordering::Acquire));
@@ -290,7 +307,9 @@ fn run_rooms(
             return Ok(recs);
         }
         if !progress {
-            std::thread::sleep(Duration::from_micros(p.poll_us));
+            // Everything that gives this loop work wakes the wait: a room's change of
+            // state, an announcement. The bound is a safety net, not a poll.
+            ctl::idle(p, engine, seen, Duration::from_millis(100));
         }
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::changes::Changes;
 use super::lifecycle;
 use crate::control::{Control, Events, Peer};
 use crate::err;
@@ -26,6 +27,9 @@ pub(crate) struct Core<T> {
     /// the engine-clock ms of their clear: out of the table (their id may be used again
     /// at once) and released by the watchdog once drained.
     draining: Mutex<Draining<T>>,
+    /// Counts every change of a room's state (`lifecycle` bumps it), for the scheduler's
+    /// wait.
+    pub changes: Changes,
 }
 
 impl<T> Core<T> {
@@ -35,6 +39,7 @@ impl<T> Core<T> {
             control,
             rooms: RoomTable::new(),
             draining: Mutex::new(HashMap::new()),
+            changes: Changes::default(),
         }
     }
 

@@ -4,7 +4,7 @@
 //! does what goes with it: each transition arms the deadline of the state it enters
 //! (before the compare-and-swap, so that the watchdog, which reads the state first and
 //! the deadline second, never pairs the new state with the old deadline), counts, logs,
-//! and a failure tells the room's peers.
+//! a failure tells the room's peers, and every change wakes the scheduler's wait.
 //!
 //! `tests/layers.rs` fails if a room's state is changed anywhere else in the engine.
 
@@ -51,7 +51,11 @@ pub(crate) fn bootstrap_deadline(node: &Node) -> u64 {
 /// peer is connected). Whether this call made the transition.
 pub(crate) fn ready<S: Side>(side: &S, room: &Room<S::Ext>) -> bool {
     arm(&side.core().node, room, State::WaitingForInput);
-    room.advance(Event::Ready).is_ok()
+    let won = room.advance(Event::Ready).is_ok();
+    if won {
+        side.core().changes.bump();
+    }
+    won
 }
 
 /// Decode: the scheduler gave the destination of a room already waiting; waiting now
@@ -67,7 +71,11 @@ pub(crate) fn waiting_again<S: Side>(side: &S, room: &Room<S::Ext>) {
 /// callers make sure, and fail the room if it happens).
 pub(crate) fn start<S: Side>(side: &S, room: &Room<S::Ext>) -> Result<(), Refusal> {
     arm(&side.core().node, room, State::Transferring);
-    room.advance(Event::Start).map(|_| ())
+    let (from, _) = room.advance(Event::Start)?;
+    if from != State::Transferring {
+        side.core().changes.bump();
+    }
+    Ok(())
 }
 
 /// Data moved: the no-progress deadline is armed again.
@@ -82,6 +90,7 @@ pub(crate) fn complete<S: Side>(side: &S, room: &Room<S::Ext>) -> bool {
     if room.advance(Event::Complete).is_err() {
         return false;
     }
+    side.core().changes.bump();
     let node = &side.core().node;
     node.metrics.succeeded();
     let done = match node.role {
@@ -131,6 +140,7 @@ fn fail_if<S: Side>(
     let Some(from) = won else {
         return false;
     };
+    side.core().changes.bump();
     let node = &side.core().node;
     node.metrics.failed(cause);
     // The peers first: the log sink below is the host's code and may take its time, and

@@ -5,6 +5,7 @@
 //!
 //! The scheduler-facing calls (`room_*`, `enqueue_chunk`) never block on the network.
 
+mod changes;
 mod core;
 mod decode;
 mod lifecycle;
@@ -260,6 +261,26 @@ impl Engine {
     /// drains in the background. A second clear finds no room.
     pub fn room_clear(&self, id: u64) -> Result<()> {
         with_side!(self, s => core::clear(&**s, id))
+    }
+
+    /// Waits until a room of this engine changes state (or [`Engine::wake`] is called)
+    /// after the count `seen`, or `timeout` passes; returns the count of changes. With
+    /// a zero timeout it returns the count at once: read it, poll the rooms, then wait
+    /// with what was read, and no change in between is missed. Lets a scheduler thread
+    /// sleep until there is something to poll instead of polling on a timer.
+    pub fn wait(&self, seen: u64, timeout: std::time::Duration) -> u64 {
+        with_side!(self, s => s.core.changes.wait(seen, timeout))
+    }
+
+    /// The count of changes [`Engine::wait`] waits past (a wait with a zero timeout).
+    pub fn changes(&self) -> u64 {
+        self.wait(0, std::time::Duration::ZERO)
+    }
+
+    /// Counts a change as a room's would, waking [`Engine::wait`]: for the host's own
+    /// events (work arriving from another thread) on the same wait.
+    pub fn wake(&self) {
+        with_side!(self, s => s.core.changes.bump())
     }
 
     /// How many rooms the engine holds (live or terminal, not yet cleared).
