@@ -49,6 +49,9 @@ TEST_F(Errors, NullEngineIsNullPointerForEveryCall) {
     uint32_t page = 0;
     const kvxfer_engine *null = nullptr;
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_engine_address(null, buf, 32, &n)));
+    uint64_t count = 0;
+    EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_engine_wait(null, 0, 0, &count)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_engine_wake(null)));
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_register_kv(null, kv_.data(), 1)));
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_register_aux(null, aux_.data(), 1)));
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_room_create(null, 2, nullptr, 1)));
@@ -78,6 +81,7 @@ TEST_F(Errors, NullOutputPointersAreNullPointer) {
                            kvxfer_room_drained(decode_.get(), kRoom, nullptr)));
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER,
                            kvxfer_engine_address(decode_.get(), buf, sizeof buf, nullptr)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_engine_wait(decode_.get(), 0, 0, nullptr)));
     // A NULL buffer with a nonzero length.
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER,
                            kvxfer_engine_address(decode_.get(), nullptr, 64, &n)));

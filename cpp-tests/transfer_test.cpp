@@ -369,6 +369,52 @@ TEST(TransferPeers, MismatchedBufferLayoutsFailTheRoomNamingTheBuffer) {
     EXPECT_TRUE(contains(why, "item_len")) << why;
 }
 
+// A scheduler asleep in kvxfer_engine_wait is woken by the room's changes through to
+// SUCCESS, by kvxfer_engine_wake, and by kvxfer_engine_free: each wait returns a count
+// past the one it was given, which a wait that ran to its (minute-long) timeout would not.
+TEST_F(Transfer, AWaitingSchedulerIsWokenByChangesByWakeAndByFree) {
+    create(9);
+    auto until_success = [](kvxfer_engine *e) {
+        for (;;) {
+            uint64_t seen = 0, now = 0;
+            ASSERT_TRUE(ok(kvxfer_engine_wait(e, 0, 0, &seen)));
+            kvxfer_room_state s = poll(e, 9);
+            if (s == KVXFER_ROOM_SUCCESS) {
+                return;
+            }
+            ASSERT_NE(s, KVXFER_ROOM_FAILED) << failure(e, 9);
+            ASSERT_TRUE(ok(kvxfer_engine_wait(e, seen, 60000, &now)));
+            ASSERT_GT(now, seen) << "a wait ran to its timeout";
+        }
+    };
+    std::thread dw([&] { until_success(d_.get()); });
+    std::thread pw([&] { until_success(p_.get()); });
+    std::vector<uint32_t> src = {0, 1}, dst = {4, 9};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 9, dst.data(), dst.size(), -1)));
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 9, src.data(), src.size(), true, -1)));
+    dw.join();
+    pw.join();
+    EXPECT_TRUE(pages_equal(src, dst));
+
+    uint64_t seen = 0, woken = 0;
+    ASSERT_TRUE(ok(kvxfer_engine_wait(d_.get(), 0, 0, &seen)));
+    std::thread w([&] { EXPECT_TRUE(ok(kvxfer_engine_wait(d_.get(), seen, 60000, &woken))); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_TRUE(ok(kvxfer_engine_wake(d_.get())));
+    w.join();
+    EXPECT_GT(woken, seen) << "wake did not wake the wait";
+
+    ASSERT_TRUE(ok(kvxfer_engine_wait(d_.get(), 0, 0, &seen)));
+    woken = 0;
+    kvxfer_engine *d = d_.release();
+    std::thread f([&] { EXPECT_TRUE(ok(kvxfer_engine_wait(d, seen, 60000, &woken))); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    kvxfer_engine_free(d);
+    f.join();
+    EXPECT_GT(woken, seen) << "free did not wake the wait";
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_STATE, kvxfer_engine_wait(d, 0, 0, &woken)));
+}
+
 TEST(TransferHpp, ARoundTripThroughTheWrapper) {
     Side src(true), dst(false);
     kvxfer::Config pc, dc;
@@ -384,10 +430,18 @@ TEST(TransferHpp, ARoundTripThroughTheWrapper) {
     d.set_destination(42, {3, 4, 5}, 1);
     p.enqueue_chunk(42, {7, 8}, false);
     p.enqueue_chunk(42, {9}, true, 0);
+    // The scheduler's loop without a timer: poll, then sleep until something changes.
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while ((!kvxfer::is_terminal(d.poll(42)) || !kvxfer::is_terminal(p.poll(42))) &&
-           std::chrono::steady_clock::now() < until) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    while (std::chrono::steady_clock::now() < until) {
+        uint64_t ds = d.changes(), ps = p.changes();
+        if (kvxfer::is_terminal(d.poll(42)) && kvxfer::is_terminal(p.poll(42))) {
+            break;
+        }
+        if (!kvxfer::is_terminal(d.poll(42))) {
+            d.wait(ds, 1000);
+        } else {
+            p.wait(ps, 1000);
+        }
     }
     ASSERT_EQ(d.poll(42), kvxfer::RoomState::Success);
     ASSERT_EQ(p.poll(42), kvxfer::RoomState::Success);

@@ -528,6 +528,30 @@ void kvxfer_engine_free(struct kvxfer_engine *engine);
 KVXFER_MUST_USE kvxfer_status kvxfer_engine_address(const struct kvxfer_engine *engine, char *buf, size_t len, size_t *out_n);
 
 /**
+ * Sleeps until a room of this engine changes state (it becomes ready, starts
+ * transferring, succeeds or fails) or `kvxfer_engine_wake` is called, after the count
+ * `seen`, or until `timeout_ms` passes; stores the count of changes in `*out_changes`.
+ * With `timeout_ms` 0 it returns the count at once.
+ *
+ * So a scheduler thread can sleep until there is something to poll instead of polling
+ * on a timer: read the count, poll the rooms, then wait with the count read. A change
+ * in between makes the wait return at once, so none is missed. `kvxfer_engine_free`
+ * wakes every waiting call (it returns `KVXFER_OK`; the next call fails with
+ * `KVXFER_ERR_WRONG_STATE`). Must not be called from inside the engine's log sink.
+ *
+ * Errors: `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_engine_wait(const struct kvxfer_engine *engine, uint64_t seen, uint32_t timeout_ms, uint64_t *out_changes);
+
+/**
+ * Counts a change as a room's would, waking every `kvxfer_engine_wait`: for the host's
+ * own events (work handed over by another thread) on the same wait.
+ *
+ * Errors: `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_engine_wake(const struct kvxfer_engine *engine);
+
+/**
  * Registers the engine's KV buffers, once, before any room is created: `n` buffers,
  * paired by position with the peer's (MHA: one per layer for K and one for V; MLA: one
  * per layer). The memory must stay valid and must not be freed until

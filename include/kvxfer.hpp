@@ -265,6 +265,21 @@ class Engine {
         });
     }
 
+    /// Sleeps until a room of this engine changes state or wake() is called, after the
+    /// count `seen`, or `timeout_ms` passes; returns the count of changes (0 ms: at once).
+    /// Read changes(), poll the rooms, then wait(seen): no change in between is missed.
+    uint64_t wait(uint64_t seen, uint32_t timeout_ms) const {
+        uint64_t n = 0;
+        check(kvxfer_engine_wait(handle_.get(), seen, timeout_ms, &n));
+        return n;
+    }
+
+    /// The count of changes wait() waits past.
+    uint64_t changes() const { return wait(0, 0); }
+
+    /// Wakes every wait(), as a room's change would (for the host's own events).
+    void wake() const { check(kvxfer_engine_wake(handle_.get())); }
+
     /// Counters and gauges (see kvxfer_metrics).
     kvxfer_metrics metrics() const {
         kvxfer_metrics m{};

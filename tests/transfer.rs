@@ -64,16 +64,14 @@ fn a_scheduler_waiting_on_its_engine_is_woken_by_every_change_of_state() {
     let t = pair(&[]);
     const LONG: Duration = Duration::from_secs(20);
     // Waits on `e` until room `id` is in `want`, asserting that no wait timed out.
-    let until = |e: &Engine, id: u64, want: State| {
-        loop {
-            let seen = e.changes();
-            let now = e.room_poll(id).unwrap();
-            if now == want {
-                return;
-            }
-            assert!(!now.is_terminal(), "room {id} is {now:?}, not {want:?}");
-            assert!(e.wait(seen, LONG) > seen, "a wait for room {id} timed out");
+    let until = |e: &Engine, id: u64, want: State| loop {
+        let seen = e.changes();
+        let now = e.room_poll(id).unwrap();
+        if now == want {
+            return;
         }
+        assert!(!now.is_terminal(), "room {id} is {now:?}, not {want:?}");
+        assert!(e.wait(seen, LONG) > seen, "a wait for room {id} timed out");
     };
     let (p, d) = (&t.p, &t.d);
     t.create(1);

@@ -304,6 +304,22 @@ FUNCTIONS = {
         'kvxfer_status kvxfer_engine_address(const kvxfer_engine *engine, char *buf, size_t len, size_t *out_n)',
         'Copies the `host:port` that peers connect to into `buf` (NUL-terminated) and its\nlength (without the NUL) into `*out_n`.\n\nErrors: `KVXFER_ERR_BUFFER_TOO_SMALL` if `len` cannot hold the address and its NUL;\n`*out_n` then holds the length needed. `KVXFER_ERR_NULL_POINTER`.',
     ),
+    'kvxfer_engine_wait': (
+        ctypes.c_int32,
+        [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)],
+        ('engine', 'seen', 'timeout_ms', 'out_changes'),
+        True,
+        'kvxfer_status kvxfer_engine_wait(const kvxfer_engine *engine, uint64_t seen, uint32_t timeout_ms, uint64_t *out_changes)',
+        "Sleeps until a room of this engine changes state (it becomes ready, starts\ntransferring, succeeds or fails) or `kvxfer_engine_wake` is called, after the count\n`seen`, or until `timeout_ms` passes; stores the count of changes in `*out_changes`.\nWith `timeout_ms` 0 it returns the count at once.\n\nSo a scheduler thread can sleep until there is something to poll instead of polling\non a timer: read the count, poll the rooms, then wait with the count read. A change\nin between makes the wait return at once, so none is missed. `kvxfer_engine_free`\nwakes every waiting call (it returns `KVXFER_OK`; the next call fails with\n`KVXFER_ERR_WRONG_STATE`). Must not be called from inside the engine's log sink.\n\nErrors: `KVXFER_ERR_NULL_POINTER`.",
+    ),
+    'kvxfer_engine_wake': (
+        ctypes.c_int32,
+        [ctypes.c_void_p],
+        ('engine',),
+        True,
+        'kvxfer_status kvxfer_engine_wake(const kvxfer_engine *engine)',
+        "Counts a change as a room's would, waking every `kvxfer_engine_wait`: for the host's\nown events (work handed over by another thread) on the same wait.\n\nErrors: `KVXFER_ERR_NULL_POINTER`.",
+    ),
     'kvxfer_register_kv': (
         ctypes.c_int32,
         [ctypes.c_void_p, ctypes.POINTER(Buffer), ctypes.c_size_t],

@@ -453,6 +453,10 @@ class Engine:
             if self._handle is None:
                 return
             handle, self._handle = self._handle, None
+            # A call asleep in wait() returns at once instead of at its timeout (the
+            # engine is still alive: kvxfer_engine_free comes below).
+            if self._calls:
+                lib.kvxfer_engine_wake(handle)
             while self._calls:
                 self._cond.wait()
         lib.kvxfer_engine_free(handle)
@@ -503,6 +507,32 @@ class Engine:
         if self._address is None:
             self._address = self._string("kvxfer_engine_address")
         return self._address
+
+    # -- waiting -----------------------------------------------------------------------
+
+    @_wraps("kvxfer_engine_wait")
+    def wait(self, seen: int, timeout: float) -> int:
+        """Sleeps (without the GIL) until a room of this engine changes state or
+        :meth:`wake` is called, after the count ``seen``, or ``timeout`` seconds pass;
+        returns the count of changes. Read :meth:`changes`, poll the rooms, then
+        ``wait(seen, ...)``: no change in between is missed. :meth:`close` wakes it."""
+        if isinstance(seen, bool) or not isinstance(seen, int) or not 0 <= seen <= _U64_MAX:
+            raise _invalid("kvxfer_engine_wait", f"seen {seen!r} is not an integer in 0..2^64-1")
+        if not timeout >= 0:
+            raise _invalid("kvxfer_engine_wait", f"timeout {timeout!r} is not >= 0 seconds")
+        ms = min(int(timeout * 1000), 0xFFFF_FFFF)
+        n = ctypes.c_uint64()
+        self._call("kvxfer_engine_wait", seen, ms, ctypes.byref(n))
+        return n.value
+
+    def changes(self) -> int:
+        """The count of changes :meth:`wait` waits past."""
+        return self.wait(0, 0)
+
+    @_wraps("kvxfer_engine_wake")
+    def wake(self) -> None:
+        """Wakes every :meth:`wait`, as a room's change would (for the host's own events)."""
+        self._call("kvxfer_engine_wake")
 
     # -- registration ------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ SCALARS = {
     "const char *const *": "ctypes.POINTER(ctypes.c_char_p)",
     "const uint32_t *": "ctypes.c_void_p",
     "size_t *": "ctypes.POINTER(ctypes.c_size_t)",
+    "uint64_t *": "ctypes.POINTER(ctypes.c_uint64)",
     "bool *": "ctypes.POINTER(ctypes.c_bool)",
     "kvxfer_room_state *": "ctypes.POINTER(ctypes.c_int32)",
     "kvxfer_failure_cause *": "ctypes.POINTER(ctypes.c_int32)",

@@ -152,6 +152,13 @@ pub unsafe extern "C" fn kvxfer_engine_free(engine: *mut kvxfer_engine) {
         if cell.closed.swap(true, Ordering::SeqCst) {
             return; // freed before
         }
+        // A call asleep in kvxfer_engine_wait returns at once (the count moves past
+        // what it waits on) rather than at its timeout.
+        // SAFETY: the engine is taken out only below, by this call, after this shared
+        // reference is gone; calls in progress share it meanwhile, as this one does.
+        if let Some(engine) = unsafe { (*cell.engine.get()).as_ref() } {
+            engine.wake();
+        }
         while cell.inflight.load(Ordering::SeqCst) != 0 {
             std::thread::yield_now();
         }
@@ -180,6 +187,52 @@ pub unsafe extern "C" fn kvxfer_engine_address(
         let engine = unsafe { kvxfer_engine::enter(engine) }?;
         // SAFETY: buf holds len bytes by contract.
         unsafe { write_string(buf, len, out_n, engine.address()) }
+    })
+}
+
+/// Sleeps until a room of this engine changes state (it becomes ready, starts
+/// transferring, succeeds or fails) or `kvxfer_engine_wake` is called, after the count
+/// `seen`, or until `timeout_ms` passes; stores the count of changes in `*out_changes`.
+/// With `timeout_ms` 0 it returns the count at once.
+///
+/// So a scheduler thread can sleep until there is something to poll instead of polling
+/// on a timer: read the count, poll the rooms, then wait with the count read. A change
+/// in between makes the wait return at once, so none is missed. `kvxfer_engine_free`
+/// wakes every waiting call (it returns `KVXFER_OK`; the next call fails with
+/// `KVXFER_ERR_WRONG_STATE`). Must not be called from inside the engine's log sink.
+///
+/// Errors: `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_engine_wait(
+    engine: *const kvxfer_engine,
+    seen: u64,
+    timeout_ms: u32,
+    out_changes: *mut u64,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        let out = super::boundary::try_out(out_changes, "out_changes")?;
+        let changes = engine.wait(seen, std::time::Duration::from_millis(timeout_ms.into()));
+        // SAFETY: `out` checked non-NULL and aligned; writable by contract.
+        unsafe { out.write(changes) };
+        Ok(())
+    })
+}
+
+/// Counts a change as a room's would, waking every `kvxfer_engine_wait`: for the host's
+/// own events (work handed over by another thread) on the same wait.
+///
+/// Errors: `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_engine_wake(engine: *const kvxfer_engine) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        engine.wake();
+        Ok(())
     })
 }
 
