@@ -12,7 +12,9 @@ alternation the engines run back to back, in an order rotated each time:
 - NIXL (UCX over TCP) and Mooncake TE (TCP) through their Python APIs (pair.py): the same
   one buffer per side, R requests of 128 pages of B bytes, source pages in order,
   destination pages scattered by kvxfer-bench's permutation, WRITE, the same sampled
-  check of every request that landed, the same scheduler poll.
+  check of every request that landed; their scheduler loops poll every P us
+  (kvxfer-bench's sleep in the engine's wait instead, P bounding only the wait for a
+  failed room to drain).
 
 Ratios are taken inside each alternation, then summarised as median [min-max]. Run it
 through `make bench-peers` (bench/peers/run.sh), which installs the peers into a virtual
@@ -257,7 +259,7 @@ def main():
     print()
     print(f"Peers: GB/s delivered and verified (sampled), median [min-max] of {a.alternations} alternations; "
           f"ratios taken within each alternation. {SLOT_PAGES} pages per request, one buffer per side, "
-          f"scattered destinations, WRITE, scheduler poll {a.poll_us} us, ~{a.gib:g} GiB per engine phase; "
+          f"scattered destinations, WRITE, peers' scheduler poll {a.poll_us} us (libkvxfer's waits), ~{a.gib:g} GiB per engine phase; "
           f"{time.time() - t_start:.0f} s in all.")
     print(table(a, cells))
     for e, why in skipped.items():
