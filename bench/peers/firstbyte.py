@@ -9,8 +9,8 @@ system-wide but only during the kvxfer phase, with CLOCK_MONOTONIC timestamps: t
 engine's control writer's sendmsg (the room's destination; with one request in flight
 the next one's goes out only after the room before it succeeded), sched:sched_wakeup (the
 prefill scheduler or control reader waking the worker that takes the room's chunk), the
-worker's sys_enter_sendmsg and the decode receivers' sys_exit_recvfrom (with how much each
-read returned). Run as root (run.sh --firstbyte).
+sender's sys_enter_sendmsg and the decode receivers' sys_exit_recvfrom and sys_exit_readv
+(with how much each read returned). Run as root (run.sh --firstbyte).
 """
 
 import argparse
@@ -26,7 +26,7 @@ import time
 
 import peers
 
-EVENTS = "sched:sched_wakeup,syscalls:sys_enter_sendmsg,syscalls:sys_exit_recvfrom"
+EVENTS = "sched:sched_wakeup,syscalls:sys_enter_sendmsg,syscalls:sys_exit_recvfrom,syscalls:sys_exit_readv"
 LINE = re.compile(r"^\s*(\S.*?)\s+(\d+)/(\d+)\s+(\d+\.\d+):\s+(\S+):\s*(.*)$")
 
 
@@ -126,9 +126,10 @@ def timeline(decode_pid, prefill_pid, script, room_bytes, comms):
                     and cur["send"] is None and comm.startswith(("kvxfer-bench", "kvxfer-ctrl-rx"))):
                 cur["woken"], cur["by"] = t, comm
         elif ev.startswith("syscalls:sys_enter_sendmsg"):
-            if pid == prefill_pid and comm.startswith("kvxfer-worker") and cur["send"] is None:
+            # The link's sender thread (a worker, before the per-link senders).
+            if pid == prefill_pid and comm.startswith(("kvxfer-send", "kvxfer-worker")) and cur["send"] is None:
                 cur["send"] = t
-        elif ev.startswith("syscalls:sys_exit_recvfrom"):
+        elif ev.startswith(("syscalls:sys_exit_recvfrom", "syscalls:sys_exit_readv")):
             if pid == decode_pid and comm.startswith("kvxfer-recv"):
                 ret = int(rest.split()[-1], 16)
                 if 0 < ret < 1 << 40:
