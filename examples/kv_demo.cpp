@@ -341,6 +341,8 @@ int run_decode(const char *self, const Options &o) {
     while (next < o.requests || !live.empty()) {
         auto now = Clock::now();
         bool moving = false;
+        // Read before polling: a room that changes state after it wakes the wait below.
+        uint64_t seen = e.changes();
         while (next < o.requests && static_cast<int>(live.size()) < o.concurrency) {
             Live l{plan(o, next), {}, 0, Clock::now()};
             if (!pool.take(l.p.pages, l.dst, l.slot)) break;
@@ -396,7 +398,8 @@ int run_decode(const char *self, const Options &o) {
         }
         if (moving) window += std::chrono::duration<double>(now - pass).count();
         pass = now;
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        // Nothing to do until a room changes state: sleep until one does.
+        e.wait(seen, 100);
     }
     double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     std::string prefill = read_line(child.out, "PREFILL ");
