@@ -338,41 +338,28 @@ def test_wait_is_woken_by_a_change_by_wake_and_by_close():
     e = kvxfer.Engine(role="prefill")
     kv = bytearray(4 * 64)
     e.register_kv([kvxfer.Buffer.of(kv, 64)])
-    got = []
 
-    def waiter(seen):
-        try:
-            got.append(e.wait(seen, 60))
-        except ValueError:
-            got.append("closed")
+    def woken_by(act):
+        """What a wait from the current count returns when ``act`` runs meanwhile (a
+        minute-long timeout: a wait that is not woken fails the join below)."""
+        seen, got = e.changes(), []
+        t = threading.Thread(target=lambda: got.append(e.wait(seen, 60)))
+        t.start()
+        time.sleep(0.02)
+        act()
+        t.join(30)
+        assert not t.is_alive() and got, "the wait was not woken"
+        return seen, got[0]
 
-    # A room's change of state (an abort fails it).
     e.room_create(1)
-    seen = e.changes()
-    t = threading.Thread(target=waiter, args=(seen,))
-    t.start()
-    time.sleep(0.02)
-    e.room_abort(1, "x")
-    t.join(30)
-    assert got and got[-1] > seen, got
-    # wake().
-    seen = e.changes()
-    t = threading.Thread(target=waiter, args=(seen,))
-    t.start()
-    time.sleep(0.02)
-    e.wake()
-    t.join(30)
-    assert got[-1] > seen, got
+    # A room's change of state (an abort fails it), wake(), and close().
+    for act in (lambda: e.room_abort(1, "x"), e.wake):
+        seen, now = woken_by(act)
+        assert now > seen, (seen, now)
     # Nothing changes: the count comes back unchanged at the timeout.
     assert e.wait(e.changes(), 0.01) == e.changes()
-    # close() wakes a wait in progress instead of waiting for its minute-long timeout.
-    seen = e.changes()
-    t = threading.Thread(target=waiter, args=(seen,))
-    t.start()
-    time.sleep(0.05)
-    e.close()
-    t.join(30)
-    assert not t.is_alive() and got[-1] not in (seen,), got
+    seen, now = woken_by(e.close)
+    assert now > seen, (seen, now)
     with kvxfer.Engine(role="prefill") as e2, pytest.raises(kvxfer.KvxferError):
         e2.wait(-1, 0)
 
