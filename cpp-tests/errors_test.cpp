@@ -52,6 +52,8 @@ TEST_F(Errors, NullEngineIsNullPointerForEveryCall) {
     uint64_t count = 0;
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_engine_wait(null, 0, 0, &count)));
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_engine_wake(null)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_engine_id(null, &count)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_room_create_for(null, 2, &count, 1)));
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_register_kv(null, kv_.data(), 1)));
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_register_aux(null, aux_.data(), 1)));
     EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_room_create(null, 2, nullptr, 1)));

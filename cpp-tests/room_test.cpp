@@ -68,6 +68,37 @@ TEST_F(Rooms, DecodeRoomMayPullFromSeveralPrefillEngines) {
     EXPECT_EQ(poll(decode_.get(), 9), KVXFER_ROOM_BOOTSTRAPPING);
 }
 
+TEST_F(Rooms, APrefillRoomBoundToDecodeEnginesTakesTheirDistinctIds) {
+    uint64_t d_id = 0, p_id = 0;
+    ASSERT_TRUE(ok(kvxfer_engine_id(decode_.get(), &d_id)));
+    ASSERT_TRUE(ok(kvxfer_engine_id(prefill_.get(), &p_id)));
+    EXPECT_NE(d_id, p_id);
+    EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_engine_id(decode_.get(), nullptr)));
+    const uint64_t two[] = {d_id, d_id + 1};
+    ASSERT_TRUE(ok(kvxfer_room_create_for(prefill_.get(), 1, two, 2)));
+    EXPECT_EQ(poll(prefill_.get(), 1), KVXFER_ROOM_BOOTSTRAPPING);
+    const uint64_t dup[] = {d_id, 7, d_id};
+    EXPECT_TRUE(fails_with(KVXFER_ERR_INVALID_ARGUMENT,
+                           kvxfer_room_create_for(prefill_.get(), 2, dup, 3)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_INVALID_ARGUMENT,
+                           kvxfer_room_create_for(prefill_.get(), 2, two, 0)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER,
+                           kvxfer_room_create_for(prefill_.get(), 2, nullptr, 1)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_ALREADY_EXISTS,
+                           kvxfer_room_create_for(prefill_.get(), 1, two, 1)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_ROLE,
+                           kvxfer_room_create_for(decode_.get(), 2, &p_id, 1)));
+    // Through kvxfer.hpp.
+    kvxfer::Engine p(kvxfer::Config().set("role", "prefill"));
+    EXPECT_NE(p.id(), p_id);
+    try {
+        p.create_prefill_room_for(3, {});
+        FAIL() << "a room bound to no engine was created";
+    } catch (const kvxfer::Error &e) {
+        EXPECT_EQ(e.code(), KVXFER_ERR_INVALID_ARGUMENT);
+    }
+}
+
 TEST_F(Rooms, DuplicateCreateIsAlreadyExistsWhileLiveAndAfterFailing) {
     ASSERT_TRUE(ok(create_decode(5)));
     Result r = result(create_decode(5));

@@ -389,6 +389,12 @@ typedef struct kvxfer_metrics {
    * malformed handshake, or too many connections authenticating at once.
    */
   uint64_t auth_failures;
+  /**
+   * Prefill engine: destinations and aborts refused because their room is bound to
+   * other decode engines (`kvxfer_room_create_for`). Each refused destination is
+   * answered with a failure of its decode room; the prefill room is unchanged.
+   */
+  uint64_t binding_refusals;
 } kvxfer_metrics;
 
 #ifdef __cplusplus
@@ -528,6 +534,15 @@ void kvxfer_engine_free(struct kvxfer_engine *engine);
 KVXFER_MUST_USE kvxfer_status kvxfer_engine_address(const struct kvxfer_engine *engine, char *buf, size_t len, size_t *out_n);
 
 /**
+ * Stores this engine's id in `*out`: a random 64-bit number chosen when the engine
+ * started, which it claims whenever it connects to a peer. A router passes a decode
+ * engine's id to `kvxfer_room_create_for` on the prefill side to bind a room to it.
+ *
+ * Errors: `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_engine_id(const struct kvxfer_engine *engine, uint64_t *out);
+
+/**
  * Sleeps until a room of this engine changes state (it becomes ready, starts
  * transferring, succeeds or fails) or `kvxfer_engine_wake` is called, after the count
  * `seen`, or until `timeout_ms` passes; stores the count of changes in `*out_changes`.
@@ -615,6 +630,26 @@ KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics_text(const struct kvxfer_eng
  * `kvxfer_register_kv`; `KVXFER_ERR_NULL_POINTER`.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_room_create(const struct kvxfer_engine *engine, uint64_t room, const char *const *peers, size_t n_peers);
+
+/**
+ * Prefill engine only: creates room `room` in BOOTSTRAPPING, bound to the `n` decode
+ * engines whose ids (`kvxfer_engine_id` on each) `decode_ids` holds: the room waits
+ * for one destination from each, and a destination or abort for it from any other
+ * engine is refused, counted in `binding_refusals` and changes nothing (a refused
+ * destination fails the sender's decode room with a reason naming the binding). The
+ * array is copied. For routers that know which decode engines serve a request.
+ *
+ * An engine id is the one a decode engine claims when it connects; with a cluster key
+ * (`auth_key`) only an engine holding the key gets in, but the key does not prove which
+ * engine it is (see docs/SECURITY.md): binding keeps rooms from being claimed by the
+ * wrong engine of the cluster, not from a key holder posing as another engine.
+ *
+ * Errors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_ALREADY_EXISTS` if
+ * the id is present (live, or terminal and not cleared); `KVXFER_ERR_INVALID_ARGUMENT`
+ * for `n` = 0 or > 1024 or an id listed twice; `KVXFER_ERR_WRONG_STATE` before
+ * `kvxfer_register_kv`; `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_room_create_for(const struct kvxfer_engine *engine, uint64_t room, const uint64_t *decode_ids, size_t n);
 
 /**
  * Decode engine only: the destination of room `room`, sent to every prefill engine of

@@ -265,6 +265,14 @@ class Engine {
         });
     }
 
+    /// This engine's id, which it claims when it connects to a peer: give a decode
+    /// engine's id to create_prefill_room_for() on the prefill side.
+    uint64_t id() const {
+        uint64_t id = 0;
+        check(kvxfer_engine_id(handle_.get(), &id));
+        return id;
+    }
+
     /// Sleeps until a room of this engine changes state or wake() is called, after the
     /// count `seen`, or `timeout_ms` passes; returns the count of changes (0 ms: at once).
     /// Read changes(), poll the rooms, then wait(seen): no change in between is missed.
@@ -332,6 +340,14 @@ class Engine {
     /// decode engines (0 means 1).
     void create_prefill_room(uint64_t room, std::size_t n_decoders = 1) {
         check(kvxfer_room_create(handle_.get(), room, nullptr, n_decoders));
+    }
+
+    /// Prefill engine: creates `room` bound to the decode engines `decode_ids` (their
+    /// id()), one destination from each; any other engine's destination or abort for it
+    /// is refused and counted (kvxfer_metrics::binding_refusals).
+    void create_prefill_room_for(uint64_t room, const std::vector<uint64_t> &decode_ids) {
+        check(kvxfer_room_create_for(handle_.get(), room, decode_ids.data(),
+                                     decode_ids.size()));
     }
 
     /// Decode engine: the destination pages and aux slot (< 0: none) of `room`.

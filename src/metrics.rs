@@ -76,6 +76,9 @@ macro_rules! metrics_table {
             counter auth_failures (auth_failures)
                 "kvxfer_auth_failures_total"
                 "Connections refused at authentication (no key, wrong key, bad proof, replay, ...).";
+            counter binding_refusals (binding_refusals)
+                "kvxfer_binding_refusals_total"
+                "Destinations and aborts refused: the room is bound to other decode engines.";
         }
     };
 }
@@ -337,7 +340,7 @@ mod tests {
             s.rooms_by_state[2]
         )));
         assert!(line("# TYPE kvxfer_rooms gauge"));
-        // Every sample line carries one distinct value, none missing, none twice: 15
+        // Every sample line carries one distinct value, none missing, none twice: 16
         // counters, 10 causes, 5 states and 2 gauges.
         let mut values: Vec<u64> = text
             .lines()
@@ -347,11 +350,11 @@ mod tests {
         values.sort_unstable();
         let n = values.len() as u64;
         assert_eq!(values, (1..=n).collect::<Vec<_>>(), "{text}");
-        assert_eq!(n, 32, "{text}");
+        assert_eq!(n, 33, "{text}");
         // One HELP and one TYPE per series, every series prefixed.
         let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((types, helps), (19, 19), "{text}");
+        assert_eq!((types, helps), (20, 20), "{text}");
         assert!(text
             .lines()
             .all(|l| l.starts_with("kvxfer_") || l.starts_with("# ")));

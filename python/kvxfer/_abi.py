@@ -198,6 +198,7 @@ class Metrics(ctypes.Structure):
         ('cleared_overflow', ctypes.c_uint64),
         ('rooms_draining', ctypes.c_uint64),
         ('auth_failures', ctypes.c_uint64),
+        ('binding_refusals', ctypes.c_uint64),
     ]
 
     FIELD_DOCS = {
@@ -221,6 +222,7 @@ class Metrics(ctypes.Structure):
         'cleared_overflow': 'Cleared prefill rooms the holding area had no place to remember: late messages\nabout them may be taken for a new use of their id.',
         'rooms_draining': 'Rooms cleared before they drained (`kvxfer_room_drained`), still draining in the\nbackground; the library releases them once no transport operation can touch\ntheir memory.',
         'auth_failures': 'Connections refused at authentication, on either side (see `auth` in\n`kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete or\nmalformed handshake, or too many connections authenticating at once.',
+        'binding_refusals': 'Prefill engine: destinations and aborts refused because their room is bound to\nother decode engines (`kvxfer_room_create_for`). Each refused destination is\nanswered with a failure of its decode room; the prefill room is unchanged.',
     }
 
 
@@ -304,6 +306,14 @@ FUNCTIONS = {
         'kvxfer_status kvxfer_engine_address(const kvxfer_engine *engine, char *buf, size_t len, size_t *out_n)',
         'Copies the `host:port` that peers connect to into `buf` (NUL-terminated) and its\nlength (without the NUL) into `*out_n`.\n\nErrors: `KVXFER_ERR_BUFFER_TOO_SMALL` if `len` cannot hold the address and its NUL;\n`*out_n` then holds the length needed. `KVXFER_ERR_NULL_POINTER`.',
     ),
+    'kvxfer_engine_id': (
+        ctypes.c_int32,
+        [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)],
+        ('engine', 'out'),
+        True,
+        'kvxfer_status kvxfer_engine_id(const kvxfer_engine *engine, uint64_t *out)',
+        "Stores this engine's id in `*out`: a random 64-bit number chosen when the engine\nstarted, which it claims whenever it connects to a peer. A router passes a decode\nengine's id to `kvxfer_room_create_for` on the prefill side to bind a room to it.\n\nErrors: `KVXFER_ERR_NULL_POINTER`.",
+    ),
     'kvxfer_engine_wait': (
         ctypes.c_int32,
         [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)],
@@ -367,6 +377,14 @@ FUNCTIONS = {
         True,
         'kvxfer_status kvxfer_room_create(const kvxfer_engine *engine, uint64_t room, const char *const *peers, size_t n_peers)',
         'Creates room `room` in BOOTSTRAPPING.\n\nDecode engine: `peers` holds `n_peers` (at least 1) NUL-terminated `host:port`\naddresses of the prefill engines the room pulls from. Prefill engine: `peers` must be\nNULL and `n_peers` is how many decode engines will send a destination (0 means 1).\n\nErrors: `KVXFER_ERR_ALREADY_EXISTS` if the id is present (live, or terminal and not\ncleared); `KVXFER_ERR_INVALID_ARGUMENT` for bad peers; `KVXFER_ERR_WRONG_STATE` before\n`kvxfer_register_kv`; `KVXFER_ERR_NULL_POINTER`.',
+    ),
+    'kvxfer_room_create_for': (
+        ctypes.c_int32,
+        [ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
+        ('engine', 'room', 'decode_ids', 'n'),
+        True,
+        'kvxfer_status kvxfer_room_create_for(const kvxfer_engine *engine, uint64_t room, const uint64_t *decode_ids, size_t n)',
+        "Prefill engine only: creates room `room` in BOOTSTRAPPING, bound to the `n` decode\nengines whose ids (`kvxfer_engine_id` on each) `decode_ids` holds: the room waits\nfor one destination from each, and a destination or abort for it from any other\nengine is refused, counted in `binding_refusals` and changes nothing (a refused\ndestination fails the sender's decode room with a reason naming the binding). The\narray is copied. For routers that know which decode engines serve a request.\n\nAn engine id is the one a decode engine claims when it connects; with a cluster key\n(`auth_key`) only an engine holding the key gets in, but the key does not prove which\nengine it is (see docs/SECURITY.md): binding keeps rooms from being claimed by the\nwrong engine of the cluster, not from a key holder posing as another engine.\n\nErrors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_ALREADY_EXISTS` if\nthe id is present (live, or terminal and not cleared); `KVXFER_ERR_INVALID_ARGUMENT`\nfor `n` = 0 or > 1024 or an id listed twice; `KVXFER_ERR_WRONG_STATE` before\n`kvxfer_register_kv`; `KVXFER_ERR_NULL_POINTER`.",
     ),
     'kvxfer_room_set_destination': (
         ctypes.c_int32,

@@ -508,6 +508,15 @@ class Engine:
             self._address = self._string("kvxfer_engine_address")
         return self._address
 
+    @property
+    @_wraps("kvxfer_engine_id")
+    def engine_id(self) -> int:
+        """This engine's id, which it claims when it connects to a peer: give a decode
+        engine's id to :meth:`room_create_for` on the prefill side."""
+        n = ctypes.c_uint64()
+        self._call("kvxfer_engine_id", ctypes.byref(n))
+        return n.value
+
     # -- waiting -----------------------------------------------------------------------
 
     @_wraps("kvxfer_engine_wait")
@@ -611,6 +620,21 @@ class Engine:
         encoded = [p.encode() if isinstance(p, str) else bytes(p) for p in peers]
         arr = (ctypes.c_char_p * max(len(encoded), 1))(*encoded)
         self._call("kvxfer_room_create", room, arr, len(encoded))
+
+    @_wraps("kvxfer_room_create_for")
+    def room_create_for(self, room: int, decode_ids: Sequence[int]) -> None:
+        """Prefill engine only: creates room ``room`` bound to the decode engines whose
+        :attr:`engine_id` ``decode_ids`` lists, one destination from each; a destination
+        or abort from any other engine is refused and counted (``binding_refusals``)."""
+        name = "kvxfer_room_create_for"
+        room = _room_id(room, name)
+        ids = list(decode_ids) if not isinstance(decode_ids, (str, bytes, int)) else None
+        if ids is None or any(isinstance(i, bool) or not isinstance(i, int)
+                              or not 0 <= i <= _U64_MAX for i in ids):
+            raise _invalid(name, f"decode_ids {decode_ids!r} is not a sequence of integers "
+                                 "in 0..2^64-1")
+        arr = (ctypes.c_uint64 * max(len(ids), 1))(*ids)
+        self._call(name, room, arr, len(ids))
 
     @_wraps("kvxfer_room_set_destination")
     def room_set_destination(self, room: int, pages: PageList, aux_slot: int | None = None) -> None:

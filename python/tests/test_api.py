@@ -200,6 +200,44 @@ def test_pages_reach_the_library_as_given():
             d.room_set_destination(2, array.array("I", [3, 3]))
 
 
+def _terminal(e, room, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while (s := e.room_poll(room)) not in (RoomState.SUCCESS, RoomState.FAILED):
+        assert time.monotonic() < deadline, f"room {room} stuck in {s!r}"
+        time.sleep(0.001)
+    return s
+
+
+def test_a_room_bound_to_a_decode_engine_takes_its_destination_and_refuses_anothers():
+    """room_create_for: the decode engine named by its engine_id claims the room; a
+    destination from another decode engine fails that engine's room and is counted."""
+    with kvxfer.Engine(role="prefill") as p, kvxfer.Engine(role="decode") as d1, \
+            kvxfer.Engine(role="decode") as d2:
+        src, dst1, dst2 = (bytearray(range(256)) * 2), bytearray(512), bytearray(512)
+        p.register_kv([kvxfer.Buffer.of(src, 64)])
+        d1.register_kv([kvxfer.Buffer.of(dst1, 64)])
+        d2.register_kv([kvxfer.Buffer.of(dst2, 64)])
+        assert len({p.engine_id, d1.engine_id, d2.engine_id}) == 3
+        p.room_create_for(1, [d1.engine_id])
+        p.enqueue_chunk(1, [2], True)
+        d2.room_create(1, [p.address])
+        d2.room_set_destination(1, [3])
+        assert _terminal(d2, 1) == RoomState.FAILED
+        assert "bound to other decode engines" in d2.room_failure(1)
+        assert p.metrics()["binding_refusals"] == 1
+        assert p.room_poll(1) == RoomState.BOOTSTRAPPING
+        d1.room_create(1, [p.address])
+        d1.room_set_destination(1, [5])
+        assert _terminal(d1, 1) == RoomState.SUCCESS
+        assert dst1[5 * 64:6 * 64] == src[2 * 64:3 * 64] and not any(dst2)
+        with pytest.raises(kvxfer.InvalidArgumentError, match="twice"):
+            p.room_create_for(2, [7, 7])
+        with pytest.raises(kvxfer.InvalidArgumentError, match="decode_ids"):
+            p.room_create_for(2, [-1])
+        with pytest.raises(kvxfer.WrongRoleError):
+            d1.room_create_for(2, [p.engine_id])
+
+
 def test_buffer_of_keeps_memory_alive_and_rejects_read_only():
     kv = bytearray(4096)
     b = kvxfer.Buffer.of(kv, 1024)

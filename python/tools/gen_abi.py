@@ -52,6 +52,7 @@ SCALARS = {
     "const char *": "ctypes.c_char_p",
     "const char *const *": "ctypes.POINTER(ctypes.c_char_p)",
     "const uint32_t *": "ctypes.c_void_p",
+    "const uint64_t *": "ctypes.POINTER(ctypes.c_uint64)",
     "size_t *": "ctypes.POINTER(ctypes.c_size_t)",
     "uint64_t *": "ctypes.POINTER(ctypes.c_uint64)",
     "bool *": "ctypes.POINTER(ctypes.c_bool)",

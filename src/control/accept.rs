@@ -86,8 +86,8 @@ impl Control {
                     return Err("this prefill engine has not registered its KV buffers yet".into());
                 }
                 node.memory.seal();
-                let peer = Peer::new(
-                    key.clone(),
+                let peer = Peer::of_engine(
+                    engine_id,
                     format!("decode engine {key} at {from}"),
                     node.now_ms(),
                     node.log.clone(),

@@ -21,6 +21,10 @@ pub(crate) struct Peer {
     pub key: String,
     /// How messages name the peer.
     pub name: String,
+    /// Prefill side: the engine id the decode engine claimed in its `Hello` (proven to
+    /// be a cluster member's when authentication is on, not proven to be its own). None
+    /// on the decode side, where a prefill engine is known by its address.
+    pub engine_id: Option<u64>,
     /// Handshake, registration and transport are done. Release (when set, after the
     /// setup) / Acquire (in `is_ready`): whoever sees it set sees what the setup
     /// published before it (`kv_map`, `aux_count`, the links).
@@ -61,9 +65,31 @@ pub(crate) struct Peer {
 
 impl Peer {
     pub fn new(key: String, name: String, now_ms: u64, log: Logger) -> Arc<Peer> {
+        Self::build(key, name, None, now_ms, log)
+    }
+
+    /// Prefill side: decode engine `engine_id`, keyed by its id in hexadecimal.
+    pub fn of_engine(engine_id: u64, name: String, now_ms: u64, log: Logger) -> Arc<Peer> {
+        Self::build(
+            format!("{engine_id:016x}"),
+            name,
+            Some(engine_id),
+            now_ms,
+            log,
+        )
+    }
+
+    fn build(
+        key: String,
+        name: String,
+        engine_id: Option<u64>,
+        now_ms: u64,
+        log: Logger,
+    ) -> Arc<Peer> {
         Arc::new(Peer {
             key,
             name,
+            engine_id,
             ready: AtomicBool::new(false),
             lost: OnceLock::new(),
             ctrl: CtrlQueue::default(),

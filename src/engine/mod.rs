@@ -35,6 +35,10 @@ use prefill::PrefillEngine;
 pub enum RoomPeers {
     /// Prefill room: how many decode engines will send a destination.
     Decoders(usize),
+    /// Prefill room bound to the decode engines with these ids ([`Engine::engine_id`]),
+    /// one destination from each: destinations and aborts from any other engine are
+    /// refused and counted (`binding_refusals`).
+    DecodeEngines(Vec<u64>),
     /// Decode room: the prefill engine addresses it pulls from.
     Prefills(Vec<String>),
 }
@@ -103,6 +107,13 @@ impl Engine {
         self.node.role
     }
 
+    /// This engine's id, which it claims in the `Hello` of every connection it opens: a
+    /// router gives a decode engine's id to the prefill side to bind a room to it
+    /// ([`RoomPeers::DecodeEngines`]). Chosen at random when the engine starts.
+    pub fn engine_id(&self) -> u64 {
+        self.node.engine_id
+    }
+
     /// The `host:port` peers connect to.
     pub fn address(&self) -> &str {
         &self.node.address
@@ -146,7 +157,15 @@ impl Engine {
     pub fn room_create(&self, id: u64, peers: RoomPeers) -> Result<()> {
         match (&self.side, &peers) {
             (Side::Prefill(_), RoomPeers::Decoders(n)) => prefill::check_decoders(*n)?,
+            (Side::Prefill(_), RoomPeers::DecodeEngines(ids)) => prefill::check_bound(ids)?,
             (Side::Decode(_), RoomPeers::Prefills(addrs)) => decode::check_prefills(addrs)?,
+            (Side::Decode(_), RoomPeers::DecodeEngines(_)) => {
+                return Err(err!(
+                    InvalidArgument,
+                    "only a prefill room may be bound to decode engines; a decode room \
+                     needs the addresses of the prefill engines it pulls from"
+                ))
+            }
             (Side::Decode(_), RoomPeers::Decoders(_)) => {
                 return Err(err!(
                     InvalidArgument,
@@ -171,7 +190,8 @@ impl Engine {
         }
         self.node.memory.seal();
         match (&self.side, peers) {
-            (Side::Prefill(p), RoomPeers::Decoders(n)) => p.create(id, n),
+            (Side::Prefill(p), RoomPeers::Decoders(n)) => p.create(id, n, None),
+            (Side::Prefill(p), RoomPeers::DecodeEngines(ids)) => p.create(id, ids.len(), Some(ids)),
             (Side::Decode(d), RoomPeers::Prefills(addrs)) => d.create(id, addrs),
             _ => unreachable!("checked above"),
         }

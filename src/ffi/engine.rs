@@ -190,6 +190,27 @@ pub unsafe extern "C" fn kvxfer_engine_address(
     })
 }
 
+/// Stores this engine's id in `*out`: a random 64-bit number chosen when the engine
+/// started, which it claims whenever it connects to a peer. A router passes a decode
+/// engine's id to `kvxfer_room_create_for` on the prefill side to bind a room to it.
+///
+/// Errors: `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_engine_id(
+    engine: *const kvxfer_engine,
+    out: *mut u64,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        let out = super::boundary::try_out(out, "out")?;
+        // SAFETY: `out` checked non-NULL and aligned; writable by contract.
+        unsafe { out.write(engine.engine_id()) };
+        Ok(())
+    })
+}
+
 /// Sleeps until a room of this engine changes state (it becomes ready, starts
 /// transferring, succeeds or fails) or `kvxfer_engine_wake` is called, after the count
 /// `seen`, or until `timeout_ms` passes; stores the count of changes in `*out_changes`.
@@ -375,6 +396,10 @@ pub struct kvxfer_metrics {
     /// `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete or
     /// malformed handshake, or too many connections authenticating at once.
     pub auth_failures: u64,
+    /// Prefill engine: destinations and aborts refused because their room is bound to
+    /// other decode engines (`kvxfer_room_create_for`). Each refused destination is
+    /// answered with a failure of its decode room; the prefill room is unchanged.
+    pub binding_refusals: u64,
 }
 
 /// The copy of a snapshot into `kvxfer_metrics`, one field per C field named in the
@@ -564,6 +589,7 @@ mod tests {
             held: 7,
             rooms_draining: 3,
             auth_failures: 9,
+            binding_refusals: 6,
             inflight: 2,
             ..Default::default()
         };
@@ -573,6 +599,7 @@ mod tests {
         let c = kvxfer_metrics::from(&s);
         assert_eq!((c.rooms_created, c.held_destinations), (40, 7));
         assert_eq!((c.rooms_draining, c.auth_failures, c.inflight), (3, 9, 2));
+        assert_eq!(c.binding_refusals, 6);
         assert_eq!(c.rooms_failed, 16);
         let mut by_cause = [0; KVXFER_METRICS_CAUSES];
         by_cause[kvxfer_failure_cause::KVXFER_CAUSE_ABORTED as usize] = 5;

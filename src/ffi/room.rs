@@ -54,6 +54,45 @@ pub unsafe extern "C" fn kvxfer_room_create(
     })
 }
 
+/// Prefill engine only: creates room `room` in BOOTSTRAPPING, bound to the `n` decode
+/// engines whose ids (`kvxfer_engine_id` on each) `decode_ids` holds: the room waits
+/// for one destination from each, and a destination or abort for it from any other
+/// engine is refused, counted in `binding_refusals` and changes nothing (a refused
+/// destination fails the sender's decode room with a reason naming the binding). The
+/// array is copied. For routers that know which decode engines serve a request.
+///
+/// An engine id is the one a decode engine claims when it connects; with a cluster key
+/// (`auth_key`) only an engine holding the key gets in, but the key does not prove which
+/// engine it is (see docs/SECURITY.md): binding keeps rooms from being claimed by the
+/// wrong engine of the cluster, not from a key holder posing as another engine.
+///
+/// Errors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_ALREADY_EXISTS` if
+/// the id is present (live, or terminal and not cleared); `KVXFER_ERR_INVALID_ARGUMENT`
+/// for `n` = 0 or > 1024 or an id listed twice; `KVXFER_ERR_WRONG_STATE` before
+/// `kvxfer_register_kv`; `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_create_for(
+    engine: *const kvxfer_engine,
+    room: u64,
+    decode_ids: *const u64,
+    n: usize,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        if engine.role() != crate::Role::Prefill {
+            return Err(err!(
+                WrongRole,
+                "kvxfer_room_create_for is for prefill engines; this engine is decode"
+            ));
+        }
+        // SAFETY: decode_ids holds n elements by contract.
+        let ids = unsafe { try_slice(decode_ids, n, "decode_ids") }?;
+        engine.room_create(room, crate::RoomPeers::DecodeEngines(ids.to_vec()))
+    })
+}
+
 /// Decode engine only: the destination of room `room`, sent to every prefill engine of
 /// the room: `n_pages` page indices into the KV buffers, filled in order by the prefill's
 /// chunks, and the aux slot for the request's metadata rows (`aux_slot < 0` means none).

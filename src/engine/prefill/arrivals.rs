@@ -89,6 +89,40 @@ impl PrefillEngine {
         );
     }
 
+    /// Ok if `peer` may send `room` a destination or an abort (`what`): any engine may
+    /// unless the room is bound to decode engines, else one of those; otherwise the
+    /// refusal's reason. A refusal is
+    /// counted and logged (warn the first time and every power of two, debug otherwise);
+    /// the caller answers it, if at all, and leaves the room as it is.
+    fn admitted(&self, room: &PRoom, peer: &Peer, what: &str) -> Result<(), String> {
+        // `bound` is set at creation and never changes: no race with the caller's later
+        // use of the room.
+        if ext(room).lock().admits(peer) {
+            return Ok(());
+        }
+        let node = &self.core.node;
+        let n = node
+            .metrics
+            .binding_refusals
+            .fetch_add(1, Ordering::Relaxed)
+            + 1;
+        let why = format!(
+            "prefill room {} is bound to other decode engines: {what} from {} refused",
+            room.id(),
+            peer.name
+        );
+        if n.is_power_of_two() {
+            crate::log!(
+                node.log,
+                Warn,
+                "{why} ({n} refused so far: binding_refusals)"
+            );
+        } else {
+            crate::log!(node.log, Debug, "{why}");
+        }
+        Err(why)
+    }
+
     fn attach(
         &self,
         room: &Arc<PRoom>,
@@ -98,6 +132,12 @@ impl PrefillEngine {
         aux: Option<u32>,
     ) {
         let id = room.id();
+        // First: an engine the room is not bound to learns nothing of it (not even
+        // whether it ended) and changes nothing; its own room fails with the reason.
+        if let Err(why) = self.admitted(room, peer, "destination") {
+            self.refuse(peer, id, generation, &why);
+            return;
+        }
         if room.state().is_terminal() {
             let why = match room.failure() {
                 Some(f) => format!("prefill room {id} already failed: {f}"),
@@ -213,6 +253,15 @@ impl PrefillEngine {
     pub(super) fn adopt_held(&self, room: &Arc<PRoom>) {
         let (tombs, held) = self.holding.lock().adopt(room.id());
         for t in tombs {
+            // An early abort, or the loss of an engine that sent an early destination:
+            // from an engine the room is not bound to, it touches nothing.
+            let what = match t.grave {
+                Grave::Aborted(_) => "abort (before the room was created)",
+                Grave::Lost(_) => "destination (before the room was created)",
+            };
+            if self.admitted(room, &t.peer, what).is_err() {
+                continue;
+            }
             let reason = match t.grave {
                 Grave::Aborted(why) => {
                     ext(room).lock().known.push((t.peer.clone(), t.generation));
@@ -231,7 +280,8 @@ impl PrefillEngine {
             lifecycle::fail(self, room, reason, Some(&t.peer));
         }
         for d in held {
-            // attach() fails the room if the peer was lost meanwhile.
+            // attach() refuses engines the room is not bound to, and fails the room if
+            // the peer was lost meanwhile.
             self.attach(room, &d.peer, d.generation, d.pages, d.aux);
         }
     }
@@ -252,18 +302,23 @@ impl PrefillEngine {
 
     /// A decode engine's Abort for room `id`.
     ///
-    /// It fails the prefill room when the room has that decode room's destination, or
-    /// has none from that engine yet while still waiting for destinations (the decode
-    /// side gave up before its destination went out). An Abort for a room not created yet
-    /// is held like an early destination and fails the room when it is created. Anything
-    /// else (another generation of a destination we hold) is a late message for an
-    /// earlier use of the id and is dropped.
+    /// An abort from an engine the room is not bound to is refused and counted, and
+    /// changes nothing. Otherwise it fails the prefill room when the room has that decode
+    /// room's destination, or has none from that engine yet while still waiting for
+    /// destinations (the decode side gave up before its destination went out). An Abort
+    /// for a room not created yet is held like an early destination and fails the room
+    /// when it is created (unless the room is bound to other engines). Anything else
+    /// (another generation of a destination we hold) is a late message for an earlier
+    /// use of the id and is dropped.
     pub(super) fn on_abort(&self, peer: &Arc<Peer>, id: u64, generation: u64, reason: String) {
         if self.earlier_use(peer, id, generation).is_some() {
             // A late abort for an earlier use of the id: it must not touch this one.
             return self.core.unknown_room();
         }
         if let Some(room) = self.core.rooms.get(id) {
+            if self.admitted(&room, peer, "abort").is_err() {
+                return;
+            }
             let applies = {
                 let mut p = ext(&room).lock();
                 let from_peer = p.dests.iter().find(|d| Arc::ptr_eq(&d.peer, peer));
@@ -296,7 +351,6 @@ impl PrefillEngine {
             }
             return;
         }
-        self.core.unknown_room();
         let node = &self.core.node;
         let expires_ms = node.now_ms() + node.config.bootstrap_timeout_ms;
         let kept = self
@@ -306,6 +360,9 @@ impl PrefillEngine {
         if kept.is_err() {
             self.tombstones_overflowed();
         }
+        // Counted once held: whoever sees the count (a test, an operator) and then creates
+        // the room finds the abort waiting for it.
+        self.core.unknown_room();
         // The room may have been created between our lookup and the insert.
         if let Some(room) = self.core.rooms.get(id) {
             self.adopt_held(&room);

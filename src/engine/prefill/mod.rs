@@ -50,6 +50,9 @@ pub(crate) struct Dest {
 /// A prefill room's data.
 pub(crate) struct PrefillRoom {
     expected: usize,
+    /// The decode engines (by engine id) that may send this room a destination or an
+    /// abort, if the room is bound to them; then `expected` is their number.
+    bound: Option<Box<[u64]>>,
     dests: Vec<Dest>,
     /// The room was made WAITING_FOR_INPUT (every destination arrived and the Ready
     /// transition was applied): chunks go to the worker from now on, not before.
@@ -73,9 +76,10 @@ pub(crate) struct PrefillRoom {
 }
 
 impl PrefillRoom {
-    fn new(expected: usize) -> Self {
+    fn new(expected: usize, bound: Option<Vec<u64>>) -> Self {
         PrefillRoom {
             expected,
+            bound: bound.map(Vec::into_boxed_slice),
             dests: Vec::new(),
             ready: false,
             held: VecDeque::new(),
@@ -85,6 +89,15 @@ impl PrefillRoom {
             outstanding: 0,
             sealed: false,
             finishes: Vec::new(),
+        }
+    }
+
+    /// Whether `peer` may send this room a destination or an abort: any engine unless
+    /// the room is bound, else one it is bound to.
+    fn admits(&self, peer: &Peer) -> bool {
+        match &self.bound {
+            None => true,
+            Some(ids) => peer.engine_id.is_some_and(|id| ids.contains(&id)),
         }
     }
 
@@ -115,6 +128,26 @@ pub(crate) fn check_decoders(n: usize) -> Result<()> {
         return Err(err!(
             InvalidArgument,
             "a prefill room waits for 1 to {MAX_ROOM_PEERS} decode engines, not {n}"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the decode engines a prefill room is bound to: 1 to [`MAX_ROOM_PEERS`]
+/// distinct ids.
+pub(crate) fn check_bound(ids: &[u64]) -> Result<()> {
+    if ids.is_empty() || ids.len() > MAX_ROOM_PEERS {
+        return Err(err!(
+            InvalidArgument,
+            "a prefill room is bound to 1 to {MAX_ROOM_PEERS} decode engines, not {}",
+            ids.len()
+        ));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(ids.len());
+    if let Some(dup) = ids.iter().find(|id| !seen.insert(**id)) {
+        return Err(err!(
+            InvalidArgument,
+            "decode engine {dup:016x} is listed twice for one prefill room"
         ));
     }
     Ok(())
@@ -171,17 +204,25 @@ impl PrefillEngine {
     }
 
     /// Creates room `id`, waiting for `decoders` decode engines' destinations (checked
-    /// by [`check_decoders`]).
-    pub fn create(&self, id: u64, decoders: usize) -> Result<()> {
+    /// by [`check_decoders`]), from the engines `bound` names if given (checked by
+    /// [`check_bound`], as many as `decoders`).
+    pub fn create(&self, id: u64, decoders: usize, bound: Option<Vec<u64>>) -> Result<()> {
         let node = &self.core.node;
         let deadline = lifecycle::bootstrap_deadline(node);
+        let bound_to = bound.as_ref().map(|ids| {
+            let ids: Vec<String> = ids.iter().map(|i| format!("{i:016x}")).collect();
+            ids.join(", ")
+        });
         let room = self.core.rooms.create(
             id,
             node.role,
             deadline,
-            Mutex::new(PrefillRoom::new(decoders)),
+            Mutex::new(PrefillRoom::new(decoders, bound)),
         )?;
-        lifecycle::created(self, &room, format_args!("{decoders} decode engine(s)"));
+        match bound_to {
+            None => lifecycle::created(self, &room, format_args!("{decoders} decode engine(s)")),
+            Some(ids) => lifecycle::created(self, &room, format_args!("bound to {ids}")),
+        }
         self.adopt_held(&room);
         Ok(())
     }
