@@ -446,7 +446,7 @@ impl Events for PrefillEngine {
         let outbox = self.outboxes.lock().remove(&(Arc::as_ptr(peer) as usize));
         if let Some(outbox) = outbox {
             for batch in outbox.close() {
-                self.batch_ended(&batch, false);
+                self.batch_ended(&batch, false, None);
             }
         }
     }

@@ -243,13 +243,13 @@ impl PrefillEngine {
                 };
                 if let Err(batch) = outbox.push(batch) {
                     // The engine was lost meanwhile (its loss fails the room).
-                    self.batch_ended(&batch, false);
+                    self.batch_ended(&batch, false, None);
                 }
             }
         }
         if chunk.is_last {
             // An empty last chunk (or one whose batches all ended already) completes here.
-            self.try_complete(room);
+            self.try_complete(room, None);
         }
         Ok(())
     }
@@ -289,7 +289,7 @@ impl PrefillEngine {
                     false
                 }
             };
-            self.batch_ended(&batch, written);
+            self.batch_ended(&batch, written, Some(link));
             if link.is_broken() {
                 // The others carry the outbox; a peer with no link left is lost.
                 let left = {
@@ -364,10 +364,15 @@ impl PrefillEngine {
         Ok(true)
     }
 
-    /// One batch ended (`written` whole, or not): counts its chunk once every batch of
-    /// it was written, sends acknowledgements its writes were holding, and completes the
-    /// room if this was the last batch of its last chunk.
-    pub(super) fn batch_ended(&self, batch: &Batch, written: bool) {
+    /// One batch ended (`written` whole, or not, on `link`): counts its chunk once every
+    /// batch of it was written, sends acknowledgements its writes were holding, and
+    /// completes the room if this was the last batch of its last chunk.
+    pub(super) fn batch_ended(
+        &self,
+        batch: &Batch,
+        written: bool,
+        link: Option<&Arc<dyn DataLink>>,
+    ) {
         if batch.chunk.end(written) {
             self.chunk_sent();
         }
@@ -379,12 +384,15 @@ impl PrefillEngine {
             // Its writes are complete: acknowledgements waiting for them go.
             self.acks.send_due(&self.core);
         }
-        self.try_complete(&batch.room);
+        self.try_complete(&batch.room, link.map(|l| (&batch.peer, l)));
     }
 
     /// Completes the room once its last chunk was planned and every batch of it ended:
-    /// claims SUCCESS (if the room is still live), then sends Done to every destination.
-    fn try_complete(&self, room: &Arc<PRoom>) {
+    /// claims SUCCESS (if the room is still live), then sends Done to every destination:
+    /// on `free`'s link to its engine (the link whose sender just ended the room's last
+    /// batch, so free at once; Done and the room's frames may go over different links),
+    /// else on the engine's first link.
+    fn try_complete(&self, room: &Arc<PRoom>, free: Option<(&Arc<Peer>, &Arc<dyn DataLink>)>) {
         let finishes = {
             let mut p = ext(room).lock();
             if !p.sealed || p.outstanding > 0 || p.finishes.is_empty() {
@@ -405,7 +413,10 @@ impl PrefillEngine {
             return; // aborted meanwhile: already FAILED, and no Done goes out
         }
         for (peer, frame) in finishes {
-            let link = peer.data.read().first().cloned();
+            let link = match free {
+                Some((p, l)) if Arc::ptr_eq(p, &peer) && !l.is_broken() => Some(l.clone()),
+                _ => peer.data.read().first().cloned(),
+            };
             let r = match link {
                 Some(l) => l.finish(&frame),
                 None => Err(std::io::Error::other("no data connection left")),
