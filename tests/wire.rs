@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 
 use common::fake::{
-    self, data_frame, destination, kv_header, read_until_closed, send_msg, FakePrefill,
+    self, data_frame, destination, kv_header, read_until_closed, runs_frame, send_msg, FakePrefill,
 };
 use common::{all_filled, engine, poisoned, source, wait_state, wait_terminal, Region, POISON};
 use kvxfer::proto::{DataHeader, Message};
@@ -202,6 +202,62 @@ fn data_for_a_stale_generation_is_discarded_not_written() {
     assert!(all_filled(&mem[..1], &[2, 3], 0x42));
     assert!(all_filled(&mem[..1], &[0, 1], POISON));
     assert_eq!(d.metrics().dropped_frames, 1);
+}
+
+/// A `DataRuns` frame (a batch of small pages in one frame): each run lands at its own
+/// pages, in any order of pages and buffers, and nothing else is touched.
+#[test]
+fn a_data_runs_frame_lands_each_run_at_its_pages() {
+    let (mem, d, mut f, generation) = served(16, &[], 1);
+    let h = |buffer, first, n| kv_header(16, generation, buffer, first, n, ITEM);
+    f.data[0]
+        .write_all(&runs_frame(&[
+            (h(0, 3, 1), 0x51),
+            (h(1, 2, 2), 0x53),
+            (h(0, 2, 1), 0x52),
+        ]))
+        .unwrap();
+    f.done(16, generation, 2);
+    assert_eq!(wait_terminal(&d, 16), State::Success);
+    d.room_clear(16).unwrap();
+    drop(d);
+    assert!(all_filled(&mem[..1], &[2], 0x52));
+    assert!(all_filled(&mem[..1], &[3], 0x51));
+    assert!(all_filled(&mem[1..], &[2, 3], 0x53));
+    let others: Vec<u32> = (0..PAGES as u32).filter(|p| !DEST.contains(p)).collect();
+    assert!(all_filled(&mem, &others, POISON));
+}
+
+/// Every run of a `DataRuns` frame is checked before any of its bytes is read: one run
+/// outside the grant fails the room and not even the granted runs before it land.
+#[test]
+fn a_data_runs_frame_with_one_run_outside_the_grant_writes_nothing() {
+    let (mem, d, mut f, generation) = served(17, &[], 1);
+    let h = |first| kv_header(17, generation, 0, first, 1, ITEM);
+    f.data[0]
+        .write_all(&runs_frame(&[(h(2), 0x41), (h(3), 0x41), (h(5), 0x41)]))
+        .unwrap();
+    assert_failed(&d, 17, Cause::Protocol, "page 5 was not granted");
+    assert!(mem.iter().all(|b| b.holds_only(POISON)), "a byte landed");
+    read_until_closed(&mut f.data[0]);
+}
+
+/// Runs of two rooms, or two runs over one page, in one `DataRuns` frame are a
+/// malformed frame: the connection closes, its peer is lost and the room fails saying
+/// why, and nothing lands.
+#[test]
+fn data_runs_of_two_rooms_or_over_one_page_are_refused() {
+    for (room, second_room, second_page) in [(18, 99, 3), (19, 19, 2)] {
+        let (mem, d, mut f, generation) = served(room, &[], 1);
+        let first = kv_header(room, generation, 0, 2, 2, ITEM);
+        let second = kv_header(second_room, generation, 0, second_page, 1, ITEM);
+        f.data[0]
+            .write_all(&runs_frame(&[(first, 0x41), (second, 0x41)]))
+            .unwrap();
+        assert_failed(&d, room, Cause::PeerLost, "DataRuns frame");
+        assert!(mem.iter().all(|b| b.holds_only(POISON)), "a byte landed");
+        read_until_closed(&mut f.data[0]);
+    }
 }
 
 /// A prefill spreads a room's frames over its data connections, so its Done (sent on

@@ -1,5 +1,6 @@
 //! Fuzzes the frame decoder the way a receive loop uses it: back-to-back frames read
-//! from a byte stream (header, then control payload or data header and data bytes),
+//! from a byte stream (header, then control payload, data header and data bytes, or a
+//! `DataRuns` frame's run headers and bytes),
 //! plus `Message::decode` and `DataHeader::decode` on the raw input.
 //!
 //! Never a panic; every accepted frame re-encodes to exactly the bytes it was read from.
@@ -21,6 +22,16 @@ fn read_frame(r: &mut &[u8], limits: &Limits) -> Result<Vec<u8>, ReadError> {
         let m = proto::read_control(r, &hdr, limits)?;
         let mut out = Vec::new();
         m.encode(&mut out).expect("a decoded message encodes");
+        return Ok(out);
+    }
+    if hdr.kind == Kind::DataRuns {
+        let runs = proto::read_runs(r, &hdr, limits)?;
+        let mut out = Vec::new();
+        proto::encode_runs_prefix(&runs, &mut out).expect("decoded runs encode");
+        let n: usize = runs.iter().map(|h| h.byte_len as usize).sum();
+        let mut bytes = vec![0u8; n];
+        r.read_exact(&mut bytes).map_err(ReadError::Io)?;
+        out.extend(bytes);
         return Ok(out);
     }
     let d = proto::read_data_header(r, &hdr, limits)?;

@@ -152,6 +152,19 @@ impl DataHeader {
                 min: DATA_HEADER_LEN_U32,
             });
         };
+        let h = DataHeader::decode_fields(buf)?;
+        if h.byte_len != expected_len {
+            return Err(ProtoError::DataLenMismatch {
+                byte_len: h.byte_len,
+                frame_payload_len,
+            });
+        }
+        h.check(limits)?;
+        Ok(h)
+    }
+
+    /// Decodes a data header's fields (target and reserved bytes checked, nothing else).
+    pub(super) fn decode_fields(buf: &[u8; DATA_HEADER_LEN]) -> Result<Self, ProtoError> {
         let u64_at = |i: usize| {
             let mut b = [0u8; 8];
             b.copy_from_slice(&buf[i..i + 8]);
@@ -168,7 +181,7 @@ impl DataHeader {
                 found: reserved,
             });
         }
-        let h = DataHeader {
+        Ok(DataHeader {
             room: u64_at(0),
             generation: u64_at(8),
             target,
@@ -176,15 +189,7 @@ impl DataHeader {
             first_page: u32_at(20),
             n_pages: u32_at(24),
             byte_len: u32_at(28),
-        };
-        if h.byte_len != expected_len {
-            return Err(ProtoError::DataLenMismatch {
-                byte_len: h.byte_len,
-                frame_payload_len,
-            });
-        }
-        h.check(limits)?;
-        Ok(h)
+        })
     }
 }
 

@@ -41,11 +41,14 @@ pub enum Kind {
     /// Either way: the sender refuses the connection and closes it
     /// ([`Message::AuthRefused`](super::Message::AuthRefused)).
     AuthRefused = 14,
+    /// Prefill → decode: several page runs of one room, their headers first, then their
+    /// bytes ([`runs`](super::runs)).
+    DataRuns = 15,
 }
 
 impl Kind {
     /// Every kind, in wire-value order.
-    pub const ALL: [Kind; 14] = [
+    pub const ALL: [Kind; 15] = [
         Kind::Hello,
         Kind::Registration,
         Kind::Destination,
@@ -60,6 +63,7 @@ impl Kind {
         Kind::AuthChallenge,
         Kind::AuthProof,
         Kind::AuthRefused,
+        Kind::DataRuns,
     ];
 
     /// The wire value.
@@ -84,14 +88,15 @@ impl Kind {
             12 => Some(Kind::AuthChallenge),
             13 => Some(Kind::AuthProof),
             14 => Some(Kind::AuthRefused),
+            15 => Some(Kind::DataRuns),
             _ => None,
         }
     }
 
     /// True for every kind whose payload is a [`Message`](super::Message), i.e. every
-    /// kind except [`Kind::Data`].
+    /// kind except the data frames, [`Kind::Data`] and [`Kind::DataRuns`].
     pub const fn is_control(self) -> bool {
-        !matches!(self, Kind::Data)
+        !matches!(self, Kind::Data | Kind::DataRuns)
     }
 
     /// True for the kinds of the authentication exchange, which follows `Hello` and
@@ -120,6 +125,7 @@ impl Kind {
             Kind::AuthChallenge => "AuthChallenge",
             Kind::AuthProof => "AuthProof",
             Kind::AuthRefused => "AuthRefused",
+            Kind::DataRuns => "DataRuns",
         }
     }
 }
@@ -176,12 +182,16 @@ impl Default for Limits {
 
 impl Limits {
     /// The largest `payload_len` accepted for a frame of `kind`: `max_control_payload`
-    /// for control kinds, [`DATA_HEADER_LEN`] + `max_data_bytes` for [`Kind::Data`].
+    /// for control kinds, [`DATA_HEADER_LEN`] + `max_data_bytes` for [`Kind::Data`], and
+    /// the headers of [`MAX_RUNS`](super::MAX_RUNS) runs + `max_data_bytes` for
+    /// [`Kind::DataRuns`].
     pub fn max_payload(&self, kind: Kind) -> u64 {
-        if kind.is_control() {
-            u64::from(self.max_control_payload)
-        } else {
-            DATA_HEADER_LEN as u64 + u64::from(self.max_data_bytes)
+        match kind {
+            Kind::Data => DATA_HEADER_LEN as u64 + u64::from(self.max_data_bytes),
+            Kind::DataRuns => {
+                super::runs::headers_len(super::MAX_RUNS) as u64 + u64::from(self.max_data_bytes)
+            }
+            _ => u64::from(self.max_control_payload),
         }
     }
 }
@@ -458,6 +468,36 @@ pub enum ProtoError {
         /// The frame's `payload_len`, which must be [`DATA_HEADER_LEN`] + `byte_len`.
         frame_payload_len: u32,
     },
+    /// A `DataRuns` frame's run count is 0 or above [`MAX_RUNS`](super::MAX_RUNS), or
+    /// its headers do not fit in its payload.
+    BadRunCount {
+        /// The count found.
+        found: u32,
+        /// The frame's `payload_len`.
+        frame_payload_len: u32,
+    },
+    /// The runs of a `DataRuns` frame name more than one room (or generation).
+    RunsOfSeveralRooms {
+        /// The first run's room and generation.
+        first: (u64, u64),
+        /// Another run's.
+        found: (u64, u64),
+    },
+    /// Two runs of a `DataRuns` frame write the same page of a buffer.
+    RunsOverlap {
+        /// The buffer (as the sender numbers it).
+        buffer: u32,
+        /// A page both write.
+        page: u32,
+    },
+    /// The runs' `byte_len`s of a `DataRuns` frame do not add up to the bytes after its
+    /// headers.
+    RunsLenMismatch {
+        /// The sum of the runs' `byte_len`.
+        sum: u64,
+        /// The frame's `payload_len`.
+        frame_payload_len: u32,
+    },
     /// A data header's `byte_len` exceeds `max_data_bytes`.
     DataTooLarge {
         /// `DataHeader.byte_len`.
@@ -631,6 +671,30 @@ impl fmt::Display for ProtoError {
                 f,
                 "DataHeader.byte_len {byte_len} does not match frame payload_len {frame_payload_len} - {DATA_HEADER_LEN}"
             ),
+            BadRunCount {
+                found,
+                frame_payload_len,
+            } => write!(
+                f,
+                "DataRuns.count {found} is not within 1..={} or does not fit in payload_len {frame_payload_len}",
+                super::MAX_RUNS
+            ),
+            RunsOfSeveralRooms { first, found } => write!(
+                f,
+                "a DataRuns frame names room {} generation {} and room {} generation {}",
+                first.0, first.1, found.0, found.1
+            ),
+            RunsOverlap { buffer, page } => write!(
+                f,
+                "two runs of a DataRuns frame write page {page} of buffer {buffer}"
+            ),
+            RunsLenMismatch {
+                sum,
+                frame_payload_len,
+            } => write!(
+                f,
+                "DataRuns byte_len total {sum} does not match the {frame_payload_len}-byte payload after its headers"
+            ),
             DataTooLarge { byte_len, max } => write!(
                 f,
                 "DataHeader.byte_len {byte_len} exceeds max_data_bytes = {max}"
@@ -706,21 +770,21 @@ mod tests {
         let b = FrameHeader::new(Kind::Abort, 0x0102_0304).encode();
         assert_eq!(
             b,
-            [b'F', b'X', b'V', b'K', 3, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
+            [b'F', b'X', b'V', b'K', 4, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
         );
     }
 
     #[test]
     fn kind_values_are_fixed() {
         let values: Vec<u8> = Kind::ALL.iter().map(|k| k.as_u8()).collect();
-        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]);
+        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
         for v in 0..=u8::MAX {
             match Kind::try_from(v) {
                 Ok(k) => assert_eq!(k.as_u8(), v),
                 Err(e) => assert_eq!(e, ProtoError::UnknownKind { found: v }),
             }
         }
-        assert!(!Kind::Data.is_control());
+        assert!(!Kind::Data.is_control() && !Kind::DataRuns.is_control());
         assert!(Kind::Heartbeat.is_control());
         assert!(Kind::Transport.is_control());
         assert_eq!(Kind::Transport.name(), "Transport");
@@ -775,7 +839,7 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected() {
-        for k in [0u8, 15, 0xff] {
+        for k in [0u8, 16, 0xff] {
             assert_eq!(
                 FrameHeader::decode(&header_bytes(k, 0), &Limits::default()),
                 Err(ProtoError::UnknownKind { found: k })

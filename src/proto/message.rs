@@ -1045,7 +1045,7 @@ impl Message {
                 let auth = AuthMode::decode(r.u8("AuthRefused.auth")?, "AuthRefused.auth")?;
                 Message::AuthRefused { reason, auth }
             }
-            Kind::Data => return Err(ProtoError::NotControlKind { kind }),
+            Kind::Data | Kind::DataRuns => return Err(ProtoError::NotControlKind { kind }),
         };
         r.finish()?;
         Ok(msg)

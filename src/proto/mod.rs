@@ -15,10 +15,13 @@
 //! | 8      | 4    | `payload_len` | u32, bytes following the header; bounded per kind by [`Limits`] |
 //! | 12     | 4    | `reserved`    | u32, must be 0                                         |
 //!
-//! Control frames (every kind except [`Kind::Data`]) carry a payload decoded by
-//! [`Message::decode`], which must consume the payload exactly. Data frames carry a
-//! fixed [`DATA_HEADER_LEN`]-byte [`DataHeader`] followed by `byte_len` raw bytes that the
-//! transport reads straight into destination memory; the codec never touches them.
+//! Control frames (every kind except [`Kind::Data`] and [`Kind::DataRuns`]) carry a
+//! payload decoded by [`Message::decode`], which must consume the payload exactly. Data
+//! frames carry a fixed [`DATA_HEADER_LEN`]-byte [`DataHeader`] followed by `byte_len` raw
+//! bytes that the transport reads straight into destination memory; the codec never
+//! touches them. A `DataRuns` frame carries several runs of one room: `count u32,
+//! reserved u32 (0)`, `count` data headers, then each run's bytes in order
+//! ([`read_runs`]; at most [`MAX_RUNS`] runs, no page written twice).
 //!
 //! # Control payloads (all integers little-endian)
 //!
@@ -73,6 +76,7 @@
 mod data;
 mod frame;
 mod message;
+mod runs;
 mod stream;
 mod wire;
 
@@ -82,6 +86,7 @@ pub use message::{
     truncate_reason, AuthMode, AuthRefusal, BufferInfo, ConnKind, Layout, Message, QpInfo,
     Registration, Role, WireTransport, AUTH_KEY_ID_LEN, AUTH_MAC_LEN, AUTH_NONCE_LEN,
 };
+pub use runs::{encode_runs_prefix, read_run_headers, read_runs, read_runs_count, MAX_RUNS};
 pub use stream::{read_control, read_data_header, read_frame_header, ReadError};
 
 /// The frame magic, `0x4B56_5846`. Encoded little-endian, so the first four bytes of
@@ -92,8 +97,9 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 ///
 /// Version 2 added [`Kind::Transport`] to the control handshake and [`Kind::Progress`]
 /// for RDMA transfers. Version 3 added the authentication exchange that follows `Hello`
-/// on every connection ([`Kind::AuthHello`] .. [`Kind::AuthRefused`]).
-pub const PROTO_VERSION: u16 = 3;
+/// on every connection ([`Kind::AuthHello`] .. [`Kind::AuthRefused`]). Version 4 added
+/// [`Kind::DataRuns`], several page runs of one room in one data frame.
+pub const PROTO_VERSION: u16 = 4;
 
 /// Length in bytes of the fixed frame header that starts every frame.
 pub const FRAME_HEADER_LEN: usize = 16;

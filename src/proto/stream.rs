@@ -77,7 +77,7 @@ fn is_timeout(kind: ErrorKind) -> bool {
 /// Fills `buf`, retrying on `Interrupted`. `what` names the part being read for the
 /// end-of-stream error. If `at_boundary`, end of stream or a timeout before the first
 /// byte is reported as [`ReadError::Closed`] / [`ReadError::Idle`].
-fn fill<R: Read>(
+pub(super) fn fill<R: Read>(
     r: &mut R,
     buf: &mut [u8],
     what: &str,

@@ -455,6 +455,17 @@ pub fn data_frame(h: &DataHeader, byte: u8) -> Vec<u8> {
     f
 }
 
+/// A whole `DataRuns` frame of `runs`, each run's payload its `byte` repeated.
+pub fn runs_frame(runs: &[(DataHeader, u8)]) -> Vec<u8> {
+    let hdrs: Vec<DataHeader> = runs.iter().map(|(h, _)| *h).collect();
+    let mut f = Vec::new();
+    proto::encode_runs_prefix(&hdrs, &mut f).unwrap();
+    for (h, byte) in runs {
+        f.extend(std::iter::repeat_n(*byte, h.byte_len as usize));
+    }
+    f
+}
+
 /// Heartbeats on a fake engine's control connection every 20 ms until dropped, so that
 /// a test's short heartbeat deadline loses the fake engine only when the test wants
 /// (however loaded the host). Other messages go through [`KeepAlive::send`], so that

@@ -87,22 +87,42 @@ impl DataStream {
         Ok(())
     }
 
-    /// One `recv` straight into `dst` (a room's pages), with the next data frame's prefix
-    /// into the buffer, which must be empty; gives up after a tick without bytes (the
-    /// timeout must be set). Returns how many bytes landed in `dst`.
-    fn read_direct(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+    /// One `recv` straight into `dst` (a room's pages: the rest of one run from `at`,
+    /// then the following runs whole), with the next data frame's prefix into the
+    /// buffer, which must be empty; gives up after a tick without bytes (the timeout
+    /// must be set). Returns how many bytes landed in `dst`.
+    fn read_direct(&mut self, dst: &mut [&mut [u8]], at: usize) -> io::Result<usize> {
         debug_assert!(self.is_empty() && self.ticking && !dst.is_empty());
-        let mut into = [
-            IoSliceMut::new(dst),
-            IoSliceMut::new(&mut self.buf[..DATA_FRAME_PREFIX_LEN]),
-        ];
+        let (first, rest) = dst.split_first_mut().expect("not empty");
+        let mut into = Vec::with_capacity(rest.len().min(MAX_IOV - 2) + 2);
+        into.push(IoSliceMut::new(&mut first[at..]));
+        into.extend(
+            rest.iter_mut()
+                .take(MAX_IOV - 2)
+                .map(|d| IoSliceMut::new(d)),
+        );
+        let asked: usize = into.iter().map(|d| d.len()).sum();
+        into.push(IoSliceMut::new(&mut self.buf[..DATA_FRAME_PREFIX_LEN]));
         let n = self.sock.read_vectored(&mut into)?;
-        let mine = n.min(into[0].len());
+        let mine = n.min(asked);
         self.pos = 0;
         self.end = n - mine;
         Ok(mine)
     }
+
+    /// The next fill of the empty buffer asks for no more than the `n` bytes of headers
+    /// still to come, beyond what the buffer holds (so that none of the payload behind
+    /// them lands in the buffer to be copied again).
+    fn expect(&mut self, n: usize) {
+        let buffered = self.end - self.pos;
+        if n > buffered {
+            self.fill = (n - buffered).min(READ_BUFFER);
+        }
+    }
 }
+
+/// The most slices in one vectored read (Linux's `IOV_MAX`).
+const MAX_IOV: usize = 1024;
 
 impl Read for DataStream {
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
@@ -207,7 +227,14 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
         let r = match hdr.kind {
             Kind::Data => proto::read_data_header(&mut s, &hdr, limits)
                 .map_err(|e| e.to_string())
-                .and_then(|dh| data(&mut s, sink, &dh)),
+                .and_then(|dh| data(&mut s, sink, std::slice::from_ref(&dh))),
+            Kind::DataRuns => proto::read_runs_count(&mut s, &hdr, limits)
+                .and_then(|n| {
+                    s.expect(n as usize * proto::DATA_HEADER_LEN);
+                    proto::read_run_headers(&mut s, &hdr, n, limits)
+                })
+                .map_err(|e| e.to_string())
+                .and_then(|runs| data(&mut s, sink, &runs)),
             Kind::Done => match proto::read_control(&mut s, &hdr, limits) {
                 Ok(Message::Done {
                     room,
@@ -233,27 +260,53 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
     }
 }
 
-/// One data frame whose header was read: its payload into the granted pages, or dropped.
-fn data<S: FrameSink>(s: &mut DataStream, sink: &S, h: &DataHeader) -> Result<(), String> {
-    let grant = match sink.admit(h) {
-        Admit::Write(g) => g,
-        Admit::Discard => return discard(s, h.byte_len as u64),
-        Admit::Refuse(why) => return Err(why),
-    };
-    let dst = grant.pages();
-    debug_assert_eq!(
-        dst.len(),
-        h.byte_len as usize,
-        "a grant is the frame's bytes"
-    );
-    let read =
-        read_payload(s, dst, &|| grant.enter()).map_err(|e| format!("data read failed: {e}"))?;
-    let complete = read == dst.len();
-    if !complete {
-        // The room ended: the rest of the frame goes nowhere.
-        discard(s, (dst.len() - read) as u64)?;
+/// The runs of one data frame (one run for `Data`; one room's runs for `DataRuns`)
+/// whose headers were read: each admitted before any byte is read, then their payloads
+/// into the granted pages (consecutive granted runs with one `recv` where they can), or
+/// dropped.
+fn data<S: FrameSink>(s: &mut DataStream, sink: &S, runs: &[DataHeader]) -> Result<(), String> {
+    let mut grants = Vec::with_capacity(runs.len());
+    for h in runs {
+        grants.push(match sink.admit(h) {
+            Admit::Write(g) => Some(g),
+            Admit::Discard => None,
+            Admit::Refuse(why) => return Err(why),
+        });
     }
-    grant.finish(complete);
+    let mut i = 0;
+    while i < runs.len() {
+        let Some(first) = &grants[i] else {
+            discard(s, runs[i].byte_len as u64)?;
+            i += 1;
+            continue;
+        };
+        let end = i + grants[i..].iter().take_while(|g| g.is_some()).count();
+        let mut dst: Vec<&mut [u8]> = grants[i..end]
+            .iter()
+            .map(|g| g.as_ref().expect("granted").pages())
+            .collect();
+        debug_assert!(
+            dst.iter()
+                .zip(&runs[i..end])
+                .all(|(d, h)| d.len() == h.byte_len as usize),
+            "a grant is the run's bytes"
+        );
+        // The runs of a frame are one room's: its io count covers them all.
+        let mut read = read_payloads(s, &mut dst, &|| first.enter())
+            .map_err(|e| format!("data read failed: {e}"))?;
+        drop(dst);
+        for (g, h) in grants[i..end].iter_mut().zip(&runs[i..end]) {
+            let len = h.byte_len as usize;
+            let got = read.min(len);
+            read -= got;
+            if got < len {
+                // The room ended: the rest of the run goes nowhere.
+                discard(s, (len - got) as u64)?;
+            }
+            g.take().expect("granted").finish(got == len);
+        }
+        i = end;
+    }
     Ok(())
 }
 
@@ -261,10 +314,11 @@ fn discard(s: &mut DataStream, n: u64) -> Result<(), String> {
     super::discard(s, n).map_err(|e| format!("data read failed: {e}"))
 }
 
-/// Reads `dst.len()` payload bytes into `dst` (a room's pages): what the buffer holds,
-/// then more from the socket, a `recv` at a time. A rest of at least [`DIRECT_MIN`]
-/// bytes is read straight from the socket into `dst` (with the next frame's prefix into
-/// the buffer), so large payloads are copied once, by the kernel; a shorter rest goes
+/// Reads payload bytes into `dst` (a room's pages, one slice per run, filled in order)
+/// until every slice is full: what the buffer holds, then more from the socket, a
+/// `recv` at a time. A rest of at least [`DIRECT_MIN`] bytes is read straight from the
+/// socket into the slices (every slice left, with the next frame's prefix into the
+/// buffer), so large payloads are copied once, by the kernel; a shorter rest goes
 /// through the buffer, which then also picks up the frames behind it.
 ///
 /// `enter` counts a write into the room's pages in (the guard counts it out) and says
@@ -274,21 +328,25 @@ fn discard(s: &mut DataStream, n: u64) -> Result<(), String> {
 /// pages: a `recv` into the buffer holds nothing, and a `recv` straight into the pages
 /// gives up after `TICK` without bytes and asks again, so a room that ends is
 /// drained within a tick even if its peer stopped sending mid-frame, and a slow peer is
-/// never cut for it. Returns how many bytes were read into `dst`; the caller discards
-/// the rest of the payload.
-pub fn read_payload<'r>(
+/// never cut for it. Returns how many bytes were read into `dst` (the first ones, in
+/// order); the caller discards the rest of the payload.
+pub fn read_payloads<'r>(
     s: &mut DataStream,
-    dst: &mut [u8],
+    dst: &mut [&mut [u8]],
     enter: &dyn Fn() -> Option<IoGuard<'r>>,
 ) -> io::Result<usize> {
-    let mut filled = 0;
+    let total: usize = dst.iter().map(|d| d.len()).sum();
+    let (mut i, mut at, mut filled) = (0, 0, 0);
     s.fill = READ_BUFFER;
-    while filled < dst.len() {
-        let rest = &mut dst[filled..];
-        let n = if s.is_empty() && rest.len() >= DIRECT_MIN {
+    while filled < total {
+        if at == dst[i].len() {
+            (i, at) = (i + 1, 0);
+            continue;
+        }
+        let n = if s.is_empty() && total - filled >= DIRECT_MIN {
             s.tick()?;
             let Some(_io) = enter() else { break };
-            match s.read_direct(rest) {
+            match s.read_direct(&mut dst[i..], at) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => n,
                 Err(e) if read_again(&e) => continue,
@@ -301,17 +359,36 @@ pub fn read_payload<'r>(
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
             let Some(_io) = enter() else { break };
+            let rest = &mut dst[i][at..];
             let n = have.len().min(rest.len());
             rest[..n].copy_from_slice(&have[..n]);
             s.consume(n);
             n
         };
         filled += n;
+        // Past the slices `n` filled.
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(dst[i].len() - at);
+            (at, left) = (at + k, left - k);
+            if at == dst[i].len() && left > 0 {
+                (i, at) = (i + 1, 0);
+            }
+        }
     }
-    if dst.len() >= DIRECT_MIN {
+    if total >= DIRECT_MIN {
         s.fill = DATA_FRAME_PREFIX_LEN;
     }
     Ok(filled)
+}
+
+/// [`read_payloads`] into one slice.
+pub fn read_payload<'r>(
+    s: &mut DataStream,
+    dst: &mut [u8],
+    enter: &dyn Fn() -> Option<IoGuard<'r>>,
+) -> io::Result<usize> {
+    read_payloads(s, &mut [dst], enter)
 }
 
 /// A read that ended without bytes and without an error of the stream: interrupted, or
@@ -396,6 +473,58 @@ mod tests {
             at += n;
         }
         assert_eq!(at, total);
+        writer.join().unwrap();
+    }
+
+    /// The runs of a `DataRuns` frame: small and large slices are filled in order,
+    /// through the buffer and straight into several pages with one `recv`; a room that
+    /// ends part way takes no byte after it, and says how many it took.
+    #[test]
+    fn several_runs_are_filled_in_order_and_a_room_that_ends_stops_them() {
+        let sizes = [
+            40usize,
+            32 * 1024,
+            32 * 1024,
+            100,
+            3 * READ_BUFFER,
+            4096,
+            32 * 1024,
+        ];
+        let one: usize = sizes.iter().sum();
+        let (bytes, mut s, writer) = stream_of(2 * one + 56, |mut c, send| {
+            for part in send.chunks(30_011) {
+                c.write_all(part).unwrap();
+            }
+        });
+        let room = crate::room::Room::new(1, 1, crate::Role::Decode, 0, ());
+        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+        let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let live = || Some(room.begin_io());
+        assert_eq!(read_payloads(&mut s, &mut dst, &live).unwrap(), one);
+        assert_eq!(room.io_in_flight(), 0);
+        assert!(bufs.concat() == bytes[..one]);
+
+        // The room ends after two writes into its pages: what they took is counted and
+        // nothing after it is written.
+        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+        let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let writes = std::cell::Cell::new(0);
+        let ends = || {
+            writes.set(writes.get() + 1);
+            (writes.get() <= 2).then(|| room.begin_io())
+        };
+        let took = read_payloads(&mut s, &mut dst, &ends).unwrap();
+        assert!(took > 0 && took < one, "took {took}");
+        let got = bufs.concat();
+        assert!(got[..took] == bytes[one..one + took]);
+        assert!(
+            got[took..].iter().all(|&x| x == 0),
+            "a byte landed after the end"
+        );
+        super::super::discard(&mut s, (one - took) as u64).unwrap();
+        let mut tail = vec![0u8; 56];
+        assert_eq!(read_payload(&mut s, &mut tail, &live).unwrap(), 56);
+        assert!(tail == bytes[2 * one..]);
         writer.join().unwrap();
     }
 

@@ -3,13 +3,14 @@
 
 use std::io::{self, IoSlice};
 use std::net::TcpStream;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use super::TICK;
-use crate::proto::{DataHeader, DATA_FRAME_PREFIX_LEN};
+use crate::proto::{self, DataHeader, DATA_FRAME_PREFIX_LEN};
 use crate::transport::{Sent, Watch};
 
 /// Zeros that end a frame whose room ended mid-frame.
@@ -86,7 +87,7 @@ impl SendConn {
             .map(|_| ())
     }
 
-    /// Writes each run behind its prefix, in order. If the room ends while a write
+    /// Writes the runs in frames ([`frames`]), in order. If the room ends while a write
     /// waits, the frame in progress is ended with zeros and the others are dropped.
     fn write_batch(
         &self,
@@ -94,11 +95,11 @@ impl SendConn {
         runs: &[(DataHeader, &[u8])],
         watch: &mut Watch<'_>,
     ) -> io::Result<Sent> {
-        let prefixes = prefixes(runs)?;
-        let mut slices = Vec::with_capacity(runs.len() * 2);
-        for ((_, bytes), prefix) in runs.iter().zip(&prefixes) {
-            slices.push(IoSlice::new(prefix));
-            slices.push(IoSlice::new(bytes));
+        let (heads, frames) = frames(runs)?;
+        let mut slices = Vec::with_capacity(runs.len() + frames.len());
+        for (head, carried) in &frames {
+            slices.push(IoSlice::new(&heads[head.clone()]));
+            slices.extend(runs[carried.clone()].iter().map(|(_, b)| IoSlice::new(b)));
         }
         // A failed write may have stopped mid-frame: the stream is out of step for good,
         // so it is shut, and the reader sees it end instead of reading the next frame's
@@ -117,8 +118,10 @@ impl SendConn {
         // The rest of the frame in progress, if one was begun: the rest of its prefix,
         // then zeros.
         let mut at = 0;
-        for (prefix, (_, bytes)) in prefixes.iter().zip(runs) {
-            let end = at + prefix.len() + bytes.len();
+        for (head, carried) in &frames {
+            let prefix = &heads[head.clone()];
+            let bytes: usize = runs[carried.clone()].iter().map(|(_, b)| b.len()).sum();
+            let end = at + prefix.len() + bytes;
             if written < end {
                 if written == at {
                     break; // between two frames: nothing begun
@@ -208,16 +211,54 @@ fn send_vectored(s: &TcpStream, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
     }
 }
 
-/// The encoded frame prefix (frame header and data header) of each run.
-fn prefixes(runs: &[(DataHeader, &[u8])]) -> io::Result<Vec<[u8; DATA_FRAME_PREFIX_LEN]>> {
-    runs.iter()
-        .map(|(hdr, _)| {
+/// A run at least this long goes in a `Data` frame of its own: one `recv` per run is
+/// cheap enough for it, and the receiver reads it straight into its pages anyway.
+pub const RUNS_MAX_RUN: usize = 256 * 1024;
+
+/// The most payload bytes of one `DataRuns` frame. A room that ends mid-frame still
+/// costs the frame's rest in zeros, so frames stay far below [`MAX_FRAME_BYTES`].
+///
+/// [`MAX_FRAME_BYTES`]: super::MAX_FRAME_BYTES
+pub const RUNS_FRAME_BYTES: usize = 1 << 20;
+
+/// A batch's frames: their encoded prefixes, one after the other, and for each frame
+/// its prefix's range in them and the range of runs it carries.
+type Frames = (Vec<u8>, Vec<(Range<usize>, Range<usize>)>);
+
+/// How a batch's runs go on the wire: consecutive runs shorter than [`RUNS_MAX_RUN`]
+/// together in `DataRuns` frames of at most [`RUNS_FRAME_BYTES`] (and
+/// [`MAX_RUNS`](proto::MAX_RUNS) runs), each other run in a `Data` frame; so a batch of
+/// small pages is read by the receiver with one `recv` per frame, not one per page.
+fn frames(runs: &[(DataHeader, &[u8])]) -> io::Result<Frames> {
+    let invalid = |e: proto::ProtoError| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
+    let (mut heads, mut frames) = (Vec::new(), Vec::new());
+    let small = |i: usize| runs[i].1.len() < RUNS_MAX_RUN;
+    let mut i = 0;
+    while i < runs.len() {
+        let (mut j, mut bytes) = (i + 1, runs[i].1.len());
+        if small(i) {
+            while j < runs.len()
+                && j - i < proto::MAX_RUNS as usize
+                && small(j)
+                && bytes + runs[j].1.len() <= RUNS_FRAME_BYTES
+            {
+                bytes += runs[j].1.len();
+                j += 1;
+            }
+        }
+        let at = heads.len();
+        if j - i == 1 {
             let mut prefix = [0u8; DATA_FRAME_PREFIX_LEN];
-            hdr.encode_frame(&mut prefix)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-            Ok(prefix)
-        })
-        .collect()
+            runs[i].0.encode_frame(&mut prefix).map_err(invalid)?;
+            heads.extend_from_slice(&prefix);
+        } else {
+            let hdrs: Vec<DataHeader> = runs[i..j].iter().map(|(h, _)| *h).collect();
+            proto::encode_runs_prefix(&hdrs, &mut heads).map_err(invalid)?;
+        }
+        frames.push((at..heads.len(), i..j));
+        i = j;
+    }
+    Ok((heads, frames))
 }
 
 impl crate::transport::DataLink for SendConn {
@@ -242,6 +283,53 @@ mod tests {
 
     use super::*;
     use crate::proto::{self, Kind, Limits, Target};
+
+    /// Small runs go together in `DataRuns` frames of at most `RUNS_FRAME_BYTES`; a
+    /// run of `RUNS_MAX_RUN` or more, or a small run alone, in a `Data` frame.
+    #[test]
+    fn small_runs_share_frames_and_large_runs_go_alone() {
+        let page = vec![0u8; 32 * 1024];
+        let big = vec![0u8; RUNS_MAX_RUN];
+        let h = |first_page: usize, n: usize| DataHeader {
+            room: 1,
+            generation: 1,
+            target: Target::Kv,
+            buffer: 0,
+            first_page: first_page as u32,
+            n_pages: 1,
+            byte_len: n as u32,
+        };
+        let per = RUNS_FRAME_BYTES / page.len();
+        let mut runs: Vec<(DataHeader, &[u8])> =
+            (0..=per).map(|p| (h(p, page.len()), &page[..])).collect();
+        runs.push((h(per + 1, big.len()), &big));
+        runs.push((h(per + 2, page.len()), &page));
+        let (heads, frames) = frames(&runs).unwrap();
+        let carried: Vec<_> = frames.iter().map(|(_, r)| r.clone()).collect();
+        assert_eq!(
+            carried,
+            [0..per, per..per + 1, per + 1..per + 2, per + 2..per + 3]
+        );
+        let mut at = 0;
+        for (head, carried) in &frames {
+            let limits = proto::Limits::default();
+            let mut r = &heads[head.clone()];
+            let fh = proto::read_frame_header(&mut r, &limits).unwrap();
+            let n = if carried.len() > 1 {
+                assert_eq!(fh.kind, Kind::DataRuns);
+                proto::read_runs(&mut r, &fh, &limits).unwrap().len()
+            } else {
+                assert_eq!(fh.kind, Kind::Data);
+                proto::read_data_header(&mut r, &fh, &limits).unwrap();
+                1
+            };
+            assert!(r.is_empty(), "the prefix is the headers only");
+            assert_eq!(n, carried.len());
+            assert_eq!(head.start, at);
+            at = head.end;
+        }
+        assert_eq!(at, heads.len());
+    }
 
     /// A batch blocked on a reader that does not read, whose room ends meanwhile: the
     /// frame in progress is ended with zeros, the others are not sent, the room's io is
