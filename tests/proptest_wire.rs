@@ -98,6 +98,14 @@ fn data_frame(h: DataHeader) -> Vec<u8> {
     f
 }
 
+fn runs_frame(runs: &[DataHeader]) -> Vec<u8> {
+    let mut f = Vec::new();
+    proto::encode_runs_prefix(runs, &mut f).unwrap();
+    let bytes: u32 = runs.iter().map(|h| h.byte_len).sum();
+    f.extend((0..bytes).map(|i| i as u8));
+    f
+}
+
 fn buffer(len: u64, item_len: u64) -> BufferInfo {
     BufferInfo {
         len,
@@ -172,6 +180,26 @@ fn seeds() -> Vec<Vec<u8>> {
             n_pages: 2,
             byte_len: 32,
         }),
+        runs_frame(&[
+            DataHeader {
+                room: 1,
+                generation: 2,
+                target: Target::Kv,
+                buffer: 0,
+                first_page: 7,
+                n_pages: 1,
+                byte_len: 16,
+            },
+            DataHeader {
+                room: 1,
+                generation: 2,
+                target: Target::Aux,
+                buffer: 0,
+                first_page: 1,
+                n_pages: 1,
+                byte_len: 8,
+            },
+        ]),
     ]
     .into_iter()
     .chain(auth_seeds())
@@ -362,6 +390,16 @@ fn read_frame(r: &mut &[u8], limits: &Limits) -> Result<Vec<u8>, ReadError> {
     if hdr.kind.is_control() {
         let m = proto::read_control(r, &hdr, limits)?;
         return Ok(encode(&m));
+    }
+    if hdr.kind == Kind::DataRuns {
+        let runs = proto::read_runs(r, &hdr, limits)?;
+        let n: usize = runs.iter().map(|h| h.byte_len as usize).sum();
+        let mut bytes = vec![0u8; n];
+        r.read_exact(&mut bytes).map_err(ReadError::Io)?;
+        let mut out = Vec::new();
+        proto::encode_runs_prefix(&runs, &mut out).unwrap();
+        out.extend(bytes);
+        return Ok(out);
     }
     let d = proto::read_data_header(r, &hdr, limits)?;
     let mut bytes = vec![0u8; d.byte_len as usize];

@@ -98,12 +98,14 @@ pub fn read_run_headers<R: Read>(
     count: u32,
     limits: &Limits,
 ) -> Result<Vec<DataHeader>, ReadError> {
-    let mut buf = vec![0u8; count as usize * DATA_HEADER_LEN];
-    fill(r, &mut buf, "DataRuns headers", false)?;
-    let mut runs: Vec<DataHeader> = Vec::with_capacity(count as usize);
+    // One header at a time: memory grows with the bytes that arrived, not with a count
+    // the peer claims.
+    let mut runs: Vec<DataHeader> = Vec::new();
     let mut sum = 0u64;
-    for b in buf.chunks_exact(DATA_HEADER_LEN) {
-        let h = DataHeader::decode_fields(b.try_into().expect("chunks of DATA_HEADER_LEN"))?;
+    for _ in 0..count {
+        let mut b = [0u8; DATA_HEADER_LEN];
+        fill(r, &mut b, "DataRuns header", false)?;
+        let h = DataHeader::decode_fields(&b)?;
         h.check(limits)?;
         if let Some(first) = runs.first() {
             if (h.room, h.generation) != (first.room, first.generation) {
