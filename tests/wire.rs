@@ -92,6 +92,31 @@ fn a_malformed_frame_from_a_peer_fails_its_rooms_with_a_reason() {
     assert!(p.metrics().protocol_errors >= 1);
 }
 
+/// Data frames of either kind belong on data connections: on the control connection
+/// they lose the peer, saying which kind came.
+#[test]
+fn a_data_frame_on_the_control_connection_loses_the_peer_naming_its_kind() {
+    let (_mem, p) = prefill();
+    let h = kv_header(6, 77, 0, 0, 1, ITEM);
+    for (room, frame, kind) in [
+        (6, data_frame(&h, 0x41), "Data frame"),
+        (8, runs_frame(&[(h, 0x41)]), "DataRuns frame"),
+    ] {
+        let mut s = fake::decode_ctrl(p.address(), room, BUFS, PAGES, ITEM);
+        p.room_create(room, RoomPeers::Decoders(1)).unwrap();
+        send_msg(&mut s, &destination(room, 77, vec![0, 1]));
+        wait_state(&p, room, State::WaitingForInput);
+        s.write_all(&frame).unwrap();
+        read_until_closed(&mut s);
+        assert_failed(
+            &p,
+            room,
+            Cause::PeerLost,
+            &format!("{kind} on the control connection"),
+        );
+    }
+}
+
 #[test]
 fn a_truncated_frame_then_close_fails_the_room() {
     let (_mem, p) = prefill();

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{Control, Events, Peer};
-use crate::proto::{self, FrameHeader, Kind, Message, ReadError, WireTransport};
+use crate::proto::{self, FrameHeader, Message, ReadError, WireTransport};
 use crate::transport::tcp::SendConn;
 use crate::Role;
 
@@ -55,10 +55,11 @@ impl Control {
         let node = &self.node;
         loop {
             let r = proto::read_frame_header(&mut s, &node.limits).and_then(|hdr: FrameHeader| {
-                if hdr.kind == Kind::Data {
-                    return Err(ReadError::Io(std::io::Error::other(
-                        "data frame on the control connection",
-                    )));
+                if !hdr.kind.is_control() {
+                    return Err(ReadError::Io(std::io::Error::other(format!(
+                        "{} frame on the control connection",
+                        hdr.kind.name()
+                    ))));
                 }
                 proto::read_control(&mut s, &hdr, &node.limits)
             });
