@@ -16,7 +16,7 @@
 use std::io::Read;
 
 use super::frame::{FrameHeader, Kind, Limits, ProtoError};
-use super::stream::{fill, ReadError};
+use super::stream::{fill, read_data_start, ReadError};
 use super::{DataHeader, DATA_HEADER_LEN, FRAME_HEADER_LEN};
 
 /// The most runs in one `DataRuns` frame (a receiver reads them with one vectored read,
@@ -64,12 +64,8 @@ pub fn read_runs_count<R: Read>(
     hdr: &FrameHeader,
     limits: &Limits,
 ) -> Result<u32, ReadError> {
-    if hdr.kind != Kind::DataRuns {
-        return Err(ProtoError::NotDataKind { kind: hdr.kind }.into());
-    }
-    hdr.check_payload_len(limits)?;
-    let mut buf = [0u8; RUNS_COUNT_LEN];
-    fill(r, &mut buf, "DataRuns count", false)?;
+    let buf: [u8; RUNS_COUNT_LEN] =
+        read_data_start(r, hdr, Kind::DataRuns, limits, "DataRuns count")?;
     let count = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
     let reserved = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);
     if reserved != 0 {

@@ -154,13 +154,26 @@ pub fn read_data_header<R: Read>(
     hdr: &FrameHeader,
     limits: &Limits,
 ) -> Result<DataHeader, ReadError> {
-    if hdr.kind != Kind::Data {
+    let buf: [u8; DATA_HEADER_LEN] = read_data_start(r, hdr, Kind::Data, limits, "data header")?;
+    Ok(DataHeader::decode(&buf, hdr.payload_len, limits)?)
+}
+
+/// Checks that `hdr` is a data frame of `kind` within `limits` (nothing is read if not),
+/// then reads the `N` bytes that start its payload (`what`, for the end-of-stream error).
+pub(super) fn read_data_start<R: Read, const N: usize>(
+    r: &mut R,
+    hdr: &FrameHeader,
+    kind: Kind,
+    limits: &Limits,
+    what: &str,
+) -> Result<[u8; N], ReadError> {
+    if hdr.kind != kind {
         return Err(ProtoError::NotDataKind { kind: hdr.kind }.into());
     }
     hdr.check_payload_len(limits)?;
-    let mut buf = [0u8; DATA_HEADER_LEN];
-    fill(r, &mut buf, "data header", false)?;
-    Ok(DataHeader::decode(&buf, hdr.payload_len, limits)?)
+    let mut buf = [0u8; N];
+    fill(r, &mut buf, what, false)?;
+    Ok(buf)
 }
 
 #[cfg(test)]
