@@ -65,6 +65,21 @@ pub trait DataLink: Send + Sync {
     /// ends with its completions).
     fn write_runs(&self, runs: &[(DataHeader, &[u8])], watch: &mut Watch<'_>) -> io::Result<Sent>;
 
+    /// As [`write_runs`](Self::write_runs) for a room's last batch: the transport may
+    /// hold the batch's tail back so that the Done behind it travels in the same packet
+    /// (TCP: `MSG_MORE`). The caller calls [`flush`](Self::flush) once it has sent Done,
+    /// or decided not to.
+    fn write_last_runs(
+        &self,
+        runs: &[(DataHeader, &[u8])],
+        watch: &mut Watch<'_>,
+    ) -> io::Result<Sent> {
+        self.write_runs(runs, watch)
+    }
+
+    /// Sends at once whatever [`write_last_runs`](Self::write_last_runs) held back.
+    fn flush(&self) {}
+
     /// Whether the link can carry nothing more (a TCP connection whose write failed:
     /// its stream is shut). A broken RDMA queue pair is replaced on the next use, so an
     /// RDMA link never says so.

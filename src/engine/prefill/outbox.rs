@@ -50,6 +50,9 @@ pub(crate) struct Batch {
     pub frames: Vec<Planned>,
     pub bytes: usize,
     pub chunk: Arc<Ticket>,
+    /// The last batch planned for this destination in the room's last chunk: Done
+    /// likely follows it on the same link.
+    pub last: bool,
 }
 
 #[derive(Default)]

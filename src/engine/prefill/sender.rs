@@ -233,13 +233,15 @@ impl PrefillEngine {
             self.chunk_sent();
         }
         for (outbox, peer, batches) in queued {
-            for (frames, bytes) in batches {
+            let n = batches.len();
+            for (i, (frames, bytes)) in batches.into_iter().enumerate() {
                 let batch = Batch {
                     room: room.clone(),
                     peer: peer.clone(),
                     frames,
                     bytes,
                     chunk: ticket.clone(),
+                    last: chunk.is_last && i + 1 == n,
                 };
                 if let Err(batch) = outbox.push(batch) {
                     // The engine was lost meanwhile (its loss fails the room).
@@ -290,6 +292,11 @@ impl PrefillEngine {
                 }
             };
             self.batch_ended(&batch, written, Some(link));
+            if batch.last {
+                // Done went out behind it on this link, or will not: either way nothing
+                // may wait in the socket now.
+                link.flush();
+            }
             if link.is_broken() {
                 // The others carry the outbox; a peer with no link left is lost.
                 let left = {
@@ -339,7 +346,12 @@ impl PrefillEngine {
             ended: &ended,
             release: &mut release,
         };
-        let sent = link.write_runs(&runs, &mut watch).map_err(|e| {
+        let sent = if batch.last {
+            link.write_last_runs(&runs, &mut watch)
+        } else {
+            link.write_runs(&runs, &mut watch)
+        };
+        let sent = sent.map_err(|e| {
             FailureReason::local(
                 Cause::Transfer,
                 format!(

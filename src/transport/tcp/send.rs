@@ -4,6 +4,7 @@
 use std::io::{self, IoSlice};
 use std::net::TcpStream;
 use std::ops::Range;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,8 @@ static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
 #[derive(Debug)]
 pub struct SendConn {
     stream: Mutex<TcpStream>,
+    /// The stream's socket, for [`SendConn::flush`] without the lock.
+    fd: std::os::fd::RawFd,
     /// A write that makes no progress for this long fails (the peer stopped reading).
     stall: Option<Duration>,
     /// A write failed and the stream is shut: nothing more can go out on it. Relaxed:
@@ -32,6 +35,7 @@ impl SendConn {
     /// Wraps a connected stream: writes block as the socket says.
     pub fn new(stream: TcpStream) -> Self {
         SendConn {
+            fd: stream.as_raw_fd(),
             stream: Mutex::new(stream),
             stall: None,
             broken: AtomicBool::new(false),
@@ -43,6 +47,7 @@ impl SendConn {
     pub fn with_stall(stream: TcpStream, stall: Duration) -> io::Result<Self> {
         stream.set_write_timeout(Some(TICK.min(stall)))?;
         Ok(SendConn {
+            fd: stream.as_raw_fd(),
             stream: Mutex::new(stream),
             stall: Some(stall),
             broken: AtomicBool::new(false),
@@ -54,6 +59,7 @@ impl SendConn {
     pub fn data(stream: TcpStream, stall: Duration) -> io::Result<Self> {
         stream.set_write_timeout(Some(TICK.min(stall)))?;
         Ok(SendConn {
+            fd: stream.as_raw_fd(),
             stream: Mutex::new(stream),
             stall: Some(stall),
             broken: AtomicBool::new(false),
@@ -63,10 +69,13 @@ impl SendConn {
     /// Writes several data frames with vectored writes under one lock.
     /// While another worker holds the connection, the room is watched too: if it ends,
     /// nothing is written.
+    /// With `more`, the batch's tail may wait in the socket for what follows (`MSG_MORE`)
+    /// until the next write or [`SendConn::flush`].
     pub fn send_batch(
         &self,
         runs: &[(DataHeader, &[u8])],
         watch: &mut Watch<'_>,
+        more: bool,
     ) -> io::Result<Sent> {
         let mut s = loop {
             if let Some(s) = self.stream.try_lock_for(TICK) {
@@ -77,13 +86,29 @@ impl SendConn {
                 return Ok(Sent::RoomEnded);
             }
         };
-        self.write_batch(&mut s, runs, watch)
+        self.write_batch(&mut s, runs, watch, more)
+    }
+
+    /// Sends what a write with `more` left waiting in the socket: setting `TCP_NODELAY`
+    /// pushes the pending frames (Linux), and the data connections have it set anyway.
+    pub fn flush(&self) {
+        let on: libc::c_int = 1;
+        // SAFETY: the socket stays open while `self` lives; the option is a c_int.
+        unsafe {
+            libc::setsockopt(
+                self.fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_NODELAY,
+                (&on as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
     }
 
     /// Writes an encoded control frame.
     pub fn send_frame(&self, frame: &[u8]) -> io::Result<()> {
         let mut s = self.stream.lock();
-        self.write_all(&mut s, &mut [IoSlice::new(frame)], &mut 0, None)
+        self.write_all(&mut s, &mut [IoSlice::new(frame)], &mut 0, None, false)
             .map(|_| ())
     }
 
@@ -94,6 +119,7 @@ impl SendConn {
         s: &mut TcpStream,
         runs: &[(DataHeader, &[u8])],
         watch: &mut Watch<'_>,
+        more: bool,
     ) -> io::Result<Sent> {
         let (heads, frames) = frames(runs)?;
         let mut slices = Vec::with_capacity(runs.len() + frames.len());
@@ -110,7 +136,7 @@ impl SendConn {
             e
         };
         let mut written = 0;
-        match self.write_all(s, &mut slices, &mut written, Some(watch.ended)) {
+        match self.write_all(s, &mut slices, &mut written, Some(watch.ended), more) {
             Ok(false) => return Ok(Sent::All),
             Ok(true) => (watch.release)(),
             Err(e) => return Err(broken(s, e)),
@@ -136,7 +162,7 @@ impl SendConn {
                     tail.push(IoSlice::new(&ZEROS[..k]));
                     zeros -= k;
                 }
-                self.write_all(s, &mut tail, &mut 0, None)
+                self.write_all(s, &mut tail, &mut 0, None, false)
                     .map_err(|e| broken(s, e))?;
                 break;
             }
@@ -155,13 +181,14 @@ impl SendConn {
         mut bufs: &mut [IoSlice<'_>],
         written: &mut usize,
         ended: Option<&dyn Fn() -> bool>,
+        more: bool,
     ) -> io::Result<bool> {
         IoSlice::advance_slices(&mut bufs, 0);
         let mut progress = Instant::now();
         let ended = || ended.is_some_and(|f| f());
         while !bufs.is_empty() {
             let asked: usize = bufs.iter().map(|b| b.len()).sum();
-            match send_vectored(w, bufs) {
+            match send_vectored(w, bufs, more) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     IoSlice::advance_slices(&mut bufs, n);
@@ -195,15 +222,15 @@ impl SendConn {
 /// `writev` as `sendmsg` with `MSG_NOSIGNAL`: a peer that closed gives `EPIPE`, never a
 /// SIGPIPE that would kill a host process which did not ignore it (Rust's own
 /// `write` uses `send` with the same flag; its `write_vectored` uses `writev`).
-fn send_vectored(s: &TcpStream, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-    use std::os::fd::AsRawFd;
+fn send_vectored(s: &TcpStream, bufs: &[IoSlice<'_>], more: bool) -> io::Result<usize> {
     // SAFETY: an all-zero msghdr is valid (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     // IoSlice is ABI-compatible with iovec on Unix; sendmsg only reads the buffers.
     msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
     msg.msg_iovlen = bufs.len().min(1024) as _;
     // SAFETY: the socket is open for the borrow's length; msg points at live iovecs.
-    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    let flags = libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
+    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, flags) };
     if n < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -263,7 +290,19 @@ fn frames(runs: &[(DataHeader, &[u8])]) -> io::Result<Frames> {
 
 impl crate::transport::DataLink for SendConn {
     fn write_runs(&self, runs: &[(DataHeader, &[u8])], watch: &mut Watch<'_>) -> io::Result<Sent> {
-        self.send_batch(runs, watch)
+        self.send_batch(runs, watch, false)
+    }
+
+    fn write_last_runs(
+        &self,
+        runs: &[(DataHeader, &[u8])],
+        watch: &mut Watch<'_>,
+    ) -> io::Result<Sent> {
+        self.send_batch(runs, watch, true)
+    }
+
+    fn flush(&self) {
+        SendConn::flush(self)
     }
 
     fn is_broken(&self) -> bool {
@@ -331,6 +370,47 @@ mod tests {
         assert_eq!(at, heads.len());
     }
 
+    /// A room's last batch may wait in the socket for its Done (`MSG_MORE`); `flush`
+    /// sends it at once. (Without the flush the frame stays back: checked first, so the
+    /// test shows the hold it guards against.)
+    #[test]
+    fn a_last_batch_held_for_its_done_goes_out_on_flush() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        w.set_nodelay(true).unwrap();
+        let (mut r, _) = l.accept().unwrap();
+        r.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let conn = SendConn::data(w, Duration::from_secs(10)).unwrap();
+        let page = vec![0x5Au8; 4096];
+        let h = DataHeader {
+            room: 3,
+            generation: 1,
+            target: Target::Kv,
+            buffer: 0,
+            first_page: 0,
+            n_pages: 1,
+            byte_len: page.len() as u32,
+        };
+        let never = || false;
+        let mut release = || {};
+        let mut watch = Watch {
+            ended: &never,
+            release: &mut release,
+        };
+        let sent = conn.send_batch(&[(h, &page)], &mut watch, true).unwrap();
+        assert_eq!(sent, Sent::All);
+        let mut buf = vec![0u8; DATA_FRAME_PREFIX_LEN + page.len()];
+        let held = r.read(&mut buf);
+        assert!(
+            held.is_err(),
+            "the frame went out before the flush: {held:?}"
+        );
+        conn.flush();
+        r.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        r.read_exact(&mut buf).unwrap();
+        assert!(buf[DATA_FRAME_PREFIX_LEN..].iter().all(|&x| x == 0x5A));
+    }
+
     /// A batch blocked on a reader that does not read, whose room ends meanwhile: the
     /// frame in progress is ended with zeros, the others are not sent, the room's io is
     /// released once, and the stream holds only whole frames.
@@ -380,7 +460,7 @@ mod tests {
                 ended: &ended_now,
                 release: &mut release,
             };
-            let sent = conn.send_batch(&runs, &mut watch).unwrap();
+            let sent = conn.send_batch(&runs, &mut watch, false).unwrap();
             assert_eq!(sent, Sent::RoomEnded);
         });
         assert_eq!(released.load(Ordering::SeqCst), 1);
