@@ -384,9 +384,10 @@ typedef struct kvxfer_metrics {
    */
   uint64_t rooms_draining;
   /**
-   * Connections refused at authentication, on either side (see `auth` in
-   * `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete or
-   * malformed handshake, or too many connections authenticating at once.
+   * Connections refused at authentication, on either side (see `auth` and the `tls_*`
+   * keys in `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete
+   * or malformed handshake, too many connections authenticating at once, a failed TLS
+   * handshake (a certificate not of the CA, an alert), or TLS on one side only.
    */
   uint64_t auth_failures;
   /**

@@ -14,7 +14,14 @@
 //!
 //! Decode side (initiator): a connection to a prefill engine that fails to authenticate
 //! loses that peer, failing its rooms at once: `MISMATCH` when the settings or keys
-//! differ, `PROTOCOL` for a bad proof or a replay, `PEER_LOST` for an incomplete one.
+//! differ (or TLS: one side only, a certificate the other refuses), `PROTOCOL` for a bad
+//! proof or a replay, `PEER_LOST` for an incomplete one.
+//!
+//! With TLS (`crate::tls`), the prefill side tells a control connection (a TLS record
+//! first) from a data connection (a plain frame first) by the first byte, runs the TLS
+//! handshake for the former, refuses a plain control connection or a TLS data
+//! connection, and keys each control session's data connections with the secret of its
+//! TLS session, with or without a cluster key. Every TLS failure is a refusal as above.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpStream};
