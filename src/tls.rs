@@ -439,6 +439,8 @@ impl Wire {
                         sock: read,
                         shared: shared.clone(),
                         buf: vec![0; 16 * 1024 + 512].into_boxed_slice(),
+                        pos: 0,
+                        end: 0,
                     },
                     Writer { shared },
                 ))
@@ -567,19 +569,43 @@ impl Shared {
 pub struct Reader {
     sock: TcpStream,
     shared: Arc<Shared>,
+    /// Ciphertext read from the socket; `buf[pos..end]` is not yet handed to rustls.
     buf: Box<[u8]>,
+    pos: usize,
+    end: usize,
 }
 
 impl Read for Reader {
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
         loop {
-            {
+            let wants_write = {
                 let mut c = self.shared.conn.lock();
                 match c.reader().read(out) {
                     Ok(n) => return Ok(n),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                     Err(e) => return Err(e),
                 }
+                if self.pos < self.end {
+                    // One read_tls at a time, the plaintext taken out in between, so
+                    // rustls' plaintext buffer never fills.
+                    let mut rest = &self.buf[self.pos..self.end];
+                    let n = c.read_tls(&mut rest)?;
+                    self.pos += n;
+                    c.process_new_packets()
+                        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                    c.wants_write()
+                } else {
+                    false
+                }
+            };
+            if wants_write {
+                // Else the writer sends it with its next frame.
+                if let Some(mut s) = self.shared.write.try_lock() {
+                    self.shared.flush(&mut s)?;
+                }
+            }
+            if self.pos < self.end {
+                continue;
             }
             // No lock across the blocking read.
             let n = self.sock.read(&mut self.buf)?;
@@ -589,22 +615,7 @@ impl Read for Reader {
                     "the peer closed the TLS connection without close_notify",
                 ));
             }
-            let wants_write = {
-                let mut c = self.shared.conn.lock();
-                let mut rest = &self.buf[..n];
-                while !rest.is_empty() {
-                    c.read_tls(&mut rest)?;
-                    c.process_new_packets()
-                        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-                }
-                c.wants_write()
-            };
-            if wants_write {
-                // Else the writer sends it with its next frame.
-                if let Some(mut s) = self.shared.write.try_lock() {
-                    self.shared.flush(&mut s)?;
-                }
-            }
+            (self.pos, self.end) = (0, n);
         }
     }
 }

@@ -176,6 +176,32 @@ fn engines_with_certificates_of_one_ca_transfer_and_their_control_connection_is_
     }
 }
 
+#[test]
+fn control_frames_larger_than_a_tls_record_cross_whole() {
+    // A destination of 40,000 pages is a 160 KB frame: ten TLS records, read by the
+    // control reader a socket read at a time.
+    let pki = Pki::new("large");
+    let (pk, dk) = (pki.keys("prefill"), pki.keys("decode"));
+    let t = Pair::builder()
+        .transport("tcp")
+        .prefill(&refs(&pk))
+        .decode(&refs(&dk))
+        .bufs(1)
+        .pages(40_000)
+        .item(64)
+        .build();
+    let all: Vec<u32> = (0..40_000).collect();
+    let to: Vec<u32> = all.iter().rev().copied().collect();
+    for room in 1..=2 {
+        assert_eq!(
+            t.transfer(room, &all, &to),
+            (State::Success, State::Success)
+        );
+        t.assert_pages(&all, &to);
+        t.repoison(&to);
+    }
+}
+
 /// Decode room 1 against a prefill room 1 with a chunk waiting: both must fail, the
 /// decode side at once with MISMATCH, the prefill side at its bootstrap deadline; both
 /// reasons name TLS; no page is written; both engines count the refusal.
