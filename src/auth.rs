@@ -161,13 +161,23 @@ impl fmt::Debug for SessionSecret {
 
 impl SessionSecret {
     /// The secret of a control session over TLS: bound to the TLS session through
-    /// `exported` (what both ends' TLS exporter gives), and to the cluster-key session
-    /// `keyed` when a key is set too.
-    pub fn from_tls(exported: &[u8; 32], keyed: Option<&SessionSecret>) -> SessionSecret {
+    /// `exported` (what both ends' TLS exporter gives), to whether its data is `sealed`
+    /// (`encrypt_data`: engines that differ in it prove different secrets, so their
+    /// data connections are refused), and to the cluster-key session `keyed` when a key
+    /// is set too.
+    pub fn from_tls(
+        exported: &[u8; 32],
+        sealed: bool,
+        keyed: Option<&SessionSecret>,
+    ) -> SessionSecret {
         let keyed: &[u8] = keyed.map_or(&[], |k| &k.0);
         SessionSecret(tag(
             exported,
-            &[LABEL.as_slice(), &[Purpose::TlsSession as u8], keyed],
+            &[
+                LABEL.as_slice(),
+                &[Purpose::TlsSession as u8, sealed as u8],
+                keyed,
+            ],
         ))
     }
 

@@ -343,7 +343,11 @@ fn handshake(
             Err(e) => return Err(HandshakeError::Io(e)),
         }
     }
-    Ok(())
+    // The setup that follows sets its own timeouts.
+    rec.sock
+        .set_read_timeout(None)
+        .and_then(|()| rec.sock.set_write_timeout(None))
+        .map_err(HandshakeError::Io)
 }
 
 impl Tls {

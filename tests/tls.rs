@@ -413,6 +413,34 @@ fn a_sealed_payload_changed_on_the_way_fails_the_room_and_is_never_written() {
     assert!(t.d.metrics().protocol_errors >= 1);
 }
 
+#[test]
+fn engines_that_differ_in_encrypt_data_fail_naming_it_and_write_nothing() {
+    let pki = Pki::new("differ");
+    let timeout = ("bootstrap_timeout_ms", "1500");
+    for (p_seal, d_seal) in [("true", "false"), ("false", "true")] {
+        let p = with(&pki.keys("prefill"), &[("encrypt_data", p_seal), timeout]);
+        let d = with(&pki.keys("decode"), &[("encrypt_data", d_seal)]);
+        let t = pair(&refs(&p), &refs(&d));
+        t.p.room_create(1, RoomPeers::Decoders(1)).unwrap();
+        t.p.enqueue_chunk(1, &[1, 2], true, None).unwrap();
+        t.d.room_create(1, RoomPeers::Prefills(vec![t.p.address().into()]))
+            .unwrap();
+        t.d.room_set_destination(1, &[3, 4], None).unwrap();
+        assert_eq!(wait_terminal(&t.d, 1), State::Failed);
+        let why = t.d.room_failure(1).unwrap();
+        assert_eq!(why.cause, Cause::Mismatch, "{why}");
+        assert!(why.message.contains("encrypt_data"), "{why}");
+        assert_eq!(wait_terminal(&t.p, 1), State::Failed);
+        assert!(t
+            .p
+            .room_failure(1)
+            .unwrap()
+            .message
+            .contains("encrypt_data"));
+        assert!(untouched(&t));
+    }
+}
+
 fn engine_error(extra: &[(&str, &str)]) -> kvxfer::Error {
     let mut c = Config::default();
     c.set("role", "prefill").unwrap();

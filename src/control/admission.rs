@@ -215,7 +215,11 @@ impl Control {
     /// (and the cluster-key session, if any) with TLS, the cluster-key session without.
     fn session_of(&self, wire: &Wire, keyed: Option<SessionSecret>) -> Option<SessionSecret> {
         match wire.session_secret() {
-            Some(exported) => Some(SessionSecret::from_tls(&exported, keyed.as_ref())),
+            Some(exported) => Some(SessionSecret::from_tls(
+                &exported,
+                self.gate.encrypt_data,
+                keyed.as_ref(),
+            )),
             None => keyed,
         }
     }
@@ -427,10 +431,24 @@ impl Control {
                 Err(f.detail)
             }
             Err(f) => {
-                self.refused(addr, &who, &f);
+                self.refused(addr, &who, &self.hint(hello.conn, f));
                 Ok(None)
             }
         }
+    }
+
+    /// With TLS, a data connection that proves another session than its control
+    /// connection's most likely comes from an engine that differs in `encrypt_data`:
+    /// `f`, saying so.
+    fn hint(&self, conn: ConnKind, mut f: Failure) -> Failure {
+        if self.gate.tls.is_some() && conn == ConnKind::Data && f.reason == Reason::NoSession {
+            f.detail.push_str(&format!(
+                " (with TLS, engines that differ in encrypt_data prove different sessions: \
+                 this engine has encrypt_data={})",
+                self.gate.encrypt_data
+            ));
+        }
+        f
     }
 
     /// Decode side: the control connection to `peer` on socket `s`: a TLS client
@@ -484,8 +502,13 @@ impl Control {
             Ok(secret) if conn == ConnKind::Control => Ok(self.session_of(s, secret)),
             Ok(secret) => Ok(secret),
             Err(f) => {
+                let f = self.hint(conn, f);
                 self.refused(s.peer_addr().ok(), &peer.name, &f);
-                Err(SetupError::new(cause(&f), f.to_string()))
+                let cause = match f.reason {
+                    Reason::NoSession if self.gate.tls.is_some() => Cause::Mismatch,
+                    _ => cause(&f),
+                };
+                Err(SetupError::new(cause, f.to_string()))
             }
         }
     }

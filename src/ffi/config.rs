@@ -105,7 +105,8 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 /// set, a file cannot be read or holds no usable PEM, the key does not fit the
 /// certificate, the certificate is not signed by the CA, or `encrypt_data=true` has no
 /// TLS. An engine with TLS and one without fail their rooms as with different `auth`
-/// settings, the reasons naming TLS.
+/// settings, the reasons naming TLS; so do engines that differ in `encrypt_data`, the
+/// reasons naming it.
 ///
 /// Whichever of `auth_key_file` and `auth_key` is set last is the key. With
 /// `auth=required` every connection between two engines proves, both ways, that both

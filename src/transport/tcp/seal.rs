@@ -287,7 +287,7 @@ mod tests {
     use super::*;
 
     fn secret(b: u8) -> SessionSecret {
-        SessionSecret::from_tls(&[b; 32], None)
+        SessionSecret::from_tls(&[b; 32], true, None)
     }
 
     #[test]
