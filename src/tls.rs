@@ -23,7 +23,7 @@
 //! A rustls connection is one state machine for both directions and cannot be split
 //! like a `TcpStream`. After the setup, the control connection's reader and writer
 //! threads share it under a mutex that is held only to encrypt or decrypt, never
-//! across a blocking socket call ([`split`]):
+//! across a blocking socket call ([`Wire::split`]):
 //!
 //! - the reader reads ciphertext from its own handle on the socket without any lock,
 //!   then takes the lock to hand the bytes to rustls and take out the plaintext;
