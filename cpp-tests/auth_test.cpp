@@ -109,6 +109,31 @@ TEST(ConfigAuth, AHexKeyIsCheckedAndNeverRepeatedInTheMessage) {
     }
 }
 
+// TLS through the C ABI: the three tls_* keys go together, and encrypt_data needs them;
+// kvxfer_engine_new names what is missing or unreadable (tests/tls.rs runs TLS engines).
+TEST(ConfigTls, APartialTlsConfigurationFailsEngineNewNamingTheMissingKeys) {
+    ConfigPtr c = config("prefill", {{"tls_cert_file", "/nonexistent/engine.pem"}});
+    kvxfer_engine *e = nullptr;
+    Result r = result(kvxfer_engine_new(c.get(), &e));
+    EXPECT_EQ(r.status, KVXFER_ERR_BAD_VALUE) << r;
+    EXPECT_TRUE(contains(r.message, "'tls_key_file' and 'tls_ca_file' missing")) << r;
+    EXPECT_EQ(e, nullptr);
+    ConfigPtr all = config("prefill", {{"tls_cert_file", "/nonexistent/engine.pem"},
+                                       {"tls_key_file", "/nonexistent/engine.key"},
+                                       {"tls_ca_file", "/nonexistent/ca.pem"}});
+    r = result(kvxfer_engine_new(all.get(), &e));
+    EXPECT_EQ(r.status, KVXFER_ERR_BAD_VALUE) << r;
+    EXPECT_TRUE(contains(r.message, "/nonexistent/engine.pem")) << r;
+    ConfigPtr sealed = config("prefill", {{"encrypt_data", "true"}});
+    r = result(kvxfer_engine_new(sealed.get(), &e));
+    EXPECT_EQ(r.status, KVXFER_ERR_BAD_VALUE) << r;
+    EXPECT_TRUE(contains(r.message, "encrypt_data")) << r;
+    EXPECT_EQ(e, nullptr);
+    ConfigPtr bad = config("prefill", {});
+    r = result(kvxfer_config_set(bad.get(), "encrypt_data", "yes"));
+    EXPECT_EQ(r.status, KVXFER_ERR_BAD_VALUE) << r;
+}
+
 TEST(ConfigAuth, AuthRequiredWithoutAKeyFailsEngineNewNamingTheKeys) {
     ConfigPtr c = config("prefill", {{"auth", "required"}});
     kvxfer_engine *e = nullptr;

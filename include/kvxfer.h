@@ -384,9 +384,10 @@ typedef struct kvxfer_metrics {
    */
   uint64_t rooms_draining;
   /**
-   * Connections refused at authentication, on either side (see `auth` in
-   * `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete or
-   * malformed handshake, or too many connections authenticating at once.
+   * Connections refused at authentication, on either side (see `auth` and the `tls_*`
+   * keys in `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete
+   * or malformed handshake, too many connections authenticating at once, a failed TLS
+   * handshake (a certificate not of the CA, an alert), or TLS on one side only.
    */
   uint64_t auth_failures;
   /**
@@ -449,6 +450,31 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * - `auth_key`: the key in hexadecimal, 64 to 8192 digits; meant for tests, since a key
  *   in a config string tends to reach logs and process listings; the message of a bad
  *   value never repeats it.
+ *
+ * TLS (all three keys or none; see docs/SECURITY.md for what it protects):
+ * - `tls_cert_file`: path of this engine's certificate chain, PEM, leaf first; the
+ *   leaf must be signed (through the chain) by a CA of `tls_ca_file` and allow
+ *   TLS server and client use (extended key usages serverAuth and clientAuth, or none).
+ * - `tls_key_file`: path of that certificate's private key, PEM (PKCS#8, PKCS#1 or
+ *   SEC1).
+ * - `tls_ca_file`: path of the cluster CA's certificate(s), PEM. Host names are not
+ *   checked: any certificate it signed is a member of the cluster.
+ * - `encrypt_data` (default `false`): `true` | `false`. `true` seals every KV payload on
+ *   TCP data connections with AES-256-GCM, under keys derived from the control
+ *   connection's TLS session, one per data connection; a payload that does not verify
+ *   is never written and fails the rooms of that peer. Needs TLS. RDMA writes are not
+ *   encrypted.
+ *
+ * With the three `tls_*` keys set, every control connection is TLS 1.3 with a
+ * certificate on both sides (the cluster-key handshake, when a key is set, runs inside
+ * it), and data connections prove the control session they belong to even without a
+ * key. The files are read by `kvxfer_engine_new`, which fails with
+ * `KVXFER_ERR_BAD_VALUE` naming the key and the path when only some of the three are
+ * set, a file cannot be read or holds no usable PEM, the key does not fit the
+ * certificate, the certificate is not signed by the CA, or `encrypt_data=true` has no
+ * TLS. An engine with TLS and one without fail their rooms as with different `auth`
+ * settings, the reasons naming TLS; so do engines that differ in `encrypt_data`, the
+ * reasons naming it.
  *
  * Whichever of `auth_key_file` and `auth_key` is set last is the key. With
  * `auth=required` every connection between two engines proves, both ways, that both

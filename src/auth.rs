@@ -36,8 +36,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::fs::File;
-use std::io::{self, Read, Write};
-use std::net::TcpStream;
+use std::io::{self, Read};
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
@@ -48,6 +47,7 @@ use crate::proto::{
     AuthMode, AuthRefusal, ConnKind, FrameHeader, Kind, Limits, Message, Role, AUTH_KEY_ID_LEN,
     AUTH_MAC_LEN, AUTH_NONCE_LEN, FRAME_HEADER_LEN, PROTO_VERSION,
 };
+use crate::tls::Conn;
 
 type HmacSha256 = Hmac<Sha256>;
 type Nonce = [u8; AUTH_NONCE_LEN];
@@ -159,6 +159,37 @@ impl fmt::Debug for SessionSecret {
     }
 }
 
+impl SessionSecret {
+    /// The secret of a control session over TLS: bound to the TLS session through
+    /// `exported` (what both ends' TLS exporter gives), to whether its data is `sealed`
+    /// (`encrypt_data`: engines that differ in it prove different secrets, so their
+    /// data connections are refused), and to the cluster-key session `keyed` when a key
+    /// is set too.
+    pub fn from_tls(
+        exported: &[u8; 32],
+        sealed: bool,
+        keyed: Option<&SessionSecret>,
+    ) -> SessionSecret {
+        let keyed: &[u8] = keyed.map_or(&[], |k| &k.0);
+        SessionSecret(tag(
+            exported,
+            &[
+                LABEL.as_slice(),
+                &[Purpose::TlsSession as u8, sealed as u8],
+                keyed,
+            ],
+        ))
+    }
+
+    /// A key for `what`, derived from this secret (the two ends derive the same).
+    pub fn derive(&self, what: &[u8]) -> [u8; AUTH_MAC_LEN] {
+        tag(
+            &self.0,
+            &[LABEL.as_slice(), &[Purpose::Derived as u8], what],
+        )
+    }
+}
+
 /// Lowercase hexadecimal of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -172,6 +203,9 @@ enum Purpose {
     InitiatorProof = 2,
     ResponderProof = 3,
     Session = 4,
+    TlsSession = 5,
+    DataConnection = 6,
+    Derived = 7,
 }
 
 /// The prefix of every MAC input.
@@ -263,6 +297,15 @@ impl Transcript {
     fn session(&self, key: &[u8]) -> SessionSecret {
         SessionSecret(self.tag(key, Purpose::Session))
     }
+
+    /// What a successful exchange yields: a control connection's session secret, or a
+    /// data connection's own secret.
+    fn secret(&self, key: &[u8]) -> SessionSecret {
+        match self.conn {
+            ConnKind::Control => self.session(key),
+            ConnKind::Data => SessionSecret(self.tag(key, Purpose::DataConnection)),
+        }
+    }
 }
 
 /// Fresh random bytes from the operating system.
@@ -299,6 +342,10 @@ pub enum Reason {
     Incomplete,
     /// A frame of the wrong kind, too large, or malformed where a handshake frame was due.
     Malformed,
+    /// One engine has TLS configured, the other not.
+    TlsMismatch,
+    /// The TLS handshake failed: a certificate not of the cluster's CA, an alert.
+    Tls,
 }
 
 impl Reason {
@@ -314,13 +361,18 @@ impl Reason {
             Reason::Busy => "busy",
             Reason::Incomplete => "incomplete handshake",
             Reason::Malformed => "malformed handshake",
+            Reason::TlsMismatch => "TLS on one side only",
+            Reason::Tls => "TLS handshake failed",
         }
     }
 
     /// Whether the two engines' configurations disagree (settings or keys), rather than
     /// one of them misbehaving.
     pub fn is_config_mismatch(self) -> bool {
-        matches!(self, Reason::NoKey | Reason::Mismatch | Reason::WrongKey)
+        matches!(
+            self,
+            Reason::NoKey | Reason::Mismatch | Reason::WrongKey | Reason::TlsMismatch | Reason::Tls
+        )
     }
 }
 
@@ -334,7 +386,7 @@ pub struct Failure {
 }
 
 impl Failure {
-    fn new(reason: Reason, detail: impl Into<String>) -> Failure {
+    pub fn new(reason: Reason, detail: impl Into<String>) -> Failure {
         Failure {
             reason,
             detail: detail.into(),
@@ -346,6 +398,8 @@ impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let word = match self.reason {
             Reason::Mismatch | Reason::NoKey => "authentication mismatch",
+            Reason::TlsMismatch => "TLS mismatch",
+            Reason::Tls => "TLS authentication failed",
             _ => "authentication failed",
         };
         write!(f, "{word} ({}): {}", self.reason.name(), self.detail)
@@ -430,12 +484,12 @@ impl NonceCache {
 
 /// A socket with one deadline for the whole exchange: every read and write waits at
 /// most until then, so a peer that trickles bytes gains nothing.
-struct Timed<'a> {
-    s: &'a mut TcpStream,
+struct Timed<'a, S: Conn> {
+    s: &'a mut S,
     deadline: Instant,
 }
 
-impl Timed<'_> {
+impl<S: Conn> Timed<'_, S> {
     fn remaining(&self) -> Option<Duration> {
         let left = self.deadline.saturating_duration_since(Instant::now());
         (!left.is_zero()).then_some(left)
@@ -521,7 +575,7 @@ impl Timed<'_> {
 /// Reads one handshake frame into a fixed buffer: its kind must be one of `want` (read
 /// from the header, before any payload byte), its payload at most
 /// [`MAX_HANDSHAKE_PAYLOAD`] bytes. Nothing of any other kind is decoded.
-fn read_frame(t: &mut Timed<'_>, want: &[Kind]) -> Result<Message, Failure> {
+fn read_frame<S: Conn>(t: &mut Timed<'_, S>, want: &[Kind]) -> Result<Message, Failure> {
     let mut hdr = [0u8; FRAME_HEADER_LEN];
     let expected = want
         .iter()
@@ -530,8 +584,17 @@ fn read_frame(t: &mut Timed<'_>, want: &[Kind]) -> Result<Message, Failure> {
         .join(" or ");
     t.read_full(&mut hdr, &format!("{expected} frame"), true)?;
     let limits = Limits::default();
-    let h = FrameHeader::decode(&hdr, &limits)
-        .map_err(|e| Failure::new(Reason::Malformed, e.to_string()))?;
+    let h = FrameHeader::decode(&hdr, &limits).map_err(|e| {
+        if crate::tls::is_tls_record(&hdr) {
+            Failure::new(
+                Reason::TlsMismatch,
+                "the peer speaks TLS (it has tls_cert_file, tls_key_file and tls_ca_file \
+                 set), this engine has no TLS configured",
+            )
+        } else {
+            Failure::new(Reason::Malformed, e.to_string())
+        }
+    })?;
     if !want.contains(&h.kind) {
         return Err(Failure::new(
             Reason::Malformed,
@@ -560,7 +623,7 @@ fn read_frame(t: &mut Timed<'_>, want: &[Kind]) -> Result<Message, Failure> {
 
 /// Reads the initiator's `Hello` the way the rest of the handshake is read: the kind
 /// checked from the header, the payload into a fixed buffer, one deadline.
-pub fn read_hello(s: &mut TcpStream, deadline: Instant) -> Result<Message, Failure> {
+pub fn read_hello<S: Conn>(s: &mut S, deadline: Instant) -> Result<Message, Failure> {
     read_frame(&mut Timed { s, deadline }, &[Kind::Hello])
 }
 
@@ -606,6 +669,14 @@ fn refused(me: &Local<'_>, reason: AuthRefusal, theirs: AuthMode) -> Failure {
             Reason::Busy,
             "the peer has too many connections waiting to authenticate".into(),
         ),
+        AuthRefusal::Tls => (
+            Reason::TlsMismatch,
+            format!(
+                "the peer requires TLS (it has tls_cert_file, tls_key_file and tls_ca_file \
+                 set), {} has no TLS configured",
+                me.name()
+            ),
+        ),
     };
     Failure::new(r, detail)
 }
@@ -637,10 +708,11 @@ fn peer_role(me: Role) -> Role {
 
 /// The initiator's side, right after it sent its `Hello` on connection (`conn`,
 /// `conn_index`). A data connection proves `session`, the secret of its authenticated
-/// control connection. Returns the session secret of a control connection with
-/// authentication on, `None` otherwise.
-pub fn initiate(
-    s: &mut TcpStream,
+/// control connection. Returns, with authentication on, the session secret of a
+/// control connection, or the secret of this one data connection (which both ends
+/// share, fresh for each connection); `None` with authentication off.
+pub fn initiate<S: Conn>(
+    s: &mut S,
     me: &Local<'_>,
     conn: ConnKind,
     conn_index: u16,
@@ -711,7 +783,7 @@ pub fn initiate(
                     ),
                 );
             }
-            Ok((conn == ConnKind::Control).then(|| transcript.session(key)))
+            Ok(Some(transcript.secret(key)))
         }
         other => unreachable!("read_frame returned a {:?}", other.kind()),
     }
@@ -721,10 +793,10 @@ pub fn initiate(
 /// `AuthHello` and completes the exchange. A data connection must prove the secret that
 /// `session_for(peer.engine_id)` returns (the engine's authenticated control session).
 /// `seen` holds the nonces of earlier authenticated connections; this one's is added on
-/// success. Returns the session secret of a control connection with authentication on,
-/// `None` otherwise. On failure the peer has been told why (best effort).
-pub fn respond(
-    s: &mut TcpStream,
+/// success. Returns what [`initiate`] returns. On failure the peer has been told why
+/// (best effort).
+pub fn respond<S: Conn>(
+    s: &mut S,
     me: &Local<'_>,
     peer: &PeerHello,
     session_for: impl FnOnce(u64) -> Option<SessionSecret>,
@@ -862,13 +934,14 @@ pub fn respond(
     t.send(&Message::AuthProof {
         mac: transcript.responder_proof(key),
     })?;
-    Ok((peer.conn == ConnKind::Control).then(|| transcript.session(key)))
+    Ok(Some(transcript.secret(key)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::TcpListener;
+    use std::io::Write;
+    use std::net::{TcpListener, TcpStream};
     use std::os::unix::fs::PermissionsExt;
 
     fn key(byte: u8) -> Key {
@@ -949,7 +1022,16 @@ mod tests {
         // The session secret opens a data connection; a second control session has
         // another secret.
         let (i, r) = run(&d, &p, ConnKind::Data, Some(&si), Some(sr.clone()), &seen);
-        assert_eq!((i.unwrap(), r.unwrap()), (None, None));
+        // Both ends of the data connection share a secret of its own.
+        let (di, dr) = (i.unwrap().unwrap(), r.unwrap().unwrap());
+        assert_eq!(di, dr);
+        assert_ne!(di, si);
+        let (i, _) = run(&d, &p, ConnKind::Data, Some(&si), Some(sr.clone()), &seen);
+        assert_ne!(
+            i.unwrap().unwrap(),
+            di,
+            "each data connection has its own secret"
+        );
         let (i2, _) = run(&d, &p, ConnKind::Control, None, None, &seen);
         assert_ne!(i2.unwrap().unwrap(), si);
     }

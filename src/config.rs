@@ -76,6 +76,14 @@ pub struct Config {
     pub auth: Option<AuthMode>,
     /// The cluster key, from `auth_key_file` or `auth_key` (whichever was set last).
     pub auth_key: Option<Key>,
+    /// `tls_cert_file`: PEM certificate chain of this engine (leaf first).
+    pub tls_cert_file: Option<String>,
+    /// `tls_key_file`: PEM private key of that certificate.
+    pub tls_key_file: Option<String>,
+    /// `tls_ca_file`: PEM certificate(s) of the cluster's CA.
+    pub tls_ca_file: Option<String>,
+    /// `encrypt_data`: seal KV payloads on TCP data connections (needs TLS).
+    pub encrypt_data: bool,
 }
 
 impl Default for Config {
@@ -98,6 +106,10 @@ impl Default for Config {
             log_level: Level::Warn,
             auth: None,
             auth_key: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_ca_file: None,
+            encrypt_data: false,
         }
     }
 }
@@ -180,6 +192,14 @@ pub const KEYS: &[ConfigKey] = &[
     key("auth", None, Accepts::OneOf(&["required", "off"])),
     key("auth_key_file", None, Accepts::Text),
     key("auth_key", None, Accepts::Text),
+    key("tls_cert_file", None, Accepts::Text),
+    key("tls_key_file", None, Accepts::Text),
+    key("tls_ca_file", None, Accepts::Text),
+    key(
+        "encrypt_data",
+        Some("false"),
+        Accepts::OneOf(&["true", "false"]),
+    ),
 ];
 
 /// The range of integer key `name` in [`KEYS`]. Meant for `const` contexts, where a name
@@ -311,6 +331,24 @@ impl Config {
                 })?;
                 self.auth_key = Some(k);
             }
+            "tls_cert_file" | "tls_key_file" | "tls_ca_file" => {
+                if v.is_empty() {
+                    return Err(bad(key, value, "expected the path of a PEM file"));
+                }
+                let path = Some(v.to_string());
+                match key {
+                    "tls_cert_file" => self.tls_cert_file = path,
+                    "tls_key_file" => self.tls_key_file = path,
+                    _ => self.tls_ca_file = path,
+                }
+            }
+            "encrypt_data" => {
+                self.encrypt_data = match v {
+                    "true" => true,
+                    "false" => false,
+                    _ => return Err(bad(key, value, "expected 'true' or 'false'")),
+                }
+            }
             _ => {
                 return Err(err!(
                     UnknownKey,
@@ -334,6 +372,48 @@ impl Config {
             (Some(mode), _) => Ok(mode),
             (None, Some(_)) => Ok(AuthMode::Required),
             (None, None) => Ok(AuthMode::Off),
+        }
+    }
+
+    /// The TLS settings: loaded from the three files when all three are set, `None`
+    /// when none is. Only some of them set, a file that cannot be read or holds no
+    /// usable PEM, and `encrypt_data=true` without TLS are errors naming the key.
+    pub fn tls(&self) -> Result<Option<crate::tls::Tls>> {
+        let files = [&self.tls_cert_file, &self.tls_key_file, &self.tls_ca_file];
+        let set: Vec<&str> = crate::tls::FILE_KEYS
+            .iter()
+            .zip(files)
+            .filter(|(_, f)| f.is_some())
+            .map(|(k, _)| *k)
+            .collect();
+        if set.is_empty() {
+            if self.encrypt_data {
+                return Err(err!(
+                    BadValue,
+                    "config key 'encrypt_data' is 'true' but TLS is not configured: its keys \
+                     come from the TLS session, set 'tls_cert_file', 'tls_key_file' and \
+                     'tls_ca_file'"
+                ));
+            }
+            return Ok(None);
+        }
+        match files {
+            [Some(cert), Some(key), Some(ca)] => crate::tls::Tls::load(cert, key, ca).map(Some),
+            _ => {
+                let missing: Vec<String> = crate::tls::FILE_KEYS
+                    .iter()
+                    .zip(files)
+                    .filter(|(_, f)| f.is_none())
+                    .map(|(k, _)| format!("'{k}'"))
+                    .collect();
+                Err(err!(
+                    BadValue,
+                    "TLS needs all three of 'tls_cert_file', 'tls_key_file' and 'tls_ca_file' \
+                     (or none): {} set, {} missing",
+                    set.join(", "),
+                    missing.join(" and ")
+                ))
+            }
         }
     }
 
@@ -395,7 +475,7 @@ mod tests {
     #[test]
     fn every_documented_key_accepts_a_good_value() {
         let key_file = private_file("good", &[7; 32]);
-        let good: [(&str, &str); 18] = [
+        let good: [(&str, &str); 22] = [
             ("role", "decode"),
             ("listen", "[::1]:0"),
             ("transport", "tcp"),
@@ -414,6 +494,10 @@ mod tests {
             ("auth", "required"),
             ("auth_key_file", &key_file),
             ("auth_key", &"ab".repeat(32)),
+            ("tls_cert_file", "/etc/kvxfer/engine.pem"),
+            ("tls_key_file", "/etc/kvxfer/engine.key"),
+            ("tls_ca_file", "/etc/kvxfer/ca.pem"),
+            ("encrypt_data", "true"),
         ];
         assert_eq!(good.len(), KEYS.len());
         let mut c = Config::default();
@@ -557,6 +641,8 @@ mod tests {
             ("log_level", "loud"),
             ("auth", "maybe"),
             ("auth_key_file", "/nonexistent/kvxfer.key"),
+            ("tls_ca_file", " "),
+            ("encrypt_data", "yes"),
         ] {
             let e = c.set(k, v).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::BadValue, "{k}={v}");

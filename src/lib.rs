@@ -14,6 +14,7 @@
 pub mod error;
 
 pub mod auth;
+pub mod tls;
 
 pub mod config;
 pub(crate) mod control;

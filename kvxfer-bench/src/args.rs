@@ -137,6 +137,12 @@ struct EngineArgs {
     /// off, off on, ... and the report gives the on/off ratios [off]
     #[arg(long)]
     auth: Option<Auth>,
+    /// The engines with a cluster key (--auth on, or the "on" pair of --auth both) also
+    /// run TLS 1.3 on their control connection and seal their data (encrypt_data=true),
+    /// with a CA and certificates made for the run; --auth both --tls gives the cost of
+    /// TLS and encrypt_data as the on/off ratio
+    #[arg(long)]
+    tls: bool,
     /// The run's cluster key in hex, instead of a fresh one
     #[arg(long, value_name = "HEX", hide = true)]
     auth_key: Option<String>,
@@ -338,6 +344,10 @@ pub struct Params {
     pub auth: Auth,
     /// The run's cluster key (hex), made by the decode side when `auth` is not off.
     pub auth_key: Option<String>,
+    /// `--tls`: the authenticated engines also run TLS and `encrypt_data`.
+    pub tls: bool,
+    /// The run's certificates, made by the decode side with `tls`.
+    pub tls_pem: Option<crate::tls::TlsPem>,
     pub verify: Verify,
     pub verify_threads: usize,
     pub baselines: bool,
@@ -375,6 +385,7 @@ impl Cli {
         p.duration = self.traffic.duration;
         p.workers = self.engine.workers;
         p.auth_key = self.engine.auth_key;
+        p.tls = self.engine.tls;
         p.baselines = !self.measure.no_baselines;
         p.json = self.measure.json;
         p.validate()?;
@@ -424,6 +435,8 @@ impl Params {
             log_level: "error".into(),
             auth: Auth::Off,
             auth_key: None,
+            tls: false,
+            tls_pem: None,
             verify: Verify::Full,
             verify_threads: 1,
             baselines: true,
@@ -517,6 +530,13 @@ impl Params {
         }
         if self.repeat == 0 {
             return Err("--repeat must be at least 1".into());
+        }
+        if self.tls && self.auth == Auth::Off {
+            return Err(
+                "--tls applies to the engines with a cluster key: add --auth on or \
+                        --auth both"
+                    .into(),
+            );
         }
         if self.conns == 0 || self.verify_threads == 0 {
             return Err("--conns and --verify-threads must be positive".into());
@@ -674,12 +694,16 @@ mod tests {
             (DstOrder::Shuffled, Verify::Sample)
         );
         assert_eq!(Auth::Both.pairs(), [false, true]);
+        let t = params("--auth both --tls");
+        assert!(t.tls && t.tls_pem.is_none());
     }
 
     #[test]
     fn bad_command_lines_are_refused() {
         for bad in [
             "--auth maybe",
+            "--tls",
+            "--auth off --tls",
             "--chunk-tokens 10",
             "--bogus 1",
             "--role decode",

@@ -182,6 +182,9 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
     if p.auth != Auth::Off && p.auth_key.is_none() {
         keyed.auth_key = Some(fresh_key()?);
     }
+    if p.tls && p.tls_pem.is_none() {
+        keyed.tls_pem = Some(crate::tls::TlsPem::fresh()?);
+    }
     let p = &keyed;
     let dslots = p.concurrency + p.verify_threads + 1;
     let pslots = p.concurrency + 2;
@@ -290,7 +293,11 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
             &format!(
                 "kvxfer, phase {} of {phases}, auth {}",
                 rep + 1,
-                if auth { "on" } else { "off" }
+                match (auth, p.tls) {
+                    (true, true) => "on, with TLS and encrypt_data",
+                    (true, false) => "on",
+                    (false, _) => "off",
+                }
             ),
         );
         let mut kv = kvxfer_phase(

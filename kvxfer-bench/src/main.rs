@@ -13,6 +13,7 @@ mod prefill;
 mod report;
 mod sys;
 mod table;
+mod tls;
 
 use std::process::ExitCode;
 
@@ -23,15 +24,25 @@ use kvxfer::{Config, Engine};
 use args::{Cli, Mode, Params};
 
 /// An engine configured from the benchmark's options; with `auth`, it requires the
-/// run's cluster key.
+/// run's cluster key (and with `--tls` also runs TLS and `encrypt_data`).
 pub fn make_engine(p: &Params, role: &str, listen: &str, auth: bool) -> Result<Engine, String> {
     let mut c = Config::default();
     let mut set = |k: &str, v: &str| c.set(k, v).map_err(|e| e.to_string());
     set("role", role)?;
+    // The certificate files live until the engine has read them.
+    let mut _files = None;
     if auth {
         let key = p.auth_key.as_deref().ok_or("--auth needs the run's key")?;
         set("auth_key", key)?;
         set("auth", "required")?;
+        if p.tls {
+            let pem = p
+                .tls_pem
+                .as_ref()
+                .ok_or("--tls needs the run's certificates")?;
+            _files = Some(pem.configure(role, &mut set)?);
+            set("encrypt_data", "true")?;
+        }
     } else {
         set("auth", "off")?;
     }

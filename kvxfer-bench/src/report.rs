@@ -162,6 +162,8 @@ struct Json<'a> {
     ratio_vs_tcp_per_phase: &'a [f64],
     ratio_vs_memcpy: f64,
     auth: &'static str,
+    /// `--tls`: the "on" engines also ran TLS and encrypt_data.
+    tls: bool,
     kvxfer_runs_auth: Vec<bool>,
     kvxfer_runs_rooms_per_sec: Vec<f64>,
     auth_on_vs_off: Option<AuthSplit>,
@@ -356,6 +358,7 @@ pub fn json(p: &Params, r: &Report) -> String {
         ratio_vs_tcp_per_phase: &d.phase_ratios,
         ratio_vs_memcpy: gbps / d.memcpy_gbps,
         auth: p.auth.name(),
+        tls: p.tls,
         kvxfer_runs_auth: r.phases.iter().map(|k| k.auth).collect(),
         kvxfer_runs_rooms_per_sec: r.phases.iter().map(KvResult::rooms_per_sec).collect(),
         auth_on_vs_off: auth_split(r),
@@ -474,13 +477,18 @@ pub fn human(p: &Params, r: &Report) -> String {
     let _ = writeln!(
         o,
         "\nkvxfer-bench {}  (transport {}, verify {}, {} connection(s) per peer, workers {}, \
-         auth {})",
+         auth {}{})",
         p.preset,
         p.transport,
         p.verify.name(),
         p.conns,
         p.workers.map_or("default".to_string(), |w| w.to_string()),
-        p.auth.name()
+        p.auth.name(),
+        if p.tls {
+            ", with TLS and encrypt_data"
+        } else {
+            ""
+        }
     );
     let _ = writeln!(o, "  {}", p.shape_line());
     let _ = writeln!(
@@ -516,6 +524,7 @@ pub fn human(p: &Params, r: &Report) -> String {
     );
     let phase_name = |i: usize, ph: &KvResult| {
         let auth = match (p.auth, ph.auth) {
+            (Auth::Both, true) if p.tls => ", auth+tls+encrypt",
             (Auth::Both, true) => ", auth on",
             (Auth::Both, false) => ", auth off",
             _ => "",
@@ -549,7 +558,11 @@ pub fn human(p: &Params, r: &Report) -> String {
         let _ = writeln!(
             o,
             "  {:<36} {:>8.3} {:>9}   {:.0} / {:.0} rooms/s = {:.3}x",
-            "kvxfer, auth on / off",
+            if p.tls {
+                "kvxfer, auth+tls+encrypt / off"
+            } else {
+                "kvxfer, auth on / off"
+            },
             a.on_gbps,
             format!("{:.3}x", a.gbps_ratio),
             a.on_rooms_per_sec,
@@ -742,6 +755,7 @@ mod tests {
         "ratio_vs_tcp_per_phase",
         "ratio_vs_memcpy",
         "auth",
+        "tls",
         "kvxfer_runs_auth",
         "kvxfer_runs_rooms_per_sec",
         "auth_on_vs_off",

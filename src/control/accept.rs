@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::{panic_message, Control, Peer, SetupError};
 use crate::proto::{ConnKind, Message};
+use crate::transport::tcp::seal::SealedConn;
 use crate::transport::tcp::SendConn;
 use crate::transport::DataLink;
 
@@ -68,7 +69,7 @@ impl Control {
     }
 
     /// An accepted connection: handshake, then control (registration, reader) or data.
-    fn incoming(self: &Arc<Self>, mut s: TcpStream) -> Result<(), String> {
+    fn incoming(self: &Arc<Self>, s: TcpStream) -> Result<(), String> {
         let node = &self.node;
         if node.role != crate::Role::Prefill {
             return Err("decode engines accept no connections".into());
@@ -76,9 +77,11 @@ impl Control {
         let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         s.set_read_timeout(Some(node.bootstrap_timeout()))
             .map_err(|e| e.to_string())?;
-        let Some((engine_id, conn, index)) = self.admit(&mut s)? else {
-            return Ok(()); // refused: counted and logged by admit; dropping `s` closes it
+        let Some(admitted) = self.admit(s)? else {
+            return Ok(()); // refused: counted and logged by admit; dropping it closes it
         };
+        let (engine_id, conn, index) = (admitted.engine_id, admitted.conn, admitted.index);
+        let mut s = admitted.wire;
         let key = format!("{engine_id:016x}");
         match conn {
             ConnKind::Control => {
@@ -92,7 +95,7 @@ impl Control {
                     node.now_ms(),
                     node.log.clone(),
                 );
-                peer.track(&s);
+                peer.track(s.tcp());
                 // Known before our Registration goes out: the decode engine opens its data
                 // connections as soon as it has read it, and they must find this peer.
                 let old = self.peers.lock().insert(key, peer.clone());
@@ -108,7 +111,7 @@ impl Control {
                     let theirs = self.expect_registration(&mut s)?;
                     let map = self.check_registration(&peer.name, &theirs)?;
                     self.prefill_transport(&peer, &mut s, &theirs, &map)?;
-                    s.set_read_timeout(None).map_err(|e| e.to_string())?;
+                    s.tcp().set_read_timeout(None).map_err(|e| e.to_string())?;
                     Ok(self.start_control(&peer, s)?)
                 })();
                 if let Err(e) = setup {
@@ -131,11 +134,22 @@ impl Control {
                         "data connection {index} from {key}: this engine moves data over RDMA"
                     ));
                 }
-                peer.track(&s);
+                peer.track(s.tcp());
                 self.write_msg(&mut s, &self.hello(ConnKind::Data, index))?;
-                let w = s.try_clone().map_err(|e| e.to_string())?;
-                let conn = SendConn::data(w, node.peer_deadline()).map_err(|e| e.to_string())?;
-                let link: Arc<dyn DataLink> = Arc::new(conn);
+                let w = s.tcp().try_clone().map_err(|e| e.to_string())?;
+                let stall = node.peer_deadline();
+                let link: Arc<dyn DataLink> = match admitted.secret.filter(|_| self.encrypts_data())
+                {
+                    Some(secret) => Arc::new(
+                        SealedConn::new(w, stall, &secret).map_err(|e| e.to_string())?,
+                    ),
+                    None if self.encrypts_data() => {
+                        return Err(format!(
+                            "data connection {index} from {key}: encrypt_data=true but it proved                              no secret"
+                        ))
+                    }
+                    None => Arc::new(SendConn::data(w, stall).map_err(|e| e.to_string())?),
+                };
                 peer.data.write().push(link.clone());
                 if peer.is_lost() {
                     peer.data.write().clear();

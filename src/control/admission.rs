@@ -14,7 +14,14 @@
 //!
 //! Decode side (initiator): a connection to a prefill engine that fails to authenticate
 //! loses that peer, failing its rooms at once: `MISMATCH` when the settings or keys
-//! differ, `PROTOCOL` for a bad proof or a replay, `PEER_LOST` for an incomplete one.
+//! differ (or TLS: one side only, a certificate the other refuses), `PROTOCOL` for a bad
+//! proof or a replay, `PEER_LOST` for an incomplete one.
+//!
+//! With TLS (`crate::tls`), the prefill side tells a control connection (a TLS record
+//! first) from a data connection (a plain frame first) by the first byte, runs the TLS
+//! handshake for the former, refuses a plain control connection or a TLS data
+//! connection, and keys each control session's data connections with the secret of its
+//! TLS session, with or without a cluster key. Every TLS failure is a refusal as above.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpStream};
@@ -30,6 +37,7 @@ use crate::config::{AuthMode, Config};
 use crate::error::Result;
 use crate::proto::{ConnKind, Message, Role as WireRole, PROTO_VERSION};
 use crate::room::Cause;
+use crate::tls::{HandshakeError, Tls, Wire};
 
 /// Longest time a connection may take to authenticate (capped by
 /// `bootstrap_timeout_ms`).
@@ -48,6 +56,10 @@ const MAX_LOGGED: usize = 4096;
 /// Authentication state of one engine.
 pub(crate) struct Gate {
     mode: AuthMode,
+    /// TLS of the control connections, when configured.
+    tls: Option<Tls>,
+    /// `encrypt_data`.
+    encrypt_data: bool,
     key: Option<Key>,
     seen: NonceCache,
     /// Prefill side: the secret of each decode engine's current control session, by
@@ -67,6 +79,8 @@ impl Gate {
         let mode = config.auth_mode()?;
         Ok(Gate {
             mode,
+            tls: config.tls()?,
+            encrypt_data: config.encrypt_data,
             key: config
                 .auth_key
                 .clone()
@@ -153,18 +167,60 @@ fn cause(f: &Failure) -> Cause {
     }
 }
 
+/// A connection that passed admission: what it is, and what it proved.
+pub(super) struct Admitted {
+    /// The connection: TLS for a control connection of an engine with TLS.
+    pub wire: Wire,
+    /// The decode engine's id, as its `Hello` claimed.
+    pub engine_id: u64,
+    /// Control or data.
+    pub conn: ConnKind,
+    /// Its index.
+    pub index: u16,
+    /// A data connection's own secret (with authentication or TLS on).
+    pub secret: Option<SessionSecret>,
+}
+
+/// The first byte of a TLS handshake record.
+const TLS_HANDSHAKE: u8 = 0x16;
+
 impl Control {
     fn handshake_deadline(&self) -> Instant {
         let ms = HANDSHAKE_TIMEOUT_MS.min(self.node.config.bootstrap_timeout_ms);
         Instant::now() + Duration::from_millis(ms)
     }
 
-    fn local(&self) -> Local<'_> {
+    /// This engine, as the exchange on a connection of kind `conn` sees it. With TLS,
+    /// data connections always prove their control session (whose secret comes from
+    /// the TLS session), whether or not a cluster key is set.
+    fn local(&self, conn: ConnKind) -> Local<'_> {
+        let mode = match conn {
+            ConnKind::Data if self.gate.tls.is_some() => AuthMode::Required,
+            _ => self.gate.mode,
+        };
         Local {
-            mode: self.gate.mode,
+            mode,
             key: self.gate.key.as_ref(),
             role: self.wire_role(),
             engine_id: self.node.engine_id,
+        }
+    }
+
+    /// Whether data payloads are sealed (`encrypt_data=true`, which needs TLS).
+    pub(crate) fn encrypts_data(&self) -> bool {
+        self.gate.encrypt_data
+    }
+
+    /// The secret a control session's data connections prove: from the TLS session
+    /// (and the cluster-key session, if any) with TLS, the cluster-key session without.
+    fn session_of(&self, wire: &Wire, keyed: Option<SessionSecret>) -> Option<SessionSecret> {
+        match wire.session_secret() {
+            Some(exported) => Some(SessionSecret::from_tls(
+                &exported,
+                self.gate.encrypt_data,
+                keyed.as_ref(),
+            )),
+            None => keyed,
         }
     }
 
@@ -187,14 +243,25 @@ impl Control {
         }
     }
 
-    /// Prefill side: reads the `Hello` of accepted connection `s` and authenticates it.
-    /// `Ok(Some((engine id, connection kind, index)))` to go on; `Ok(None)` when it was
-    /// refused (counted and logged here; dropping `s` closes it); `Err` for a protocol
-    /// error before the exchange with `auth=off`, as before authentication existed.
-    pub(super) fn admit(
-        &self,
-        s: &mut TcpStream,
-    ) -> std::result::Result<Option<(u64, ConnKind, u16)>, String> {
+    /// Tells a peer in the clear that TLS is on one side only (best effort).
+    fn refuse_tls(&self, s: &TcpStream) {
+        let mut msg = Vec::new();
+        let m = Message::AuthRefused {
+            reason: crate::proto::AuthRefusal::Tls,
+            auth: self.gate.mode,
+        };
+        if m.encode(&mut msg).is_ok() {
+            let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+            let _ = std::io::Write::write_all(&mut &*s, &msg);
+        }
+    }
+
+    /// Prefill side: the TLS handshake (with TLS configured and a TLS record coming),
+    /// then the `Hello` of accepted connection `s` and its authentication.
+    /// `Ok(Some(..))` to go on; `Ok(None)` when it was refused (counted and logged here;
+    /// dropping it closes it); `Err` for a protocol error before the exchange with
+    /// authentication and TLS off, as before authentication existed.
+    pub(super) fn admit(&self, s: TcpStream) -> std::result::Result<Option<Admitted>, String> {
         let addr = s.peer_addr().ok();
         let who = addr.map_or_else(
             || "a connection".to_string(),
@@ -208,7 +275,7 @@ impl Control {
             };
             if busy.encode(&mut msg).is_ok() {
                 let _ = s.set_nonblocking(true);
-                let _ = std::io::Write::write_all(s, &msg);
+                let _ = std::io::Write::write_all(&mut &s, &msg);
             }
             let f = Failure {
                 reason: Reason::Busy,
@@ -221,17 +288,41 @@ impl Control {
             return Ok(None);
         };
         let deadline = self.handshake_deadline();
-        let required = self.gate.mode == AuthMode::Required;
+        let required = self.gate.mode == AuthMode::Required || self.gate.tls.is_some();
+        let refuse = |f: Failure| {
+            self.refused(addr, &who, &f);
+            Ok(None)
+        };
+        let mut wire = match &self.gate.tls {
+            Some(tls) => match first_byte(&s, deadline) {
+                Ok(TLS_HANDSHAKE) => match tls.accept(s, deadline) {
+                    Ok(w) => w,
+                    Err((e, s)) => {
+                        let f = tls_failure(e, "this prefill engine");
+                        if f.reason == Reason::TlsMismatch {
+                            self.refuse_tls(&s);
+                        }
+                        return refuse(f);
+                    }
+                },
+                Ok(_) => Wire::Plain(s),
+                Err(f) => return refuse(f),
+            },
+            None => Wire::Plain(s),
+        };
         // Before the exchange, with auth off, a broken peer is a protocol error as before.
-        let early = |f: Failure| {
-            if required {
+        let early = |f: Failure, wire: &Wire| {
+            if f.reason == Reason::TlsMismatch {
+                self.refuse_tls(wire.tcp());
+            }
+            if required || f.reason == Reason::TlsMismatch {
                 self.refused(addr, &who, &f);
                 Ok(None)
             } else {
                 Err(f.detail)
             }
         };
-        let hello = match auth::read_hello(s, deadline) {
+        let hello = match auth::read_hello(&mut wire, deadline) {
             Ok(Message::Hello {
                 proto_version,
                 role,
@@ -240,18 +331,24 @@ impl Control {
                 conn_index,
             }) => {
                 if proto_version != PROTO_VERSION {
-                    return early(Failure {
-                        reason: Reason::Malformed,
-                        detail: format!(
-                            "peer speaks protocol {proto_version}, this build {PROTO_VERSION}"
+                    return early(
+                        Failure::new(
+                            Reason::Malformed,
+                            format!(
+                                "peer speaks protocol {proto_version}, this build {PROTO_VERSION}"
+                            ),
                         ),
-                    });
+                        &wire,
+                    );
                 }
                 if role != WireRole::Decode {
-                    return early(Failure {
-                        reason: Reason::Malformed,
-                        detail: format!("peer is a {role:?} engine, expected Decode"),
-                    });
+                    return early(
+                        Failure::new(
+                            Reason::Malformed,
+                            format!("peer is a {role:?} engine, expected Decode"),
+                        ),
+                        &wire,
+                    );
                 }
                 PeerHello {
                     role,
@@ -261,8 +358,33 @@ impl Control {
                 }
             }
             Ok(other) => unreachable!("read_hello returned a {:?}", other.kind()),
-            Err(f) => return early(f),
+            Err(f) => return early(f, &wire),
         };
+        if self.gate.tls.is_some() {
+            match (hello.conn, wire.is_tls()) {
+                (ConnKind::Control, false) => {
+                    return early(
+                        Failure::new(
+                            Reason::TlsMismatch,
+                            "the peer opened its control connection without TLS (it has no \
+                             tls_cert_file, tls_key_file and tls_ca_file set), this prefill \
+                             engine requires TLS",
+                        ),
+                        &wire,
+                    )
+                }
+                (ConnKind::Data, true) => {
+                    return early(
+                        Failure::new(
+                            Reason::Malformed,
+                            "a data connection over TLS (data connections are plain TCP)",
+                        ),
+                        &wire,
+                    )
+                }
+                _ => {}
+            }
+        }
         let who = format!(
             "decode engine {:016x} at {} ({} connection {})",
             hello.engine_id,
@@ -273,9 +395,9 @@ impl Control {
             },
             hello.conn_index
         );
-        let local = self.local();
+        let local = self.local(hello.conn);
         match auth::respond(
-            s,
+            &mut wire,
             &local,
             &hello,
             |id| self.gate.session(id),
@@ -283,40 +405,87 @@ impl Control {
             deadline,
         ) {
             Ok(secret) => {
-                if let Some(secret) = secret {
-                    self.gate.keep_session(hello.engine_id, secret);
-                }
+                let secret = match hello.conn {
+                    ConnKind::Control => {
+                        if let Some(session) = self.session_of(&wire, secret) {
+                            self.gate.keep_session(hello.engine_id, session);
+                        }
+                        None
+                    }
+                    ConnKind::Data => secret,
+                };
                 // The rest of the setup has the usual timeouts.
-                s.set_read_timeout(Some(self.node.bootstrap_timeout()))
-                    .and_then(|()| s.set_write_timeout(None))
+                wire.tcp()
+                    .set_read_timeout(Some(self.node.bootstrap_timeout()))
+                    .and_then(|()| wire.tcp().set_write_timeout(None))
                     .map_err(|e| e.to_string())?;
-                Ok(Some((hello.engine_id, hello.conn, hello.conn_index)))
+                Ok(Some(Admitted {
+                    wire,
+                    engine_id: hello.engine_id,
+                    conn: hello.conn,
+                    index: hello.conn_index,
+                    secret,
+                }))
             }
             Err(f) if !required && matches!(f.reason, Reason::Incomplete | Reason::Malformed) => {
                 Err(f.detail)
             }
             Err(f) => {
-                self.refused(addr, &who, &f);
+                self.refused(addr, &who, &self.hint(hello.conn, f));
                 Ok(None)
             }
         }
+    }
+
+    /// With TLS, a data connection that proves another session than its control
+    /// connection's most likely comes from an engine that differs in `encrypt_data`:
+    /// `f`, saying so.
+    fn hint(&self, conn: ConnKind, mut f: Failure) -> Failure {
+        if self.gate.tls.is_some() && conn == ConnKind::Data && f.reason == Reason::NoSession {
+            f.detail.push_str(&format!(
+                " (with TLS, engines that differ in encrypt_data prove different sessions: \
+                 this engine has encrypt_data={})",
+                self.gate.encrypt_data
+            ));
+        }
+        f
+    }
+
+    /// Decode side: the control connection to `peer` on socket `s`: a TLS client
+    /// handshake with TLS configured (a failure is counted, logged and names TLS), the
+    /// socket as it is without.
+    pub(super) fn secure(
+        &self,
+        s: TcpStream,
+        peer: &Arc<Peer>,
+    ) -> std::result::Result<Wire, SetupError> {
+        let Some(tls) = &self.gate.tls else {
+            return Ok(Wire::Plain(s));
+        };
+        let addr = s.peer_addr().ok();
+        tls.connect(s, self.handshake_deadline()).map_err(|e| {
+            let f = tls_failure(e, "this decode engine");
+            self.refused(addr, &peer.name, &f);
+            SetupError::new(cause(&f), f.to_string())
+        })
     }
 
     /// Decode side: authenticates connection `s` to `peer` (connection `conn_index` of
     /// kind `conn`) right after our `Hello` went out. A data connection proves
     /// `session`, what its control connection's authentication returned. A refusal is
     /// counted and logged here; the caller loses the peer with the error, which names
-    /// authentication.
+    /// authentication. Returns the control session's secret (what its data connections
+    /// prove), or a data connection's own secret.
     pub(super) fn authenticate(
         &self,
-        s: &mut TcpStream,
+        s: &mut Wire,
         peer: &Arc<Peer>,
         conn: ConnKind,
         conn_index: u16,
         session: Option<&SessionSecret>,
     ) -> std::result::Result<Option<SessionSecret>, SetupError> {
-        let timeouts = (s.read_timeout(), s.write_timeout());
-        let local = self.local();
+        let timeouts = (s.tcp().read_timeout(), s.tcp().write_timeout());
+        let local = self.local(conn);
         let r = auth::initiate(
             s,
             &local,
@@ -326,12 +495,68 @@ impl Control {
             self.handshake_deadline(),
         );
         if let (Ok(read), Ok(write)) = timeouts {
-            let _ = s.set_read_timeout(read);
-            let _ = s.set_write_timeout(write);
+            let _ = s.tcp().set_read_timeout(read);
+            let _ = s.tcp().set_write_timeout(write);
         }
-        r.map_err(|f| {
-            self.refused(s.peer_addr().ok(), &peer.name, &f);
-            SetupError::new(cause(&f), f.to_string())
-        })
+        match r {
+            Ok(secret) if conn == ConnKind::Control => Ok(self.session_of(s, secret)),
+            Ok(secret) => Ok(secret),
+            Err(f) => {
+                let f = self.hint(conn, f);
+                self.refused(s.peer_addr().ok(), &peer.name, &f);
+                let cause = match f.reason {
+                    Reason::NoSession if self.gate.tls.is_some() => Cause::Mismatch,
+                    _ => cause(&f),
+                };
+                Err(SetupError::new(cause, f.to_string()))
+            }
+        }
+    }
+}
+
+/// The first byte the peer sends, waiting for it until `deadline`.
+fn first_byte(s: &TcpStream, deadline: Instant) -> std::result::Result<u8, Failure> {
+    let mut b = [0u8; 1];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Failure::new(
+                Reason::Incomplete,
+                "no complete handshake before the deadline",
+            ));
+        }
+        s.set_read_timeout(Some(left))
+            .map_err(|e| Failure::new(Reason::Incomplete, e.to_string()))?;
+        match s.peek(&mut b) {
+            Ok(0) => {
+                return Err(Failure::new(
+                    Reason::Incomplete,
+                    "the connection closed before its first byte",
+                ))
+            }
+            Ok(_) => return Ok(b[0]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(Failure::new(
+                    Reason::Incomplete,
+                    format!("no complete handshake before the deadline ({e})"),
+                ))
+            }
+        }
+    }
+}
+
+/// A failed TLS handshake as an authentication failure, seen from `me`.
+fn tls_failure(e: HandshakeError, me: &str) -> Failure {
+    match e {
+        HandshakeError::PeerPlain => Failure::new(
+            Reason::TlsMismatch,
+            format!(
+                "the peer speaks without TLS (it has no tls_cert_file, tls_key_file and \
+                 tls_ca_file set), {me} requires TLS"
+            ),
+        ),
+        HandshakeError::Io(e) => Failure::new(Reason::Incomplete, format!("TLS handshake: {e}")),
+        HandshakeError::Tls(why) => Failure::new(Reason::Tls, why),
     }
 }

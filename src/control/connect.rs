@@ -6,8 +6,10 @@ use std::sync::Arc;
 
 use super::{Control, Peer, SetupError};
 use crate::proto::{ConnKind, Message, Role as WireRole};
+use crate::tls::Wire;
 use crate::transport::rdma::peer::Inbound;
 use crate::transport::tcp;
+use crate::transport::tcp::seal::Opener;
 
 impl Control {
     /// The peer for prefill engine `addr`, connecting to it in the background if there
@@ -51,9 +53,11 @@ impl Control {
         let node = &self.node;
         let timeout = node.bootstrap_timeout();
         let addr = peer.key.clone();
-        let mut ctrl = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
-        peer.track(&ctrl);
-        ctrl.set_read_timeout(Some(timeout))
+        let sock = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
+        peer.track(&sock);
+        let mut ctrl = self.secure(sock, peer)?;
+        ctrl.tcp()
+            .set_read_timeout(Some(timeout))
             .map_err(|e| e.to_string())?;
         self.write_msg(&mut ctrl, &self.hello(ConnKind::Control, 0))?;
         let session = self.authenticate(&mut ctrl, peer, ConnKind::Control, 0, None)?;
@@ -87,17 +91,34 @@ impl Control {
             node.config.connections_per_peer
         };
         for i in 0..data_conns {
-            let mut d = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
+            let d = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
             peer.track(&d);
             d.set_read_timeout(Some(timeout))
                 .map_err(|e| e.to_string())?;
+            let mut d = Wire::Plain(d);
             self.write_msg(&mut d, &self.hello(ConnKind::Data, i as u16))?;
-            self.authenticate(&mut d, peer, ConnKind::Data, i as u16, session.as_ref())?;
+            let secret =
+                self.authenticate(&mut d, peer, ConnKind::Data, i as u16, session.as_ref())?;
             self.expect_hello(&mut d, WireRole::Prefill)?;
+            let Wire::Plain(d) = d else {
+                unreachable!("data connections are plain TCP")
+            };
             d.set_read_timeout(None).map_err(|e| e.to_string())?;
-            self.serve_data(peer, d);
+            let open = match secret.filter(|_| self.encrypts_data()) {
+                Some(secret) => Some(Opener::new(&secret)),
+                None if self.encrypts_data() => {
+                    return Err(format!(
+                        "encrypt_data=true but data connection {i} proved no secret"
+                    )
+                    .into())
+                }
+                None => None,
+            };
+            self.serve_data(peer, d, open);
         }
-        ctrl.set_read_timeout(None).map_err(|e| e.to_string())?;
+        ctrl.tcp()
+            .set_read_timeout(None)
+            .map_err(|e| e.to_string())?;
         self.start_control(peer, ctrl)?;
         // Silence is measured from here: a slow setup is not a missed heartbeat.
         peer.last_recv_ms.store(node.now_ms(), Ordering::Relaxed);
@@ -108,11 +129,11 @@ impl Control {
 
     /// Starts the reader of data connection `d` of `peer`: the engine serves it, and its
     /// end loses the peer.
-    fn serve_data(self: &Arc<Self>, peer: &Arc<Peer>, d: TcpStream) {
+    fn serve_data(self: &Arc<Self>, peer: &Arc<Peer>, d: TcpStream, open: Option<Opener>) {
         let (control, p) = (self.clone(), peer.clone());
         self.spawn_for_peer("kvxfer-recv", peer, move || {
             let why = match control.events() {
-                Some(events) => events.serve_data(&p, d),
+                Some(events) => events.serve_data(&p, d, open),
                 None => "engine shut down".to_string(),
             };
             control.lose(&p, why);

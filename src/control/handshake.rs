@@ -4,7 +4,6 @@
 //! nothing else: the caller of a setup loses the peer, once.
 
 use std::io::Write;
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +12,7 @@ use crate::proto::{
     self, ConnKind, Message, QpInfo, Registration, Role as WireRole, WireTransport, PROTO_VERSION,
 };
 use crate::room::Cause;
+use crate::tls::Wire;
 use crate::transport::rdma::link::{replacement, ControlSender, RemoteBuffer};
 use crate::transport::rdma::peer::{self as rdma, Inbound};
 use crate::transport::DataLink;
@@ -76,13 +76,13 @@ impl Control {
             })
     }
 
-    pub(super) fn write_msg(&self, s: &mut TcpStream, msg: &Message) -> Result<(), String> {
+    pub(super) fn write_msg(&self, s: &mut Wire, msg: &Message) -> Result<(), String> {
         let mut frame = Vec::new();
         msg.encode(&mut frame).map_err(|e| e.to_string())?;
         s.write_all(&frame).map_err(|e| e.to_string())
     }
 
-    pub(super) fn read_msg(&self, s: &mut TcpStream) -> Result<Message, String> {
+    pub(super) fn read_msg(&self, s: &mut Wire) -> Result<Message, String> {
         let limits = &self.node.limits;
         let hdr = proto::read_frame_header(s, limits).map_err(|e| e.to_string())?;
         if !hdr.kind.is_control() {
@@ -93,7 +93,7 @@ impl Control {
 
     pub(super) fn expect_hello(
         &self,
-        s: &mut TcpStream,
+        s: &mut Wire,
         role: WireRole,
     ) -> Result<(u64, ConnKind, u16), String> {
         match self.read_msg(s)? {
@@ -118,7 +118,7 @@ impl Control {
         }
     }
 
-    pub(super) fn expect_registration(&self, s: &mut TcpStream) -> Result<Registration, String> {
+    pub(super) fn expect_registration(&self, s: &mut Wire) -> Result<Registration, String> {
         match self.read_msg(s)? {
             Message::Registration(r) => Ok(r),
             other => Err(format!(
@@ -136,7 +136,7 @@ impl Control {
         }
     }
 
-    fn expect_transport(&self, s: &mut TcpStream, peer: &Peer) -> Result<Vec<QpInfo>, SetupError> {
+    fn expect_transport(&self, s: &mut Wire, peer: &Peer) -> Result<Vec<QpInfo>, SetupError> {
         let (transport, qps) = match self.read_msg(s)? {
             Message::Transport { transport, qps } => (transport, qps),
             other => return Err(format!("expected Transport, got {}", other.kind().name()).into()),
@@ -169,7 +169,7 @@ impl Control {
     pub(super) fn decode_transport(
         &self,
         peer: &Arc<Peer>,
-        ctrl: &mut TcpStream,
+        ctrl: &mut Wire,
     ) -> Result<bool, SetupError> {
         let ours = self.wire_transport();
         self.write_msg(
@@ -199,12 +199,12 @@ impl Control {
     pub(super) fn prefill_transport(
         &self,
         peer: &Arc<Peer>,
-        s: &mut TcpStream,
+        s: &mut Wire,
         theirs: &Registration,
         map: &[u32],
     ) -> Result<(), SetupError> {
         let ours = self.wire_transport();
-        let reply = |s: &mut TcpStream, qps: Vec<QpInfo>| {
+        let reply = |s: &mut Wire, qps: Vec<QpInfo>| {
             self.write_msg(
                 s,
                 &Message::Transport {

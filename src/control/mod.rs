@@ -83,8 +83,14 @@ pub(crate) trait Events: Send + Sync {
     fn link_up(self: Arc<Self>, _peer: &Arc<Peer>, _link: Arc<dyn DataLink>) {}
 
     /// Decode over TCP: serve data connection `stream` of `peer` (on a thread of its own,
-    /// until the connection ends); returns why it ended.
-    fn serve_data(&self, _peer: &Arc<Peer>, _stream: TcpStream) -> String {
+    /// until the connection ends), opening its sealed payloads with `open` when
+    /// `encrypt_data` is on; returns why it ended.
+    fn serve_data(
+        &self,
+        _peer: &Arc<Peer>,
+        _stream: TcpStream,
+        _open: Option<crate::transport::tcp::seal::Opener>,
+    ) -> String {
         "this engine receives no data".to_string()
     }
 

@@ -2,23 +2,38 @@
 //! queue, with a stall limit) and its reader thread, which checks that each message is
 //! one this engine's role may receive and hands it to the engine.
 
-use std::net::TcpStream;
+use std::io::Read;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{Control, Events, Peer};
 use crate::proto::{self, FrameHeader, Message, ReadError, WireTransport};
+use crate::tls::{Split, Wire};
 use crate::transport::tcp::SendConn;
 use crate::Role;
+
+/// The writing half of a control connection.
+enum CtrlWriter {
+    Plain(SendConn),
+    Tls(crate::tls::Writer),
+}
+
+impl CtrlWriter {
+    fn send_frame(&self, frame: &[u8]) -> std::io::Result<()> {
+        match self {
+            CtrlWriter::Plain(c) => c.send_frame(frame),
+            CtrlWriter::Tls(w) => w.send_frame(frame),
+        }
+    }
+}
 
 impl Control {
     /// Starts the control writer thread and the control reader thread of `peer`.
     pub(super) fn start_control(
         self: &Arc<Self>,
         peer: &Arc<Peer>,
-        ctrl: TcpStream,
+        ctrl: Wire,
     ) -> Result<(), String> {
-        let writer = ctrl.try_clone().map_err(|e| e.to_string())?;
         if peer.is_lost() {
             return Err("lost during setup".to_string());
         }
@@ -26,7 +41,20 @@ impl Control {
         // which keeps its heartbeat fresh) is lost once a write makes no progress for
         // as long as a silent peer is allowed.
         let stall = self.node.peer_deadline();
-        let conn = SendConn::with_stall(writer, stall).map_err(|e| e.to_string())?;
+        let (conn, reader) = match ctrl.split().map_err(|e| e.to_string())? {
+            Split::Plain(s) => {
+                let writer = s.try_clone().map_err(|e| e.to_string())?;
+                let conn = SendConn::with_stall(writer, stall).map_err(|e| e.to_string())?;
+                (CtrlWriter::Plain(conn), Box::new(s) as Box<dyn Read + Send>)
+            }
+            Split::Tls(reader, writer) => {
+                writer.set_stall(stall).map_err(|e| e.to_string())?;
+                (
+                    CtrlWriter::Tls(writer),
+                    Box::new(reader) as Box<dyn Read + Send>,
+                )
+            }
+        };
         let (control, p) = (self.clone(), peer.clone());
         self.spawn_for_peer("kvxfer-ctrl-tx", peer, move || {
             while let Some(frame) = p.ctrl.pop() {
@@ -46,12 +74,12 @@ impl Control {
         });
         let (control, p) = (self.clone(), peer.clone());
         self.spawn_for_peer("kvxfer-ctrl-rx", peer, move || {
-            control.control_reader(&p, ctrl)
+            control.control_reader(&p, reader)
         });
         Ok(())
     }
 
-    fn control_reader(&self, peer: &Arc<Peer>, mut s: TcpStream) {
+    fn control_reader(&self, peer: &Arc<Peer>, mut s: Box<dyn Read + Send>) {
         let node = &self.node;
         loop {
             let r = proto::read_frame_header(&mut s, &node.limits).and_then(|hdr: FrameHeader| {

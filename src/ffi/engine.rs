@@ -392,9 +392,10 @@ pub struct kvxfer_metrics {
     /// background; the library releases them once no transport operation can touch
     /// their memory.
     pub rooms_draining: u64,
-    /// Connections refused at authentication, on either side (see `auth` in
-    /// `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete or
-    /// malformed handshake, or too many connections authenticating at once.
+    /// Connections refused at authentication, on either side (see `auth` and the `tls_*`
+    /// keys in `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete
+    /// or malformed handshake, too many connections authenticating at once, a failed TLS
+    /// handshake (a certificate not of the CA, an alert), or TLS on one side only.
     pub auth_failures: u64,
     /// Prefill engine: destinations and aborts refused because their room is bound to
     /// other decode engines (`kvxfer_room_create_for`). Each refused destination is

@@ -157,17 +157,21 @@ pub enum AuthRefusal {
     NoSession = 5,
     /// Too many connections are waiting to authenticate; try again later.
     Busy = 6,
+    /// One engine has TLS configured and the other not: sent in the clear by whichever
+    /// side saw the other's first bytes in the wrong form.
+    Tls = 7,
 }
 
 impl AuthRefusal {
     /// Every reason, in wire-value order.
-    pub const ALL: [AuthRefusal; 6] = [
+    pub const ALL: [AuthRefusal; 7] = [
         AuthRefusal::Mismatch,
         AuthRefusal::WrongKey,
         AuthRefusal::BadProof,
         AuthRefusal::Replay,
         AuthRefusal::NoSession,
         AuthRefusal::Busy,
+        AuthRefusal::Tls,
     ];
 }
 
@@ -2005,7 +2009,7 @@ mod tests {
             reason: AuthRefusal::Mismatch,
             auth: AuthMode::Required,
         });
-        for bad in [0u8, 7, 0xff] {
+        for bad in [0u8, 8, 0xff] {
             p[0] = bad;
             assert_eq!(
                 Message::decode(Kind::AuthRefused, &p, &l),

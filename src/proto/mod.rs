@@ -39,13 +39,15 @@
 //! | `AuthHello`    | `auth u8 (1 = off, 2 = required), reserved u8 × 3 (0), key_id [u8; 8], nonce [u8; 32]` (44 bytes; key_id and nonce all zeros when auth is off) |
 //! | `AuthChallenge`| `auth u8, reserved u8 × 3 (0), engine_id u64, nonce [u8; 32]` (44 bytes; engine_id and nonce all zeros when auth is off) |
 //! | `AuthProof`    | `mac [u8; 32]` (HMAC-SHA256)                                             |
-//! | `AuthRefused`  | `reason u8 (1 = mismatch, 2 = wrong key, 3 = bad proof, 4 = replay, 5 = no session, 6 = busy), auth u8` (2 bytes) |
+//! | `AuthRefused`  | `reason u8 (1 = mismatch, 2 = wrong key, 3 = bad proof, 4 = replay, 5 = no session, 6 = busy, 7 = TLS on one side only), auth u8` (2 bytes) |
 //!
 //! The encoding is canonical: a payload that decodes successfully re-encodes to the
 //! same bytes.
 //!
 //! # Handshake
 //!
+//! With TLS configured (`crate::tls`), a control connection starts with a TLS 1.3
+//! handshake and everything below travels inside it; data connections stay plain.
 //! Every connection starts with the initiator's (decode engine's) `Hello` and
 //! `AuthHello`. The responder answers `AuthRefused` (and closes) or `AuthChallenge`; with
 //! authentication on, the initiator then sends its `AuthProof` and the responder, once it

@@ -1,7 +1,8 @@
 //! What the integration tests share: waiting for an engine ([`wait`]), test engines and
 //! what they log ([`engine`]), their registered memory ([`memory`]), a prefill and a
 //! decode engine side by side ([`pair`]), the prefill child process of the
-//! multi-process tests ([`child`]), fake peer engines on raw sockets ([`fake`]), and
+//! multi-process tests ([`child`]), fake peer engines on raw sockets ([`fake`]),
+//! certificates for the TLS tests ([`pki`]), and
 //! a deterministic generator for random moments ([`rng`]).
 //!
 //! Compiled into every test binary, each of which uses only part of it.
@@ -12,6 +13,7 @@ pub mod engine;
 pub mod fake;
 pub mod memory;
 pub mod pair;
+pub mod pki;
 pub mod rng;
 pub mod wait;
 

@@ -372,9 +372,19 @@ impl Events for DecodeEngine {
         }
     }
 
-    fn serve_data(&self, peer: &Arc<Peer>, stream: TcpStream) -> String {
+    fn serve_data(
+        &self,
+        peer: &Arc<Peer>,
+        stream: TcpStream,
+        open: Option<crate::transport::tcp::seal::Opener>,
+    ) -> String {
         let sink = receive::Receiver { engine: self, peer };
-        recv::serve(stream, &sink, &self.core.node.limits)
+        match open {
+            Some(open) => {
+                crate::transport::tcp::seal::serve(stream, &sink, &self.core.node.limits, open)
+            }
+            None => recv::serve(stream, &sink, &self.core.node.limits),
+        }
     }
 
     /// Its rooms fail; its queue pairs are shut, so it can write into them no more.

@@ -3,6 +3,7 @@
 //! pages by the receiver ([`recv`]), which asks the engine where each frame may go.
 
 pub mod recv;
+pub mod seal;
 pub mod send;
 
 use std::io::{self, Read};
