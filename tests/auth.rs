@@ -19,7 +19,7 @@ use kvxfer::proto::{
     self, AuthMode, AuthRefusal, ConnKind, DataHeader, FrameHeader, Kind, Limits, Message, Role,
     Target, AUTH_KEY_ID_LEN, DATA_FRAME_PREFIX_LEN,
 };
-use kvxfer::{Cause, Config, Engine, RoomPeers, State};
+use kvxfer::{Cause, Config, Engine, ErrorKind, RoomPeers, State};
 
 const BUFS: usize = 2;
 const PAGES: usize = 32;
@@ -86,7 +86,11 @@ fn assert_refused_both_sides(t: &Pair, parts: &[&str]) {
     t.p.enqueue_chunk(1, &[1, 2], true, None).unwrap();
     t.d.room_create(1, RoomPeers::Prefills(vec![t.p.address().into()]))
         .unwrap();
-    t.d.room_set_destination(1, &[3, 4], None).unwrap();
+    // The refusal may fail the decode room before its destination is set: then the
+    // call is refused for the room's state, which is what the test checks next.
+    if let Err(e) = t.d.room_set_destination(1, &[3, 4], None) {
+        assert_eq!(e.kind(), ErrorKind::WrongState, "{e}");
+    }
     assert_eq!(wait_terminal(&t.d, 1), State::Failed);
     let why = t.d.room_failure(1).unwrap();
     assert_eq!(why.cause, Cause::Mismatch, "{why}");
