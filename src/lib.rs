@@ -24,6 +24,7 @@ pub(crate) mod metrics;
 pub(crate) mod node;
 pub mod proto;
 pub mod room;
+pub mod slice;
 #[cfg(feature = "test-hooks")]
 pub mod testing;
 pub mod transport;
