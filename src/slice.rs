@@ -292,6 +292,75 @@ pub fn owed_bytes(p: &Shape, d: &Shape, tokens: u64) -> u64 {
     assigned(p, d).len() as u64 * tokens * d.head_bytes
 }
 
+/// A prefill engine's pages against a decode engine's, when their layouts differ: what
+/// both sides of the pair agree on from the registration exchange.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Slicing {
+    pub prefill: Shape,
+    pub decode: Shape,
+}
+
+impl Slicing {
+    /// The heads the prefill engine sends the decode engine.
+    pub fn heads(&self) -> Range<u32> {
+        assigned(&self.prefill, &self.decode)
+    }
+
+    /// The tokens a room moves whose prefill sent `src_pages` source pages in all into a
+    /// destination of `dst_pages` pages, or why those do not fit ([`chunk_tokens`] over
+    /// the whole room).
+    pub fn room_tokens(&self, src_pages: u64, dst_pages: u64) -> Result<u64, String> {
+        chunk_tokens(
+            self.prefill.page_tokens,
+            self.decode.page_tokens,
+            0,
+            src_pages,
+            dst_pages,
+            true,
+        )
+        .map(|t| t.end)
+    }
+
+    /// The KV bytes the prefill engine owes per paired buffer for a room of `tokens`.
+    pub fn owed(&self, tokens: u64) -> u64 {
+        owed_bytes(&self.prefill, &self.decode, tokens)
+    }
+
+    /// Whether bytes `off..off + len` of a decode page are the prefill engine's to write:
+    /// inside the page, and within the heads it sends (for HND a band of the page, for
+    /// NHD that band of one token, or whole tokens when it sends every head).
+    pub fn allows(&self, off: u64, len: u64) -> bool {
+        let d = &self.decode;
+        let heads = self.heads();
+        let (Some(page), false) = (d.page_bytes(), heads.is_empty() || len == 0) else {
+            return false;
+        };
+        let Some(end) = off.checked_add(len).filter(|&e| e <= page) else {
+            return false;
+        };
+        let held = d.heads();
+        let (a, b) = (
+            u64::from(heads.start - held.start),
+            u64::from(heads.end - held.start),
+        );
+        let e = d.head_bytes;
+        match d.order {
+            Order::Hnd => {
+                let band = u64::from(d.page_tokens) * e;
+                off >= a * band && end <= b * band
+            }
+            Order::Nhd => {
+                let row = held.len() as u64 * e;
+                if heads == held {
+                    return true;
+                }
+                let at = off % row;
+                off / row == (end - 1) / row && at >= a * e && at + len <= b * e
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,6 +543,47 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_decode_page_admits_only_the_bytes_of_the_heads_the_peer_sends() {
+        // Decode TP 2 holds 4 of 8 heads; prefill rank 1 of TP 4 sends heads 2-3, the
+        // second half of each 16-token page (HND) or of each token (NHD); 4-byte heads.
+        let pair = |order| Slicing {
+            prefill: shape(8, 1, 4, 16, order),
+            decode: shape(8, 0, 2, 16, order),
+        };
+        let hnd = pair(Order::Hnd);
+        assert!(hnd.allows(128, 128));
+        assert!(hnd.allows(200, 56));
+        assert!(!hnd.allows(127, 2));
+        assert!(!hnd.allows(128, 129));
+        assert!(!hnd.allows(0, 16));
+        let nhd = pair(Order::Nhd);
+        assert!(nhd.allows(8, 8));
+        assert!(nhd.allows(16 * 15 + 8, 8));
+        assert!(
+            !nhd.allows(8, 16),
+            "spans into the next token's first heads"
+        );
+        assert!(!nhd.allows(4, 8));
+        assert!(!nhd.allows(16 * 16 + 8, 8), "past the page");
+        // A peer that sends every head of the decode rank may write whole tokens.
+        let all = Slicing {
+            prefill: shape(8, 0, 1, 16, Order::Nhd),
+            decode: shape(8, 0, 2, 16, Order::Nhd),
+        };
+        assert!(all.allows(0, 16 * 16));
+        // A peer that sends nothing may write nothing.
+        let none = Slicing {
+            prefill: shape(8, 3, 4, 16, Order::Hnd),
+            decode: shape(8, 0, 2, 16, Order::Hnd),
+        };
+        assert!(!none.allows(0, 1));
+        assert_eq!(none.owed(100), 0);
+        assert_eq!(hnd.owed(100), 2 * 100 * 4);
+        assert_eq!(hnd.room_tokens(7, 7), Ok(112));
+        assert!(hnd.room_tokens(6, 7).is_err());
+    }
+
     /// The value of byte `k` of `head` of token `t` in buffer `b`.
     fn value(b: usize, t: u64, head: u32, k: u64) -> u8 {
         (b as u64 * 131 + t * 31 + u64::from(head) * 7 + k).wrapping_mul(2654435761) as u8 | 1
@@ -538,6 +648,10 @@ mod tests {
                     }
                 }
                 let heads = assigned(p, d);
+                let pair = Slicing {
+                    prefill: p.clone(),
+                    decode: d.clone(),
+                };
                 let mut before = 0;
                 while before < n_src {
                     let n = chunk_pages.min(n_src - before);
@@ -548,6 +662,7 @@ mod tests {
                     let chunk = &src_pages[before as usize..(before + n) as usize];
                     plan(p, d, heads.clone(), tokens, chunk, &dst_pages, &mut segs);
                     for s in segs {
+                        assert!(pair.allows(s.dst_off, s.len), "{s:?} outside its heads");
                         for b in 0..layers {
                             let from = s.src_page as usize * spb + s.src_off as usize;
                             let to = s.dst_page as usize * dpb + s.dst_off as usize;

@@ -167,6 +167,7 @@ fn frames_without_the_handshake_change_no_room_and_each_refusal_is_counted_and_l
         first_page: 5,
         n_pages: 1,
         byte_len: ITEM as u32,
+        page_off: 0,
     }
     .encode_frame(&mut data)
     .unwrap();

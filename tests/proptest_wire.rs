@@ -179,6 +179,7 @@ fn seeds() -> Vec<Vec<u8>> {
             first_page: 3,
             n_pages: 2,
             byte_len: 32,
+            page_off: 0,
         }),
         runs_frame(&[
             DataHeader {
@@ -189,6 +190,8 @@ fn seeds() -> Vec<Vec<u8>> {
                 first_page: 7,
                 n_pages: 1,
                 byte_len: 16,
+                // A slice of the page (layouts that differ).
+                page_off: 8,
             },
             DataHeader {
                 room: 1,
@@ -198,6 +201,7 @@ fn seeds() -> Vec<Vec<u8>> {
                 first_page: 1,
                 n_pages: 1,
                 byte_len: 8,
+                page_off: 0,
             },
         ]),
     ]

@@ -319,7 +319,7 @@ fn a_done_whose_frames_never_arrive_fails_at_the_transfer_deadline_saying_so() {
         &d,
         15,
         Cause::TransferTimeout,
-        "reported done but only 2 page writes",
+        "reported done but only 512 KV bytes",
     );
 }
 

@@ -69,7 +69,7 @@ pub(crate) trait Events: Send + Sync {
         _peer: &Arc<Peer>,
         _room: u64,
         _generation: u64,
-        _pages: u32,
+        _kv_bytes: u64,
         _aux_rows: u32,
         _bytes: u64,
     ) {

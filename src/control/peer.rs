@@ -47,6 +47,10 @@ pub(crate) struct Peer {
     pub kv_map: OnceLock<Vec<u32>>,
     /// Decode side: how many aux buffers this prefill engine registered (0 or ours).
     pub aux_count: OnceLock<usize>,
+    /// Both sides: how this prefill engine's pages map into this decode engine's, when
+    /// their layouts differ (head slices, other page sizes); unset for a byte copy of
+    /// whole pages. Set with `kv_map`, before the peer is published.
+    pub slicing: OnceLock<crate::slice::Slicing>,
     /// Rooms (id, local generation) that depend on this peer: the engine's record, which
     /// the peer's loss hands back to it.
     pub rooms: Mutex<HashSet<(u64, u64)>>,
@@ -100,6 +104,7 @@ impl Peer {
             streams: Mutex::new(Vec::new()),
             kv_map: OnceLock::new(),
             aux_count: OnceLock::new(),
+            slicing: OnceLock::new(),
             rooms: Mutex::new(HashSet::new()),
             last_recv_ms: AtomicU64::new(now_ms),
             last_sent_ms: AtomicU64::new(now_ms),

@@ -161,12 +161,12 @@ impl Control {
                 Message::Progress {
                     room,
                     generation,
-                    pages,
+                    kv_bytes,
                     aux_rows,
                     bytes,
                 },
                 Role::Decode,
-            ) if rdma => events.progress(peer, room, generation, pages, aux_rows, bytes),
+            ) if rdma => events.progress(peer, room, generation, kv_bytes, aux_rows, bytes),
             (
                 Message::Done {
                     room,

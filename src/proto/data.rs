@@ -16,7 +16,8 @@
 //! | 24     | 4    | `n_pages`    |
 //! | 28     | 4    | `byte_len`   |
 //! | 32     | 1    | `target` (0 = kv, 1 = aux) |
-//! | 33     | 7    | reserved, must be 0 |
+//! | 33     | 3    | reserved, must be 0 |
+//! | 36     | 4    | `page_off`   |
 
 use super::frame::{FrameHeader, Kind, Limits, ProtoError};
 use super::{DATA_FRAME_PREFIX_LEN, DATA_HEADER_LEN, DATA_HEADER_LEN_U32, FRAME_HEADER_LEN};
@@ -46,11 +47,13 @@ impl TryFrom<u8> for Target {
 }
 
 /// Describes the bytes of one data frame: `n_pages` consecutive pages starting at
-/// `first_page` of buffer `buffer` in the `target` list, `byte_len` bytes in all.
+/// `first_page` of buffer `buffer` in the `target` list, `byte_len` bytes in all; or,
+/// between engines whose layouts differ (a head slice, a page of another size), the
+/// `byte_len` bytes at `page_off` inside the one page `first_page`.
 ///
 /// The codec checks only what the header alone can tell: `n_pages >= 1`, the page range
-/// does not overflow u32, `byte_len` matches the frame and is within
-/// [`Limits::max_data_bytes`]. Whether the room and generation are live, the buffer
+/// does not overflow u32, `page_off` only with one page, `byte_len` matches the frame
+/// and is within [`Limits::max_data_bytes`]. Whether the room and generation are live, the buffer
 /// exists, the pages were granted to the room, and `byte_len` equals
 /// `n_pages * item_len` (or the head slice) is the engine's job, before any byte is
 /// written.
@@ -70,6 +73,8 @@ pub struct DataHeader {
     pub n_pages: u32,
     /// Data bytes following the header.
     pub byte_len: u32,
+    /// Where in the page the bytes start; 0 for whole pages. Not 0 only with one page.
+    pub page_off: u32,
 }
 
 impl DataHeader {
@@ -85,10 +90,17 @@ impl DataHeader {
     }
 
     /// Checks the fields a receiver using `limits` would check: `n_pages >= 1`,
-    /// `byte_len <= max_data_bytes`, and `first_page + n_pages` fits in u32.
+    /// `byte_len <= max_data_bytes`, `first_page + n_pages` fits in u32, and a
+    /// `page_off` only with one page.
     pub fn check(&self, limits: &Limits) -> Result<(), ProtoError> {
         if self.n_pages == 0 {
             return Err(ProtoError::ZeroPages);
+        }
+        if self.page_off != 0 && self.n_pages != 1 {
+            return Err(ProtoError::OffsetInSeveralPages {
+                page_off: self.page_off,
+                n_pages: self.n_pages,
+            });
         }
         if self.byte_len > limits.max_data_bytes {
             return Err(ProtoError::DataTooLarge {
@@ -115,7 +127,8 @@ impl DataHeader {
         out[24..28].copy_from_slice(&self.n_pages.to_le_bytes());
         out[28..32].copy_from_slice(&self.byte_len.to_le_bytes());
         out[32] = self.target as u8;
-        // out[33..40]: reserved, zero.
+        // out[33..36]: reserved, zero.
+        out[36..40].copy_from_slice(&self.page_off.to_le_bytes());
         out
     }
 
@@ -173,7 +186,7 @@ impl DataHeader {
         let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
         let target = Target::try_from(buf[32])?;
         let mut reserved = [0u8; 8];
-        reserved[..7].copy_from_slice(&buf[33..40]);
+        reserved[..3].copy_from_slice(&buf[33..36]);
         let reserved = u64::from_le_bytes(reserved);
         if reserved != 0 {
             return Err(ProtoError::NonzeroReserved {
@@ -189,6 +202,7 @@ impl DataHeader {
             first_page: u32_at(20),
             n_pages: u32_at(24),
             byte_len: u32_at(28),
+            page_off: u32_at(36),
         })
     }
 }
@@ -206,6 +220,7 @@ mod tests {
             first_page: 100,
             n_pages: 4,
             byte_len: 4 * 4096,
+            page_off: 0,
         }
     }
 
@@ -244,6 +259,7 @@ mod tests {
                 first_page: u32::MAX - 1,
                 n_pages: 1,
                 byte_len: u32::MAX - DATA_HEADER_LEN_U32,
+                page_off: u32::MAX,
             },
             DataHeader {
                 room: 0,
@@ -253,12 +269,45 @@ mod tests {
                 first_page: 0,
                 n_pages: u32::MAX,
                 byte_len: 0,
+                page_off: 0,
             },
         ];
         for d in cases {
             assert_eq!(round_trip(&d, &limits), Ok(d));
             assert_eq!(d.check(&limits), Ok(()));
         }
+    }
+
+    #[test]
+    fn an_offset_into_a_page_goes_with_one_page_only() {
+        let limits = Limits::default();
+        let slice = DataHeader {
+            n_pages: 1,
+            byte_len: 512,
+            page_off: 1024,
+            ..sample()
+        };
+        assert_eq!(round_trip(&slice, &limits), Ok(slice));
+        let several = DataHeader {
+            n_pages: 2,
+            ..slice
+        };
+        assert_eq!(
+            round_trip(&several, &limits),
+            Err(ProtoError::OffsetInSeveralPages {
+                page_off: 1024,
+                n_pages: 2
+            })
+        );
+        // The bytes before page_off stay reserved.
+        let mut frame = [0u8; DATA_FRAME_PREFIX_LEN];
+        slice.encode_frame(&mut frame).unwrap();
+        let (_, mut b) = split(&frame);
+        b[35] = 1;
+        assert!(matches!(
+            DataHeader::decode(&b, 40 + 512, &limits),
+            Err(ProtoError::NonzeroReserved { .. })
+        ));
     }
 
     #[test]
@@ -366,12 +415,12 @@ mod tests {
             Err(ProtoError::BadTarget { found: 2 })
         );
         let mut b = d.encode();
-        b[39] = 1;
+        b[35] = 1;
         assert_eq!(
             DataHeader::decode(&b, 40 + d.byte_len, &Limits::default()),
             Err(ProtoError::NonzeroReserved {
                 field: "DataHeader.reserved",
-                found: 1 << 48
+                found: 1 << 16
             })
         );
     }

@@ -507,6 +507,13 @@ pub enum ProtoError {
     },
     /// A data header's `n_pages` is 0.
     ZeroPages,
+    /// A data header gives a `page_off` with more than one page.
+    OffsetInSeveralPages {
+        /// `DataHeader.page_off`.
+        page_off: u32,
+        /// `DataHeader.n_pages`.
+        n_pages: u32,
+    },
     /// A data header's `first_page + n_pages` overflows u32.
     PageRangeOverflow {
         /// `DataHeader.first_page`.
@@ -700,6 +707,11 @@ impl fmt::Display for ProtoError {
                 "DataHeader.byte_len {byte_len} exceeds max_data_bytes = {max}"
             ),
             ZeroPages => f.write_str("DataHeader.n_pages is 0"),
+            OffsetInSeveralPages { page_off, n_pages } => write!(
+                f,
+                "DataHeader.page_off {page_off} is given with {n_pages} pages (only one page \
+                 may start at an offset)"
+            ),
             PageRangeOverflow {
                 first_page,
                 n_pages,
@@ -770,7 +782,7 @@ mod tests {
         let b = FrameHeader::new(Kind::Abort, 0x0102_0304).encode();
         assert_eq!(
             b,
-            [b'F', b'X', b'V', b'K', 4, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
+            [b'F', b'X', b'V', b'K', 5, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
         );
     }
 
@@ -930,6 +942,10 @@ mod tests {
     fn every_error_message_is_nonempty_and_single_line() {
         let samples = [
             ProtoError::ZeroPages,
+            ProtoError::OffsetInSeveralPages {
+                page_off: 8,
+                n_pages: 2,
+            },
             ProtoError::BadAuxSlot { found: -2 },
             ProtoError::BadTransport { found: 0 },
             ProtoError::QpsOnTcp { count: 3 },

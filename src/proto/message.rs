@@ -462,11 +462,11 @@ pub enum Message {
         room: u64,
         /// Generation of the room id.
         generation: u64,
-        /// KV page writes completed (pages × buffers, as data frames count them).
-        pages: u32,
+        /// KV bytes written (as the decode side counts data frames' bytes).
+        kv_bytes: u64,
         /// Aux rows completed.
         aux_rows: u32,
-        /// Bytes those writes carried.
+        /// Bytes those writes carried, aux rows included.
         bytes: u64,
     },
     /// Either direction: the room failed; the peer must fail it too.
@@ -598,7 +598,7 @@ impl Message {
                 .saturating_add(n(reg.aux.len(), BUFFER_INFO_LEN as u64)),
             Message::Destination { pages, .. } => 28u64.saturating_add(n(pages.len(), 4)),
             Message::Done { .. } => 29,
-            Message::Progress { .. } => 32,
+            Message::Progress { .. } => 36,
             Message::Abort { reason, .. } => 20u64.saturating_add(reason.len() as u64),
             Message::AbortAck { .. } => 16,
             Message::Heartbeat { .. } => 8,
@@ -796,13 +796,13 @@ impl Message {
             Message::Progress {
                 room,
                 generation,
-                pages,
+                kv_bytes,
                 aux_rows,
                 bytes,
             } => {
                 put_u64(out, *room);
                 put_u64(out, *generation);
-                put_u32(out, *pages);
+                put_u64(out, *kv_bytes);
                 put_u32(out, *aux_rows);
                 put_u64(out, *bytes);
             }
@@ -950,7 +950,7 @@ impl Message {
             Kind::Progress => Message::Progress {
                 room: r.u64("Progress.room")?,
                 generation: r.u64("Progress.generation")?,
-                pages: r.u32("Progress.pages")?,
+                kv_bytes: r.u64("Progress.kv_bytes")?,
                 aux_rows: r.u32("Progress.aux_rows")?,
                 bytes: r.u64("Progress.bytes")?,
             },
@@ -1149,14 +1149,14 @@ pub(super) fn sample_messages() -> Vec<Message> {
         Message::Progress {
             room: 7,
             generation: 3,
-            pages: 64,
+            kv_bytes: 64 * 4096,
             aux_rows: 1,
             bytes: 64 * 4096 + 128,
         },
         Message::Progress {
             room: u64::MAX,
             generation: u64::MAX,
-            pages: u32::MAX,
+            kv_bytes: u64::MAX,
             aux_rows: 0,
             bytes: u64::MAX,
         },

@@ -21,7 +21,7 @@
 //! bytes that the transport reads straight into destination memory; the codec never
 //! touches them. A `DataRuns` frame carries several runs of one room: `count u32,
 //! reserved u32 (0)`, `count` data headers, then each run's bytes in order
-//! ([`read_runs`]; at most [`MAX_RUNS`] runs, no page written twice).
+//! ([`read_runs`]; at most [`MAX_RUNS`] runs, no byte of a page written twice).
 //!
 //! # Control payloads (all integers little-endian)
 //!
@@ -31,7 +31,7 @@
 //! | `Registration` | layout `kv_heads_per_rank u32, head_dim u32, dtype_bytes u32, page_tokens u32`, then `kv_count u32` + kv buffers, then `aux_count u32` + aux buffers; each buffer is `len u64, item_len u64, addr u64, layer_id i32, rkey u32` (32 bytes) |
 //! | `Destination`  | `room u64, generation u64, aux_slot i64 (-1 = none), n_pages u32, pages u32 × n_pages` |
 //! | `Done`         | `room u64, generation u64, room_echo u64 (= room), pages_sent u32, aux_sent u8 (0/1)` (29 bytes) |
-//! | `Progress`     | `room u64, generation u64, pages u32, aux_rows u32, bytes u64` (32 bytes; RDMA only) |
+//! | `Progress`     | `room u64, generation u64, kv_bytes u64, aux_rows u32, bytes u64` (36 bytes; RDMA only) |
 //! | `Abort`        | `room u64, generation u64, reason_len u32, reason UTF-8 bytes`           |
 //! | `AbortAck`     | `room u64, generation u64` (16 bytes)                                    |
 //! | `Heartbeat`    | `seq u64` (8 bytes)                                                      |
@@ -100,8 +100,10 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 /// Version 2 added [`Kind::Transport`] to the control handshake and [`Kind::Progress`]
 /// for RDMA transfers. Version 3 added the authentication exchange that follows `Hello`
 /// on every connection ([`Kind::AuthHello`] .. [`Kind::AuthRefused`]). Version 4 added
-/// [`Kind::DataRuns`], several page runs of one room in one data frame.
-pub const PROTO_VERSION: u16 = 4;
+/// [`Kind::DataRuns`], several page runs of one room in one data frame. Version 5 lets a
+/// data header write at an offset inside one page (`DataHeader::page_off`, for layouts
+/// that differ) and counts RDMA progress in KV bytes (`Progress::kv_bytes`).
+pub const PROTO_VERSION: u16 = 5;
 
 /// Length in bytes of the fixed frame header that starts every frame.
 pub const FRAME_HEADER_LEN: usize = 16;

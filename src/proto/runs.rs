@@ -115,15 +115,21 @@ pub fn read_run_headers<R: Read>(
         sum += u64::from(h.byte_len);
         runs.push(h);
     }
+    // Each run as a span of (page, offset) positions: whole pages from (first, 0) to
+    // (end, 0); one page from (page, page_off) to (page, page_off + byte_len), since
+    // the codec does not know the page size. No two spans of a buffer may meet.
     let mut spans: Vec<_> = runs
         .iter()
         .map(|h| {
-            (
-                h.target as u8,
-                h.buffer,
-                h.first_page,
-                h.first_page + h.n_pages,
-            )
+            let (start, end) = if h.n_pages == 1 {
+                (
+                    (h.first_page, u64::from(h.page_off)),
+                    (h.first_page, u64::from(h.page_off) + u64::from(h.byte_len)),
+                )
+            } else {
+                ((h.first_page, 0), (h.first_page + h.n_pages, 0))
+            };
+            (h.target as u8, h.buffer, start, end)
         })
         .collect();
     spans.sort_unstable();
@@ -133,7 +139,7 @@ pub fn read_run_headers<R: Read>(
     {
         return Err(ProtoError::RunsOverlap {
             buffer: w[1].1,
-            page: w[1].2,
+            page: w[1].2 .0,
         }
         .into());
     }
@@ -172,6 +178,7 @@ mod tests {
             first_page,
             n_pages,
             byte_len: n_pages * 4096,
+            page_off: 0,
         }
     }
 
@@ -201,6 +208,37 @@ mod tests {
         assert_eq!(hdr.payload_len as usize, headers_len(3) + 4 * 4096);
         assert_eq!(read_runs(&mut r, &hdr, &limits).unwrap(), runs);
         assert_eq!(r.len(), 4 * 4096);
+    }
+
+    fn slice(page: u32, page_off: u32, byte_len: u32) -> DataHeader {
+        DataHeader {
+            byte_len,
+            page_off,
+            ..run(7, page, 1)
+        }
+    }
+
+    #[test]
+    fn slices_of_one_page_may_share_it_but_not_its_bytes() {
+        // Two heads' slices of page 5 and the whole page 6.
+        let runs = [slice(5, 0, 512), slice(5, 1024, 512), run(7, 6, 1)];
+        let mut bytes = frame(&runs);
+        bytes.extend_from_slice(&[0u8; 1024 + 4096]);
+        assert_eq!(decode(&bytes).unwrap(), runs);
+        // Slices that overlap, or a slice inside a whole page of the frame.
+        for second in [slice(5, 256, 512), slice(6, 4000, 8)] {
+            let runs = [slice(5, 0, 512), run(7, 6, 1), second];
+            let mut bytes = frame(&runs);
+            let n: u32 = runs.iter().map(|r| r.byte_len).sum();
+            bytes.extend(std::iter::repeat_n(0u8, n as usize));
+            assert!(
+                matches!(
+                    decode(&bytes),
+                    Err(ReadError::Proto(ProtoError::RunsOverlap { .. }))
+                ),
+                "{second:?}"
+            );
+        }
     }
 
     #[test]

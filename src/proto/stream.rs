@@ -233,6 +233,7 @@ mod tests {
                 first_page: 10,
                 n_pages,
                 byte_len: len as u32,
+                page_off: 0,
             };
             let bytes = (0..len).map(|i| i as u8).collect();
             frames.push(encode_frame(&Frame::Data(d, bytes)));

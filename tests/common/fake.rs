@@ -438,6 +438,7 @@ pub fn kv_header(
         first_page,
         n_pages: n,
         byte_len: n * item as u32,
+        page_off: 0,
     }
 }
 

@@ -217,7 +217,25 @@ impl DecodeEngine {
     /// counts have arrived.
     fn settle(&self, _peer: &Arc<Peer>, room: &Arc<DRoom>, idx: usize) {
         let ordered = self.core.node.rdma.is_some();
-        match room.ext.settle(idx, ordered) {
+        let kv = self.core.node.memory.kv.get();
+        let owed =
+            |peer: &Peer, pages_sent: u32, dest_pages: u64| -> std::result::Result<u64, String> {
+                let map = peer.kv_map.get().map_or(&[][..], |m| &m[..]);
+                match peer.slicing.get() {
+                    Some(s) => s
+                        .room_tokens(u64::from(pages_sent), dest_pages)
+                        .map(|tokens| s.owed(tokens) * map.len() as u64),
+                    None if u64::from(pages_sent) != dest_pages => Err(format!(
+                        "sent {pages_sent} pages for a destination of {dest_pages}"
+                    )),
+                    None => Ok(map
+                        .iter()
+                        .map(|&b| kv.and_then(|m| m.item_len(b as usize)).unwrap_or(0) as u64)
+                        .sum::<u64>()
+                        * dest_pages),
+                }
+            };
+        match room.ext.settle(idx, ordered, owed) {
             Settle::Fail(why) => {
                 lifecycle::fail(
                     self,
@@ -329,7 +347,7 @@ impl Events for DecodeEngine {
         peer: &Arc<Peer>,
         id: u64,
         generation: u64,
-        pages: u32,
+        kv_bytes: u64,
         aux_rows: u32,
         bytes: u64,
     ) {
@@ -359,7 +377,7 @@ impl Events for DecodeEngine {
             .metrics
             .bytes_received
             .fetch_add(bytes, Ordering::Relaxed);
-        self.count(peer, &room, idx, pages as u64, aux_rows as u64);
+        self.count(peer, &room, idx, kv_bytes, aux_rows as u64);
         let _ = lifecycle::start(self, &room);
     }
 

@@ -37,10 +37,14 @@ pub(super) struct Pages<'a> {
 impl Grant for Pages<'_> {
     fn pages(&self) -> &mut [u8] {
         // Checked in `admit`: the pages lie in a registered buffer and are granted to
-        // this live room, whose frames one reader at a time writes.
-        self.mem
+        // this live room, whose frames one reader at a time writes; the bytes lie within
+        // them.
+        let pages = self
+            .mem
             .pages_mut(self.buffer as usize, self.h.first_page, self.h.n_pages)
-            .expect("admitted pages lie inside a registered buffer")
+            .expect("admitted pages lie inside a registered buffer");
+        let off = self.h.page_off as usize;
+        &mut pages[off..off + self.h.byte_len as usize]
     }
 
     fn enter(&self) -> Option<IoGuard<'_>> {
@@ -56,12 +60,12 @@ impl Grant for Pages<'_> {
             .bytes_received
             .fetch_add(self.h.byte_len as u64, Ordering::Relaxed);
         if complete {
-            let (pages, rows) = match self.h.target {
-                Target::Kv => (self.h.n_pages as u64, 0),
+            let (kv_bytes, rows) = match self.h.target {
+                Target::Kv => (self.h.byte_len as u64, 0),
                 Target::Aux => (0, 1),
             };
             self.engine
-                .count(self.peer, &self.room, self.idx, pages, rows);
+                .count(self.peer, &self.room, self.idx, kv_bytes, rows);
         }
     }
 }
@@ -177,11 +181,31 @@ impl DecodeEngine {
         let (mem, local, item_len) = local
             .and_then(|b| mem.and_then(|m| m.item_len(b as usize).map(|len| (m, b, len))))
             .ok_or_else(|| proto_err(format!("{what} buffer {} is not registered", h.buffer)))?;
-        if h.byte_len as u64 != h.n_pages as u64 * item_len as u64 {
-            return Err(proto_err(format!(
-                "{} bytes for {} pages of {item_len}",
-                h.byte_len, h.n_pages
-            )));
+        let slicing = match h.target {
+            Target::Kv => peer.slicing.get(),
+            Target::Aux => None,
+        };
+        match slicing {
+            None if h.page_off != 0 || h.byte_len as u64 != h.n_pages as u64 * item_len as u64 => {
+                return Err(proto_err(format!(
+                    "{} bytes at offset {} for {} pages of {item_len}",
+                    h.byte_len, h.page_off, h.n_pages
+                )));
+            }
+            None => {}
+            Some(s) => {
+                let (off, len) = (u64::from(h.page_off), u64::from(h.byte_len));
+                if h.n_pages != 1 || off + len > item_len as u64 || !s.allows(off, len) {
+                    return Err(proto_err(format!(
+                        "bytes {off}..{} of page {} (of {item_len} bytes; {} pages), which are \
+                         not among the heads {:?} it sends",
+                        off + len,
+                        h.first_page,
+                        h.n_pages,
+                        s.heads()
+                    )));
+                }
+            }
         }
         d.check_grant(h).map_err(proto_err)?;
         if mem

@@ -35,8 +35,8 @@ struct DecodeState {
 
 #[derive(Default, Clone, Copy)]
 struct Progress {
-    /// KV page writes and aux rows of the peer that landed.
-    kv_pages: u64,
+    /// KV bytes and aux rows of the peer that landed.
+    kv_bytes: u64,
     aux_rows: u64,
     /// The peer's Done arrived: the pages it says it sent and whether it sent aux rows.
     /// Over TCP the room's last frames may still be on another data connection.
@@ -170,12 +170,12 @@ impl DecodeRoom {
         Ok(())
     }
 
-    /// Counts page writes and aux rows of peer `idx` that landed; whether its Done claim
+    /// Counts KV bytes and aux rows of peer `idx` that landed; whether its Done claim
     /// was waiting for them.
-    pub fn count(&self, idx: usize, kv_pages: u64, aux_rows: u64) -> bool {
+    pub fn count(&self, idx: usize, kv_bytes: u64, aux_rows: u64) -> bool {
         let mut st = self.inner.lock();
         let pr = &mut st.progress[idx];
-        pr.kv_pages += kv_pages;
+        pr.kv_bytes += kv_bytes;
         pr.aux_rows += aux_rows;
         pr.claim.is_some()
     }
@@ -188,10 +188,16 @@ impl DecodeRoom {
     /// What peer `idx`'s Done claim comes to now. `ordered`: over RDMA, progress and
     /// Done come in order on the control connection, so a claim short of what arrived
     /// is a broken promise at once; over TCP the missing frames may still be on another
-    /// data connection, and the room's transfer deadline bounds the wait.
-    pub fn settle(&self, idx: usize, ordered: bool) -> Settle {
+    /// data connection, and the room's transfer deadline bounds the wait. `owed` gives
+    /// the KV bytes the peer owes for `pages_sent` source pages into a destination of
+    /// so many pages, or why that claim is wrong.
+    pub fn settle(
+        &self,
+        idx: usize,
+        ordered: bool,
+        owed: impl Fn(&Peer, u32, u64) -> Result<u64, String>,
+    ) -> Settle {
         let peer = &self.peers[idx];
-        let n_kv = peer.kv_map.get().map_or(0, Vec::len) as u64;
         let n_aux = peer.aux_count.get().copied().unwrap_or(0) as u64;
         let any_aux = self
             .peers
@@ -209,31 +215,29 @@ impl DecodeRoom {
             Some(dest) => (dest.pages.len() as u64, dest.aux.is_some()),
             None => (0, false),
         };
-        let want_writes = want_pages * n_kv;
         let want_rows = if want_aux { n_aux } else { 0 };
-        if pages_sent as u64 != want_pages {
-            Settle::Fail(format!(
-                "{} sent {pages_sent} pages for a destination of {want_pages}",
-                peer.name
-            ))
-        } else if want_aux && !any_aux {
+        let want_bytes = match owed(peer, pages_sent, want_pages) {
+            Ok(b) => b,
+            Err(why) => return Settle::Fail(format!("{} {why}", peer.name)),
+        };
+        if want_aux && !any_aux {
             Settle::Fail(
                 "the destination has an aux slot but no prefill engine registered aux buffers"
                     .to_string(),
             )
         } else if want_aux && n_aux > 0 && !aux_sent {
             Settle::Fail(format!("{} did not send the aux rows", peer.name))
-        } else if pr.kv_pages > want_writes || pr.aux_rows > want_rows {
+        } else if pr.kv_bytes > want_bytes || pr.aux_rows > want_rows {
             Settle::Fail(format!(
-                "{} wrote {} page writes and {} aux rows for {want_writes} and {want_rows}",
-                peer.name, pr.kv_pages, pr.aux_rows
+                "{} wrote {} KV bytes and {} aux rows for {want_bytes} and {want_rows}",
+                peer.name, pr.kv_bytes, pr.aux_rows
             ))
-        } else if pr.kv_pages < want_writes || pr.aux_rows < want_rows {
+        } else if pr.kv_bytes < want_bytes || pr.aux_rows < want_rows {
             if ordered {
                 Settle::Fail(format!(
-                    "{} reported done after {} of {want_writes} page writes and {} of \
+                    "{} reported done after {} of {want_bytes} KV bytes and {} of \
                      {want_rows} aux rows",
-                    peer.name, pr.kv_pages, pr.aux_rows
+                    peer.name, pr.kv_bytes, pr.aux_rows
                 ))
             } else {
                 Settle::Wait
@@ -257,8 +261,8 @@ impl DecodeRoom {
             .filter(|(_, pr)| pr.claim.is_some() && !pr.done)
             .map(|(p, pr)| {
                 format!(
-                    "{} reported done but only {} page writes and {} aux rows arrived",
-                    p.name, pr.kv_pages, pr.aux_rows
+                    "{} reported done but only {} KV bytes and {} aux rows arrived",
+                    p.name, pr.kv_bytes, pr.aux_rows
                 )
             })
             .collect();

@@ -7,6 +7,7 @@ mod acks;
 mod arrivals;
 pub(crate) mod holding;
 mod outbox;
+mod plan;
 mod sender;
 
 use std::collections::{HashMap, VecDeque};
@@ -61,7 +62,8 @@ pub(crate) struct PrefillRoom {
     held: VecDeque<Chunk>,
     /// The last chunk was enqueued.
     closed: bool,
-    /// Destination pages filled so far (the same for every destination).
+    /// Source pages of the chunks planned so far: for a byte copy, the destination pages
+    /// filled (the same for every destination).
     cursor: usize,
     /// Decode generations heard from engines by messages that were not destinations
     /// (an abort that came before the destination), kept for the cleared-use record.

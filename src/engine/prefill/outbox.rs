@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::sender::Planned;
+use super::plan::Planned;
 use super::PRoom;
 use crate::control::Peer;
 

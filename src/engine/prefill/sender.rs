@@ -9,106 +9,14 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use super::outbox::{Batch, Outbox, Ticket};
-use super::{ext, Chunk, Dest, Job, PRoom, PrefillEngine};
+use super::plan::{batches, plan, Grouped, Place};
+use super::{ext, Chunk, Job, PRoom, PrefillEngine};
 use crate::control::Peer;
 use crate::engine::lifecycle;
-use crate::proto::{DataHeader, Message, Target};
+use crate::proto::{Message, Target};
 use crate::room::{Cause, FailureReason, Refusal};
-use crate::transport::tcp::MAX_FRAME_BYTES;
-use crate::transport::{coalesce, DataLink, Memory, Sent, Watch};
-
-/// The most frames written in one batch (two iovecs each on TCP, within IOV_MAX).
-const BATCH_FRAMES: usize = 64;
-
-/// One data frame to send: its header and the source page (or aux slot) it starts at.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Planned {
-    pub hdr: DataHeader,
-    pub src: u32,
-}
-
-/// The data frames of chunk `chunk` for destination `dest`, whose pages from `start` on
-/// the chunk fills, in the order they are sent: for each run of pages consecutive on
-/// both sides, for each KV buffer, frames of at most `MAX_FRAME_BYTES`; then, for the
-/// last chunk, one aux row per aux buffer (when both sides give an aux slot).
-pub(crate) fn plan(
-    room: u64,
-    chunk: &Chunk,
-    dest: &Dest,
-    start: usize,
-    kv: &Memory,
-    aux: Option<&Memory>,
-) -> Vec<Planned> {
-    let n = chunk.pages.len();
-    let mut out = Vec::new();
-    for run in coalesce(&chunk.pages, &dest.pages[start..start + n]) {
-        for (b, desc) in kv.buffers().iter().enumerate() {
-            let per = (MAX_FRAME_BYTES / desc.item_len).max(1) as u32;
-            let mut off = 0;
-            while off < run.len {
-                let k = per.min(run.len - off);
-                out.push(Planned {
-                    hdr: DataHeader {
-                        room,
-                        generation: dest.generation,
-                        target: Target::Kv,
-                        buffer: b as u32,
-                        first_page: run.dst + off,
-                        n_pages: k,
-                        byte_len: (k as usize * desc.item_len) as u32,
-                    },
-                    src: run.src + off,
-                });
-                off += k;
-            }
-        }
-    }
-    if let (true, Some(src), Some(dst), Some(aux)) = (chunk.is_last, chunk.aux, dest.aux, aux) {
-        for (b, desc) in aux.buffers().iter().enumerate() {
-            out.push(Planned {
-                hdr: DataHeader {
-                    room,
-                    generation: dest.generation,
-                    target: Target::Aux,
-                    buffer: b as u32,
-                    first_page: dst,
-                    n_pages: 1,
-                    byte_len: desc.item_len as u32,
-                },
-                src,
-            });
-        }
-    }
-    out
-}
-
-/// The frames of one batch and their payload bytes.
-type Grouped = (Vec<Planned>, usize);
-
-/// Groups a destination's planned frames into batches: at most `BATCH_FRAMES` frames or
-/// `MAX_FRAME_BYTES` of payload each.
-fn batches(frames: Vec<Planned>, room: u64) -> Vec<Grouped> {
-    #[allow(unused_mut)]
-    let mut per = BATCH_FRAMES;
-    #[cfg(feature = "test-hooks")]
-    if crate::testing::is_armed("worker.mid_chunk", room) {
-        // While armed, one frame per batch, so the pause falls between two frames.
-        per = 1;
-    }
-    let _ = room;
-    let mut out: Vec<Grouped> = Vec::new();
-    for f in frames {
-        let len = f.hdr.byte_len as usize;
-        match out.last_mut() {
-            Some((b, bytes)) if b.len() < per && *bytes < MAX_FRAME_BYTES => {
-                b.push(f);
-                *bytes += len;
-            }
-            _ => out.push((vec![f], len)),
-        }
-    }
-    out
-}
+use crate::slice;
+use crate::transport::{DataLink, Sent, Watch};
 
 impl PrefillEngine {
     /// A worker thread: plans chunks in order until the engine stops.
@@ -172,7 +80,33 @@ impl PrefillEngine {
         for dest in &dests {
             let pages = &dest.pages;
             let peer = &dest.peer;
-            if start + n > pages.len() {
+            let place = match peer.slicing.get() {
+                None => Place::Pages { start },
+                Some(slicing) => {
+                    let tokens = slice::chunk_tokens(
+                        slicing.prefill.page_tokens,
+                        slicing.decode.page_tokens,
+                        start as u64,
+                        n as u64,
+                        pages.len() as u64,
+                        chunk.is_last,
+                    )
+                    .map_err(|why| {
+                        FailureReason::local(
+                            Cause::Mismatch,
+                            format!(
+                                "room {}: chunk of {n} pages does not fit the destination \
+                                 from {}: {why}",
+                                room.id(),
+                                peer.name
+                            ),
+                        )
+                    })?;
+                    Place::Sliced { slicing, tokens }
+                }
+            };
+            let sliced = matches!(place, Place::Sliced { .. });
+            if !sliced && start + n > pages.len() {
                 return Err(FailureReason::local(
                     Cause::Mismatch,
                     format!(
@@ -184,7 +118,7 @@ impl PrefillEngine {
                     ),
                 ));
             }
-            if chunk.is_last && start + n != pages.len() {
+            if !sliced && chunk.is_last && start + n != pages.len() {
                 return Err(FailureReason::local(
                     Cause::Mismatch,
                     format!(
@@ -202,14 +136,15 @@ impl PrefillEngine {
                     format!("no data connection to {}", peer.name),
                 ));
             };
-            let frames = plan(room.id(), chunk, dest, start, kv, aux);
+            let frames = plan(room.id(), chunk, dest, place, kv, aux);
             let aux_sent = frames.iter().any(|f| f.hdr.target == Target::Aux);
             if chunk.is_last {
                 let mut frame = Vec::with_capacity(64);
                 Message::Done {
                     room: room.id(),
                     generation: dest.generation,
-                    pages_sent: pages.len() as u32,
+                    // The source pages of the room: the destination's for a byte copy.
+                    pages_sent: (start + n) as u32,
                     aux_sent,
                 }
                 .encode(&mut frame)
@@ -334,9 +269,21 @@ impl PrefillEngine {
                 Target::Aux => memory.aux.get(),
             }
             .expect("planned only for registered buffers");
-            let bytes = mem
+            let pages = mem
                 .pages(f.hdr.buffer as usize, f.src, f.hdr.n_pages)
                 .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
+            let bytes = usize::try_from(f.src_off)
+                .ok()
+                .and_then(|off| pages.get(off..off.checked_add(f.hdr.byte_len as usize)?))
+                .ok_or_else(|| {
+                    FailureReason::local(
+                        Cause::Internal,
+                        format!(
+                            "planned bytes {}+{} lie outside source page {}",
+                            f.src_off, f.hdr.byte_len, f.src
+                        ),
+                    )
+                })?;
             runs.push((f.hdr, bytes));
         }
         // A slow link: once the room ends, its pages are no longer read, and the io count
@@ -442,100 +389,5 @@ impl PrefillEngine {
                 );
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::transport::BufferDesc;
-
-    fn memory(bufs: usize, pages: usize, item: usize, backing: &mut Vec<Vec<u8>>) -> Memory {
-        *backing = (0..bufs).map(|_| vec![0u8; pages * item]).collect();
-        Memory::new(
-            backing
-                .iter_mut()
-                .map(|b| BufferDesc {
-                    base: b.as_mut_ptr() as usize,
-                    len: b.len(),
-                    item_len: item,
-                })
-                .collect(),
-        )
-    }
-
-    fn dest(pages: &[u32], aux: Option<u32>) -> Dest {
-        Dest {
-            peer: crate::control::Peer::new(
-                "k".into(),
-                "peer".into(),
-                0,
-                crate::log::Logger::new(crate::log::Level::Error, None),
-            ),
-            generation: 9,
-            pages: pages.into(),
-            aux,
-        }
-    }
-
-    /// Runs consecutive on both sides become one frame per buffer; breaks start new
-    /// frames; every frame of a buffer comes in page order, then the aux rows.
-    #[test]
-    fn a_chunk_plans_one_frame_per_run_per_buffer_then_the_aux_rows() {
-        let (mut kvb, mut auxb) = (Vec::new(), Vec::new());
-        let kv = memory(2, 64, 1024, &mut kvb);
-        let aux = memory(3, 4, 32, &mut auxb);
-        let d = dest(&[10, 11, 12, 20, 21], Some(2));
-        let chunk = Chunk {
-            pages: vec![0, 1, 2, 7, 8],
-            is_last: true,
-            aux: Some(1),
-        };
-        let p = plan(5, &chunk, &d, 0, &kv, Some(&aux));
-        let kv_frames: Vec<(u32, u32, u32, u32)> = p
-            .iter()
-            .filter(|f| f.hdr.target == Target::Kv)
-            .map(|f| (f.hdr.buffer, f.hdr.first_page, f.hdr.n_pages, f.src))
-            .collect();
-        assert_eq!(
-            kv_frames,
-            vec![(0, 10, 3, 0), (1, 10, 3, 0), (0, 20, 2, 7), (1, 20, 2, 7)]
-        );
-        let aux_frames: Vec<(u32, u32, u32)> = p
-            .iter()
-            .filter(|f| f.hdr.target == Target::Aux)
-            .map(|f| (f.hdr.buffer, f.hdr.first_page, f.src))
-            .collect();
-        assert_eq!(aux_frames, vec![(0, 2, 1), (1, 2, 1), (2, 2, 1)]);
-        assert!(p.iter().all(|f| f.hdr.room == 5 && f.hdr.generation == 9));
-        assert!(p.iter().all(|f| f.hdr.byte_len as usize
-            == f.hdr.n_pages as usize * if f.hdr.target == Target::Kv { 1024 } else { 32 }));
-    }
-
-    /// A run longer than a frame is split into frames of at most MAX_FRAME_BYTES; a
-    /// non-last chunk (or one without an aux slot on either side) plans no aux row.
-    #[test]
-    fn long_runs_split_at_the_frame_limit_and_only_the_last_chunk_carries_aux() {
-        let (mut kvb, mut auxb) = (Vec::new(), Vec::new());
-        let item = 1 << 20;
-        let kv = memory(1, 10, item, &mut kvb);
-        let aux = memory(1, 4, 32, &mut auxb);
-        let d = dest(&(0..10).collect::<Vec<u32>>(), Some(0));
-        let chunk = Chunk {
-            pages: (0..10).collect(),
-            is_last: false,
-            aux: None,
-        };
-        let p = plan(1, &chunk, &d, 0, &kv, Some(&aux));
-        let per = (MAX_FRAME_BYTES / item) as u32;
-        assert!(p.iter().all(|f| f.hdr.n_pages <= per));
-        assert_eq!(p.iter().map(|f| f.hdr.n_pages).sum::<u32>(), 10);
-        assert!(p.iter().all(|f| f.hdr.target == Target::Kv));
-        let last = Chunk {
-            pages: vec![],
-            is_last: true,
-            aux: None,
-        };
-        assert!(plan(1, &last, &dest(&[], Some(0)), 0, &kv, Some(&aux)).is_empty());
     }
 }

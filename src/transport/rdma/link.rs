@@ -303,10 +303,10 @@ impl DataLink for RdmaLink {
         };
         #[cfg(feature = "test-hooks")]
         crate::testing::pause_point("rdma.batch_done", first.room);
-        let (mut pages, mut aux, mut bytes) = (0u32, 0u32, 0u64);
+        let (mut kv_bytes, mut aux, mut bytes) = (0u64, 0u32, 0u64);
         for (hdr, b) in runs {
             match hdr.target {
-                Target::Kv => pages += hdr.n_pages,
+                Target::Kv => kv_bytes += b.len() as u64,
                 Target::Aux => aux += 1,
             }
             bytes += b.len() as u64;
@@ -314,7 +314,7 @@ impl DataLink for RdmaLink {
         self.send(&Message::Progress {
             room: first.room,
             generation: first.generation,
-            pages,
+            kv_bytes,
             aux_rows: aux,
             bytes,
         })?;

@@ -337,6 +337,7 @@ mod tests {
             first_page: first_page as u32,
             n_pages: 1,
             byte_len: n as u32,
+            page_off: 0,
         };
         let per = RUNS_FRAME_BYTES / page.len();
         let mut runs: Vec<(DataHeader, &[u8])> =
@@ -390,6 +391,7 @@ mod tests {
             first_page: 0,
             n_pages: 1,
             byte_len: page.len() as u32,
+            page_off: 0,
         };
         let never = || false;
         let mut release = || {};
@@ -448,6 +450,7 @@ mod tests {
                         first_page: k as u32,
                         n_pages: 1,
                         byte_len: FRAME as u32,
+                        page_off: 0,
                     };
                     (h, &p[..])
                 })
