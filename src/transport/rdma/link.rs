@@ -241,9 +241,12 @@ impl RdmaLink {
                 format!("run of buffer {b} is outside its local region"),
             ));
         }
-        let offset = hdr.first_page as u64 * remote.item_len;
+        // A head slice (layouts that differ) starts at `page_off` inside its one page.
+        let offset = hdr.first_page as u64 * remote.item_len + u64::from(hdr.page_off);
         let remote_addr = remote.addr.checked_add(offset);
-        if remote_addr.is_none() || offset + bytes.len() as u64 > remote.len {
+        let in_page =
+            hdr.page_off == 0 || u64::from(hdr.page_off) + bytes.len() as u64 <= remote.item_len;
+        if remote_addr.is_none() || offset + bytes.len() as u64 > remote.len || !in_page {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
