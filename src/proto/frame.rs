@@ -454,6 +454,14 @@ pub enum ProtoError {
         /// The value found.
         found: i32,
     },
+    /// `Registration.layout` names an unknown page order or kind, or fails
+    /// [`KvLayout::check`](crate::layout::KvLayout::check).
+    BadLayout {
+        /// The field, e.g. `"Registration.layout.tp_rank"`.
+        field: &'static str,
+        /// What is wrong with it, naming its value.
+        why: String,
+    },
     /// `Done.room_echo` differs from `Done.room`: the frame is corrupt.
     RoomEchoMismatch {
         /// `Done.room`.
@@ -638,6 +646,7 @@ impl fmt::Display for ProtoError {
                 "DataHeader.target {found} is not a target (0 = kv, 1 = aux)"
             ),
             BadBool { field, found } => write!(f, "{field} must be 0 or 1, got {found}"),
+            BadLayout { field, why } => write!(f, "{field}: {why}"),
             BadAuxSlot { found } => write!(
                 f,
                 "Destination.aux_slot {found} is invalid (-1 = none, else 0..=4294967295)"
@@ -770,7 +779,7 @@ mod tests {
         let b = FrameHeader::new(Kind::Abort, 0x0102_0304).encode();
         assert_eq!(
             b,
-            [b'F', b'X', b'V', b'K', 4, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
+            [b'F', b'X', b'V', b'K', 5, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
         );
     }
 
