@@ -11,10 +11,10 @@
 //! `item_len`. With, the model must be the same on both sides (kind, `kv_heads`,
 //! `head_dim`, `dtype_bytes`) and one side's `page_tokens` must divide the other's; the
 //! `item_len`s may then differ (each side checked its own against its layout when it
-//! registered). What the data path can move today is [`check_data_path_supports`]'s
-//! answer.
+//! registered). What the data path can move today (layouts equal in every field) is
+//! [`check_data_path_supports`]'s answer.
 
-use crate::layout::KvLayout;
+use crate::layout::{KvKind, KvLayout};
 use crate::proto::{BufferInfo, Registration};
 
 /// The layouts of a pair of engines, each side's if it registered one.
@@ -97,10 +97,10 @@ fn check_layouts(l: &Layouts) -> Result<(), String> {
     Ok(())
 }
 
-/// Whether the data path can move pages between two layouts that can meet: today only as
-/// a byte copy, which is right when both sides hold the same heads in pages of the same
-/// shape (same heads, `page_tokens` and, with more than one head, order). Anything else
-/// needs head slicing or a page-size change, which are not built yet.
+/// Whether the data path can move pages between two layouts that can meet. Today it
+/// copies whole pages byte for byte, so only layouts equal in every field pair; what
+/// differs in tensor-parallel rank or size (head slicing, or a latent sent once per
+/// decode rank), page size or page order is refused as not built yet.
 ///
 /// This is the one place that says so: the data path replaces it when it moves more.
 pub(crate) fn check_data_path_supports(
@@ -108,40 +108,46 @@ pub(crate) fn check_data_path_supports(
     prefill: &KvLayout,
 ) -> Result<(), String> {
     let (d, p) = (decode, prefill);
-    let (dh, ph) = (d.heads(), p.heads());
-    if dh != ph {
-        return Err(format!(
-            "head-sliced transfer between decode tp {} rank {} (heads {}..{} of {}) and \
-             prefill tp {} rank {} (heads {}..{}) is not built yet; only layouts whose ranks \
-             hold the same heads pair today",
-            d.tp_size,
-            d.tp_rank,
-            dh.start,
-            dh.end,
-            d.kv_heads,
-            p.tp_size,
-            p.tp_rank,
-            ph.start,
-            ph.end
-        ));
+    if d == p {
+        return Ok(());
     }
-    if d.page_tokens != p.page_tokens {
-        return Err(format!(
-            "a page-size change (page_tokens {} on decode, {} on prefill) is not built yet; \
-             only equal page sizes pair today",
+    // check_layouts saw the same kind, kv_heads, head_dim and dtype_bytes: what differs
+    // is the rank, the page size or the page order.
+    let what = if (d.tp_size, d.tp_rank) != (p.tp_size, p.tp_rank) {
+        let (dh, ph) = (d.heads(), p.heads());
+        match d.kind {
+            KvKind::Heads => format!(
+                "head-sliced transfer between decode tp {} rank {} (heads {}..{} of {}) and \
+                 prefill tp {} rank {} (heads {}..{})",
+                d.tp_size,
+                d.tp_rank,
+                dh.start,
+                dh.end,
+                d.kv_heads,
+                p.tp_size,
+                p.tp_rank,
+                ph.start,
+                ph.end
+            ),
+            KvKind::Latent => format!(
+                "latent (MLA) transfer between decode tp {} rank {} and prefill tp {} rank {}",
+                d.tp_size, d.tp_rank, p.tp_size, p.tp_rank
+            ),
+        }
+    } else if d.page_tokens != p.page_tokens {
+        format!(
+            "a page-size change (page_tokens {} on decode, {} on prefill)",
             d.page_tokens, p.page_tokens
-        ));
-    }
-    if d.order != p.order && dh.len() > 1 {
-        return Err(format!(
-            "a page-order change ({} on decode, {} on prefill, {} heads a page) is not built \
-             yet; only equal page orders pair today",
-            d.order,
-            p.order,
-            dh.len()
-        ));
-    }
-    Ok(())
+        )
+    } else {
+        format!(
+            "a page-order change ({} on decode, {} on prefill)",
+            d.order, p.order
+        )
+    };
+    Err(format!(
+        "{what} is not built yet: today only layouts equal in every field pair (a byte copy)"
+    ))
 }
 
 /// For each prefill buffer, the decode buffer it fills; or why they cannot pair. With
@@ -311,7 +317,7 @@ mod tests {
 
     // --- layouts ------------------------------------------------------------------------
 
-    use crate::layout::{KvKind, PageOrder};
+    use crate::layout::PageOrder;
 
     /// GQA, 8 KV heads of 128 fp16 elements, 16-token HND pages: rank `rank` of `tp`.
     fn gqa(tp: u32, rank: u32) -> KvLayout {
@@ -467,12 +473,12 @@ mod tests {
                     ..l
                 },
             );
-            assert!(
-                e.starts_with(&format!(
+            assert_eq!(
+                e,
+                format!(
                     "a page-size change (page_tokens {d} on decode, {p} on prefill) is not \
-                     built yet"
-                )),
-                "{e}"
+                     built yet: today only layouts equal in every field pair (a byte copy)"
+                )
             );
         }
     }
@@ -487,44 +493,49 @@ mod tests {
             ),
             "{e}"
         );
-        // Same size, other rank: other heads.
+        // Same size, other rank; and ranks that replicate one same head: still not a
+        // byte copy the data path makes today.
         let e = refused(gqa(2, 0), gqa(2, 1));
         assert!(
             e.contains("decode tp 2 rank 0") && e.contains("prefill tp 2 rank 1"),
             "{e}"
         );
+        let two = |tp, rank| KvLayout {
+            kv_heads: 2,
+            ..gqa(tp, rank)
+        };
+        let e = refused(two(4, 1), two(2, 0));
+        assert!(
+            e.contains("(heads 0..1 of 2)") && e.contains("(heads 0..1)"),
+            "{e}"
+        );
     }
 
     #[test]
-    fn a_page_order_change_is_refused_unless_a_page_holds_one_head() {
+    fn a_latent_between_other_ranks_is_refused_as_not_built_yet() {
+        let e = refused(mla(2, 1), mla(4, 3));
+        assert_eq!(
+            e,
+            "latent (MLA) transfer between decode tp 2 rank 1 and prefill tp 4 rank 3 is not \
+             built yet: today only layouts equal in every field pair (a byte copy)"
+        );
+        pair(Some(mla(4, 3)), Some(mla(4, 3))).unwrap();
+    }
+
+    #[test]
+    fn a_page_order_change_is_refused_as_not_built_yet() {
         let nhd = |l: KvLayout| KvLayout {
             order: PageOrder::Nhd,
             ..l
         };
         let e = refused(nhd(gqa(2, 1)), gqa(2, 1));
         assert!(
-            e.starts_with("a page-order change (NHD on decode, HND on prefill, 4 heads a page)"),
+            e.starts_with("a page-order change (NHD on decode, HND on prefill) is not built yet"),
             "{e}"
         );
-        // One head a page: HND and NHD are the same bytes.
-        pair(Some(nhd(gqa(8, 3))), Some(gqa(8, 3))).unwrap();
-        pair(Some(nhd(mla(1, 0))), Some(mla(1, 0))).unwrap();
-    }
-
-    #[test]
-    fn ranks_holding_the_same_heads_pair_as_a_byte_copy_whatever_their_tp() {
-        // MLA: every rank holds the whole latent.
-        pair(Some(mla(2, 1)), Some(mla(4, 3))).unwrap();
-        // 2 heads: decode tp 4 ranks 0 and 1 replicate head 0, as prefill tp 2 rank 0
-        // holds it; decode rank 2 replicates head 1.
-        let two = |tp, rank| KvLayout {
-            kv_heads: 2,
-            ..gqa(tp, rank)
-        };
-        pair(Some(two(4, 1)), Some(two(2, 0))).unwrap();
-        let e = refused(two(4, 2), two(2, 0));
+        let e = refused(mla(1, 0), nhd(mla(1, 0)));
         assert!(
-            e.contains("(heads 1..2 of 2)") && e.contains("(heads 0..1)"),
+            e.starts_with("a page-order change (HND on decode, NHD on prefill)"),
             "{e}"
         );
     }

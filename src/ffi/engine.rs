@@ -337,10 +337,10 @@ pub unsafe extern "C" fn kvxfer_register_kv_layers(
 /// (a byte copy between a sliced and an unsliced layout would put heads in the wrong
 /// place), another kind (MLA against MHA/GQA), another `kv_heads`, `head_dim` or
 /// `dtype_bytes`, or page sizes of which neither divides the other. The data path copies
-/// bytes today: two layouts pair only when both ranks hold the same heads in pages of the
-/// same `page_tokens` (and, with more than one head a page, the same order); head-sliced
-/// transfers between different tensor-parallel layouts and page-size changes are not
-/// built yet, and are refused at the exchange saying so. A refusal fails the decode
+/// whole pages today, so two layouts pair only when equal in every field: head-sliced
+/// transfers between other tensor-parallel ranks or sizes (and a latent between them),
+/// page-size and page-order changes are not built yet, and are refused at the exchange
+/// saying so. A refusal fails the decode
 /// engine's rooms with that peer at once (`KVXFER_CAUSE_MISMATCH`, the message as
 /// reason). A prefill room is named by no decode engine before the exchange, so it fails
 /// at its bootstrap deadline (`KVXFER_CAUSE_BOOTSTRAP_TIMEOUT`), its reason quoting the
