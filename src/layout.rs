@@ -107,26 +107,84 @@ pub struct KvLayout {
     pub kind: KvKind,
 }
 
-/// Why a [`KvLayout`] is invalid: the field, and a message naming it and its value.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LayoutError {
+/// Why a [`KvLayout`] is invalid. It allocates nothing (the codec makes one from any
+/// peer's bytes); `Display` names the field and its value, [`LayoutError::field`] the
+/// field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayoutError {
+    /// A field that must be at least 1 is 0.
+    Zero {
+        /// The field.
+        field: &'static str,
+    },
+    /// `tp_rank >= tp_size`.
+    RankNotBelowSize { tp_rank: u32, tp_size: u32 },
+    /// Heads: at least as many heads as ranks, but not a multiple of them.
+    HeadsNotMultipleOfRanks { kv_heads: u32, tp_size: u32 },
+    /// Heads: fewer heads than ranks, and the ranks not a multiple of them.
+    RanksNotMultipleOfHeads { tp_size: u32, kv_heads: u32 },
+    /// A latent with `kv_heads` other than 1.
+    LatentNotOneHead { kv_heads: u32 },
+    /// `page_tokens × heads × head_dim × dtype_bytes` overflows a u64.
+    PageBytesOverflow {
+        page_tokens: u32,
+        heads: u32,
+        head_dim: u32,
+        dtype_bytes: u32,
+    },
+}
+
+impl LayoutError {
     /// The field at fault, such as `"tp_rank"`.
-    pub field: &'static str,
-    /// What is wrong, naming the field and its value.
-    pub why: String,
+    pub fn field(&self) -> &'static str {
+        match self {
+            LayoutError::Zero { field } => field,
+            LayoutError::RankNotBelowSize { .. } => "tp_rank",
+            LayoutError::HeadsNotMultipleOfRanks { .. } => "kv_heads",
+            LayoutError::RanksNotMultipleOfHeads { .. } => "tp_size",
+            LayoutError::LatentNotOneHead { .. } => "kv_heads",
+            LayoutError::PageBytesOverflow { .. } => "page_tokens",
+        }
+    }
 }
 
 impl fmt::Display for LayoutError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.why)
+        match *self {
+            LayoutError::Zero { field } => write!(f, "{field} is 0; it must be at least 1"),
+            LayoutError::RankNotBelowSize { tp_rank, tp_size } => {
+                write!(f, "tp_rank {tp_rank} is not below tp_size {tp_size}")
+            }
+            LayoutError::HeadsNotMultipleOfRanks { kv_heads, tp_size } => write!(
+                f,
+                "kv_heads {kv_heads} is not a multiple of tp_size {tp_size}: each rank must \
+                 hold as many heads"
+            ),
+            LayoutError::RanksNotMultipleOfHeads { tp_size, kv_heads } => write!(
+                f,
+                "tp_size {tp_size} is not a multiple of kv_heads {kv_heads}: with fewer heads \
+                 than ranks each head is replicated on tp_size / kv_heads ranks"
+            ),
+            LayoutError::LatentNotOneHead { kv_heads } => write!(
+                f,
+                "kv_heads {kv_heads} with kind latent (MLA): the latent is one head, \
+                 replicated on every rank, so kv_heads must be 1"
+            ),
+            LayoutError::PageBytesOverflow {
+                page_tokens,
+                heads,
+                head_dim,
+                dtype_bytes,
+            } => write!(
+                f,
+                "page_tokens {page_tokens} x {heads} heads x head_dim {head_dim} x dtype_bytes \
+                 {dtype_bytes} bytes per page overflow a u64"
+            ),
+        }
     }
 }
 
 impl std::error::Error for LayoutError {}
-
-fn bad(field: &'static str, why: String) -> Result<(), LayoutError> {
-    Err(LayoutError { field, why })
-}
 
 impl KvLayout {
     /// Checks the layout on its own: every field nonzero; `tp_rank` below `tp_size`;
@@ -142,57 +200,35 @@ impl KvLayout {
             ("page_tokens", self.page_tokens),
         ] {
             if v == 0 {
-                return bad(field, format!("{field} is 0; it must be at least 1"));
+                return Err(LayoutError::Zero { field });
             }
         }
-        if self.tp_rank >= self.tp_size {
-            return bad(
-                "tp_rank",
-                format!(
-                    "tp_rank {} is not below tp_size {}",
-                    self.tp_rank, self.tp_size
-                ),
-            );
+        let (kv_heads, tp_size) = (self.kv_heads, self.tp_size);
+        if self.tp_rank >= tp_size {
+            return Err(LayoutError::RankNotBelowSize {
+                tp_rank: self.tp_rank,
+                tp_size,
+            });
         }
-        let (h, tp) = (self.kv_heads, self.tp_size);
         match self.kind {
-            KvKind::Latent if h != 1 => {
-                return bad(
-                    "kv_heads",
-                    format!(
-                        "kv_heads {h} with kind latent (MLA): the latent is one head, \
-                         replicated on every rank, so kv_heads must be 1"
-                    ),
-                );
+            KvKind::Latent if kv_heads != 1 => {
+                return Err(LayoutError::LatentNotOneHead { kv_heads });
             }
-            KvKind::Heads if h >= tp && h % tp != 0 => {
-                return bad(
-                    "kv_heads",
-                    format!(
-                        "kv_heads {h} is not a multiple of tp_size {tp}: each rank must hold \
-                         as many heads"
-                    ),
-                );
+            KvKind::Heads if kv_heads >= tp_size && kv_heads % tp_size != 0 => {
+                return Err(LayoutError::HeadsNotMultipleOfRanks { kv_heads, tp_size });
             }
-            KvKind::Heads if h < tp && tp % h != 0 => {
-                return bad(
-                    "tp_size",
-                    format!(
-                        "tp_size {tp} is not a multiple of kv_heads {h}: with fewer heads \
-                         than ranks each head is replicated on tp_size / kv_heads ranks"
-                    ),
-                );
+            KvKind::Heads if kv_heads < tp_size && tp_size % kv_heads != 0 => {
+                return Err(LayoutError::RanksNotMultipleOfHeads { tp_size, kv_heads });
             }
             _ => {}
         }
         if self.page_bytes().is_none() {
-            return bad(
-                "page_tokens",
-                format!(
-                    "{} bytes per page overflow a u64",
-                    self.page_bytes_product()
-                ),
-            );
+            return Err(LayoutError::PageBytesOverflow {
+                page_tokens: self.page_tokens,
+                heads: self.heads().len() as u32,
+                head_dim: self.head_dim,
+                dtype_bytes: self.dtype_bytes,
+            });
         }
         Ok(())
     }
@@ -319,16 +355,22 @@ mod tests {
         ];
         for (field, l) in cases {
             let e = err(l);
-            assert_eq!(e.field, field);
-            assert_eq!(e.why, format!("{field} is 0; it must be at least 1"));
+            assert_eq!(e.field(), field);
+            assert_eq!(
+                e.to_string(),
+                format!("{field} is 0; it must be at least 1")
+            );
         }
     }
 
     #[test]
     fn the_rank_must_be_below_the_size() {
         let e = err(gqa(4, 4));
-        assert_eq!(e.field, "tp_rank");
-        assert!(e.why.contains("tp_rank 4 is not below tp_size 4"), "{e}");
+        assert_eq!(e.field(), "tp_rank");
+        assert!(
+            e.to_string().contains("tp_rank 4 is not below tp_size 4"),
+            "{e}"
+        );
         gqa(4, 3).check().unwrap();
     }
 
@@ -336,9 +378,10 @@ mod tests {
     fn heads_must_divide_among_the_ranks_or_the_ranks_among_the_heads() {
         // 8 heads over 3 ranks: neither divides.
         let e = err(gqa(3, 0));
-        assert_eq!(e.field, "kv_heads");
+        assert_eq!(e.field(), "kv_heads");
         assert!(
-            e.why.contains("kv_heads 8 is not a multiple of tp_size 3"),
+            e.to_string()
+                .contains("kv_heads 8 is not a multiple of tp_size 3"),
             "{e}"
         );
         let six = |tp| KvLayout {
@@ -346,16 +389,18 @@ mod tests {
             ..gqa(tp, 0)
         };
         let e = err(six(4));
-        assert_eq!(e.field, "kv_heads");
+        assert_eq!(e.field(), "kv_heads");
         assert!(
-            e.why.contains("kv_heads 6 is not a multiple of tp_size 4"),
+            e.to_string()
+                .contains("kv_heads 6 is not a multiple of tp_size 4"),
             "{e}"
         );
         six(3).check().unwrap();
         six(12).check().unwrap();
         let e = err(six(8));
         assert!(
-            e.why.contains("tp_size 8 is not a multiple of kv_heads 6"),
+            e.to_string()
+                .contains("tp_size 8 is not a multiple of kv_heads 6"),
             "{e}"
         );
         for tp in [1, 2, 4, 8, 16] {
@@ -370,8 +415,8 @@ mod tests {
             kv_heads: 2,
             ..mla(4, 0)
         });
-        assert_eq!(e.field, "kv_heads");
-        assert!(e.why.contains("kv_heads 2 with kind latent"), "{e}");
+        assert_eq!(e.field(), "kv_heads");
+        assert!(e.to_string().contains("kv_heads 2 with kind latent"), "{e}");
         // With heads, one head over many ranks is replication, not an error.
         KvLayout {
             kv_heads: 1,
@@ -392,8 +437,8 @@ mod tests {
         };
         assert_eq!(huge.page_bytes(), None);
         let e = err(huge);
-        assert_eq!(e.field, "page_tokens");
-        assert!(e.why.contains("overflow a u64"), "{e}");
+        assert_eq!(e.field(), "page_tokens");
+        assert!(e.to_string().contains("overflow a u64"), "{e}");
     }
 
     #[test]

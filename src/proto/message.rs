@@ -1077,15 +1077,10 @@ fn decode_layout(r: &mut WireReader<'_>) -> Result<KvLayout, ProtoError> {
     let tp_size = r.u32("Registration.layout.tp_size")?;
     let page_tokens = r.u32("Registration.layout.page_tokens")?;
     let order = r.u8("Registration.layout.order")?;
-    let order = PageOrder::from_value(order.into()).ok_or_else(|| ProtoError::BadLayout {
-        field: "Registration.layout.order",
-        why: format!("{order} is neither 0 (HND) nor 1 (NHD)"),
-    })?;
+    let order =
+        PageOrder::from_value(order.into()).ok_or(ProtoError::BadPageOrder { found: order })?;
     let kind = r.u8("Registration.layout.kind")?;
-    let kind = KvKind::from_value(kind.into()).ok_or_else(|| ProtoError::BadLayout {
-        field: "Registration.layout.kind",
-        why: format!("{kind} is neither 0 (heads) nor 1 (latent)"),
-    })?;
+    let kind = KvKind::from_value(kind.into()).ok_or(ProtoError::BadKvKind { found: kind })?;
     let layout = KvLayout {
         kv_heads,
         head_dim,
@@ -1102,8 +1097,8 @@ fn decode_layout(r: &mut WireReader<'_>) -> Result<KvLayout, ProtoError> {
 
 /// [`KvLayout::check`] as a codec error naming the wire field.
 fn check_layout(layout: &KvLayout) -> Result<(), ProtoError> {
-    layout.check().map_err(|e| ProtoError::BadLayout {
-        field: match e.field {
+    layout.check().map_err(|error| ProtoError::BadLayout {
+        field: match error.field() {
             "kv_heads" => "Registration.layout.kv_heads",
             "head_dim" => "Registration.layout.head_dim",
             "dtype_bytes" => "Registration.layout.dtype_bytes",
@@ -1112,7 +1107,7 @@ fn check_layout(layout: &KvLayout) -> Result<(), ProtoError> {
             "page_tokens" => "Registration.layout.page_tokens",
             _ => "Registration.layout",
         },
-        why: e.why,
+        error,
     })
 }
 
@@ -1908,14 +1903,16 @@ mod tests {
             }
         );
         let e = layout_decode_error(25, &[7]);
+        assert_eq!(e, ProtoError::BadPageOrder { found: 7 });
         assert_eq!(
             e.to_string(),
-            "Registration.layout.order: 7 is neither 0 (HND) nor 1 (NHD)"
+            "Registration.layout.order 7 is neither 0 (HND) nor 1 (NHD)"
         );
         let e = layout_decode_error(26, &[2]);
+        assert_eq!(e, ProtoError::BadKvKind { found: 2 });
         assert_eq!(
             e.to_string(),
-            "Registration.layout.kind: 2 is neither 0 (heads) nor 1 (latent)"
+            "Registration.layout.kind 2 is neither 0 (heads) nor 1 (latent)"
         );
         // Fields that fail KvLayout::check, by offset: kv_heads, head_dim, dtype_bytes,
         // tp_rank, tp_size, page_tokens.
@@ -1934,11 +1931,12 @@ mod tests {
         ];
         for (at, v, field, why) in cases {
             let e = layout_decode_error(at, &v.to_le_bytes());
-            let ProtoError::BadLayout { field: f, why: w } = &e else {
+            let ProtoError::BadLayout { field: f, error } = &e else {
                 panic!("{e:?}");
             };
             assert_eq!(*f, format!("Registration.layout.{field}"));
-            assert!(w.starts_with(why), "{e}");
+            assert_eq!(error.field(), field);
+            assert!(error.to_string().starts_with(why), "{e}");
             assert!(e
                 .to_string()
                 .starts_with(&format!("Registration.layout.{field}: ")));
