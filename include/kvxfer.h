@@ -244,6 +244,59 @@ typedef int32_t kvxfer_failure_cause;
 #endif // __cplusplus
 
 /**
+ * The order of one page's elements (values of `kvxfer_kv_layout.page_order`).
+ */
+enum kvxfer_page_order
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Heads-major: a page is `[head][token][dim]`.
+   */
+  KVXFER_PAGE_HND = 0,
+  /**
+   * Tokens-major: a page is `[token][head][dim]`.
+   */
+  KVXFER_PAGE_NHD = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvxfer_page_order kvxfer_page_order;
+#else
+typedef uint32_t kvxfer_page_order;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What the KV buffers hold (values of `kvxfer_kv_layout.kind`).
+ */
+enum kvxfer_kv_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * MHA/GQA: K or V buffers, each rank holding `kv_heads / tp_size` of the model's KV
+   * heads (or, with fewer heads than ranks, a replica of head
+   * `tp_rank / (tp_size / kv_heads)`).
+   */
+  KVXFER_KV_HEADS = 0,
+  /**
+   * MLA: one latent per token (`kv_heads` 1, `head_dim` its width), the whole of it
+   * replicated on every rank.
+   */
+  KVXFER_KV_LATENT = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvxfer_kv_kind kvxfer_kv_kind;
+#else
+typedef uint32_t kvxfer_kv_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * An engine configuration. Create with `kvxfer_config_new`, release with
  * `kvxfer_config_free`. Not thread-safe: use one config from one thread at a time.
  */
@@ -291,6 +344,52 @@ typedef struct kvxfer_buffer {
    */
   size_t item_len;
 } kvxfer_buffer;
+
+/**
+ * The layout of an engine's KV pages (`kvxfer_register_kv_layout`): the model's KV heads,
+ * this engine's tensor-parallel rank, and how a page is laid out. Set `struct_size` to
+ * `sizeof(kvxfer_kv_layout)`: fields are only ever appended, and the library refuses a
+ * size it does not know.
+ */
+typedef struct kvxfer_kv_layout {
+  /**
+   * `sizeof(kvxfer_kv_layout)` as the caller compiled it.
+   */
+  size_t struct_size;
+  /**
+   * KV heads of the whole model (not per rank); 1 for `KVXFER_KV_LATENT`.
+   */
+  uint32_t kv_heads;
+  /**
+   * Elements per head (for a latent, its width, e.g. 576).
+   */
+  uint32_t head_dim;
+  /**
+   * Bytes per element (2 for fp16/bf16, 1 for fp8).
+   */
+  uint32_t dtype_bytes;
+  /**
+   * This engine's tensor-parallel rank, below `tp_size`.
+   */
+  uint32_t tp_rank;
+  /**
+   * Tensor-parallel ranks of this engine's side. With `KVXFER_KV_HEADS`, `kv_heads`
+   * must be a multiple of it, or (fewer heads than ranks) it a multiple of `kv_heads`.
+   */
+  uint32_t tp_size;
+  /**
+   * Tokens per page.
+   */
+  uint32_t page_tokens;
+  /**
+   * A `kvxfer_page_order` value.
+   */
+  uint32_t page_order;
+  /**
+   * A `kvxfer_kv_kind` value.
+   */
+  uint32_t kind;
+} kvxfer_kv_layout;
 
 /**
  * Counters and gauges of one engine, for a server to export.
@@ -617,6 +716,41 @@ KVXFER_MUST_USE kvxfer_status kvxfer_register_kv(const struct kvxfer_engine *eng
  * above `INT32_MAX`.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_register_kv_layers(const struct kvxfer_engine *engine, const struct kvxfer_buffer *bufs, const uint32_t *layer_ids, size_t n);
+
+/**
+ * Registers the engine's KV buffers with the layout of their pages (`*layout`, copied),
+ * instead of `kvxfer_register_kv` or `kvxfer_register_kv_layers`, once, before any room
+ * is created. `layer_ids` is NULL (buffers pair by position) or holds `n` layer ids
+ * (buffers pair by layer id, as with `kvxfer_register_kv_layers`). The layout names the
+ * model's KV heads, this engine's tensor-parallel rank and size (and so the heads it
+ * holds: `kv_heads / tp_size` of them, or with fewer heads than ranks one head
+ * replicated on `tp_size / kv_heads` ranks, or for `KVXFER_KV_LATENT` the whole latent),
+ * and its pages; every buffer's `item_len` must be `page_tokens` x heads held x
+ * `head_dim` x `dtype_bytes`. The memory must stay valid until `kvxfer_engine_free`
+ * returns; the arrays and the layout are copied.
+ *
+ * Peers exchange layouts when they connect, and both sides refuse, with one message
+ * naming the field and both values (decode's first): a peer that registered no layout
+ * (a byte copy between a sliced and an unsliced layout would put heads in the wrong
+ * place), another kind (MLA against MHA/GQA), another `kv_heads`, `head_dim` or
+ * `dtype_bytes`, or page sizes of which neither divides the other. The data path copies
+ * whole pages today, so two layouts pair only when equal in every field: head-sliced
+ * transfers between other tensor-parallel ranks or sizes (and a latent between them),
+ * page-size and page-order changes are not built yet, and are refused at the exchange
+ * saying so. A refusal fails the decode
+ * engine's rooms with that peer at once (`KVXFER_CAUSE_MISMATCH`, the message as
+ * reason). A prefill room is named by no decode engine before the exchange, so it fails
+ * at its bootstrap deadline (`KVXFER_CAUSE_BOOTSTRAP_TIMEOUT`), its reason quoting the
+ * last refusal.
+ *
+ * Errors: as `kvxfer_register_kv_layers`; `KVXFER_ERR_NULL_POINTER` for a NULL `layout`;
+ * `KVXFER_ERR_INVALID_ARGUMENT` for a `struct_size` other than
+ * `sizeof(kvxfer_kv_layout)`, an unknown `page_order` or `kind`, a zero field,
+ * `tp_rank >= tp_size`, heads that do not divide among the ranks (nor the ranks among
+ * the heads), a latent with `kv_heads` other than 1, or a buffer whose `item_len` is not
+ * the layout's page bytes (the message names the field or the buffer, and the values).
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_register_kv_layout(const struct kvxfer_engine *engine, const struct kvxfer_buffer *bufs, const uint32_t *layer_ids, size_t n, const struct kvxfer_kv_layout *layout);
 
 /**
  * Registers the engine's aux buffers (per-request metadata rows, indexed by slot: slot

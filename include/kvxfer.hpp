@@ -11,8 +11,9 @@
  *   (kvxfer_config_set_log_sink2).
  *
  * Nothing here adds behaviour: each member calls one C function (address() and
- * failure() may call it twice to size the buffer; register_kv_layers() first checks
- * that its two vectors have one length). The C documentation in kvxfer.h is the
+ * failure() may call it twice to size the buffer; register_kv_layers() and
+ * register_kv_layout() first check that their two vectors have one length, and
+ * register_kv_layout() sets the layout's struct_size). The C documentation in kvxfer.h is the
  * reference for ownership, threading and errors.
  */
 
@@ -319,6 +320,28 @@ class Engine {
         }
         check(kvxfer_register_kv_layers(handle_.get(), bufs.data(), layer_ids.data(),
                                         bufs.size()));
+    }
+
+    /// Instead of register_kv: buffers with the layout of their pages (see
+    /// kvxfer_kv_layout; struct_size is set here) and, unless `layer_ids` is empty, a
+    /// layer id each. Peers exchange layouts when they connect and refuse ones that cannot
+    /// meet (the decode room fails as Mismatch, naming the field and both values); layouts
+    /// that differ in tensor-parallel rank or size, page size or page order are refused as
+    /// not built yet.
+    /// A non-empty `layer_ids` of another length than `bufs` throws
+    /// KVXFER_ERR_INVALID_ARGUMENT.
+    void register_kv_layout(const std::vector<kvxfer_buffer> &bufs, kvxfer_kv_layout layout,
+                            const std::vector<uint32_t> &layer_ids = {}) {
+        if (!layer_ids.empty() && bufs.size() != layer_ids.size()) {
+            throw Error(KVXFER_ERR_INVALID_ARGUMENT,
+                        "register_kv_layout: " + std::to_string(bufs.size()) +
+                            " buffers but " + std::to_string(layer_ids.size()) +
+                            " layer ids");
+        }
+        layout.struct_size = sizeof layout;
+        check(kvxfer_register_kv_layout(handle_.get(), bufs.data(),
+                                        layer_ids.empty() ? nullptr : layer_ids.data(),
+                                        bufs.size(), &layout));
     }
 
     void register_aux(const std::vector<kvxfer_buffer> &bufs) {

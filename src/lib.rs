@@ -6,8 +6,9 @@
 //! heartbeats, loss), [`transport`] (moving bytes: TCP and RDMA), [`proto`] (the wire
 //! format), [`room`] (a room's state word and the room table), and beside them `node`
 //! (what an engine's layers share: configuration, log, clock, threads, registered
-//! memory), [`auth`], [`config`], [`log`] and `metrics`. See `DESIGN.md` of the
-//! project's shared notes for the invariants.
+//! memory), [`layout`] (how a rank's KV pages are laid out), [`auth`], [`config`],
+//! [`log`] and `metrics`. See `DESIGN.md` of the project's shared notes for the
+//! invariants.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -19,6 +20,7 @@ pub mod tls;
 pub mod config;
 pub(crate) mod control;
 pub mod engine;
+pub mod layout;
 pub mod log;
 pub(crate) mod metrics;
 pub(crate) mod node;
@@ -35,6 +37,7 @@ pub mod ffi;
 pub use config::{Config, Role};
 pub use engine::{BufferDesc, Engine, RoomPeers};
 pub use error::{Error, ErrorKind, Result};
+pub use layout::{KvKind, KvLayout, PageOrder};
 pub use room::{Cause, FailureReason, State};
 
 /// The crate version, from Cargo.toml.

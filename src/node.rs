@@ -1,6 +1,7 @@
 //! This engine as one node of the cluster: what both the engine (rooms) and the control
 //! layer (peers) stand on, and neither owns: its role, configuration, log, identity and
-//! address, clock, metrics, library threads, registered memory and RDMA device.
+//! address, clock, metrics, library threads, registered memory (and the layout of its KV
+//! pages) and RDMA device.
 
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +14,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::config::{Config, Role, TransportKind};
 use crate::err;
 use crate::error::Result;
+use crate::layout::KvLayout;
 use crate::log::Logger;
 use crate::metrics::Metrics;
 use crate::proto::Limits;
@@ -155,10 +157,15 @@ impl Node {
     /// decode engine registers its buffers for each prefill engine apart, in that
     /// engine's own protection domain, when it connects
     /// ([`crate::transport::rdma::peer::Inbound`]).
+    ///
+    /// KV buffers may come with the layout of their pages (`layout`, never with aux):
+    /// it must pass [`KvLayout::check`] and every buffer's `item_len` must be its
+    /// [`KvLayout::page_bytes`]. Peers learn it at the registration exchange.
     pub fn register(
         &self,
         bufs: Vec<BufferDesc>,
         layers: Option<Vec<u32>>,
+        layout: Option<KvLayout>,
         aux: bool,
     ) -> Result<()> {
         let r = &self.memory;
@@ -167,9 +174,13 @@ impl Node {
         } else {
             (&r.kv, &r.kv_regions, "kv")
         };
+        debug_assert!(!aux || layout.is_none(), "aux buffers have no layout");
         // One registration at a time: the regions and the memory are published together.
         let _one = r.registering.lock();
         check_buffers(&bufs, what)?;
+        if let Some(layout) = &layout {
+            check_layout(&bufs, layout)?;
+        }
         if slot.get().is_some() {
             return Err(err!(WrongState, "{what} buffers are already registered"));
         }
@@ -204,6 +215,10 @@ impl Node {
             Some(l) => Memory::with_layers(bufs, l),
             None => Memory::new(bufs),
         };
+        // The layout first: a peer that sees the kv buffers registered finds it too.
+        if let Some(layout) = layout {
+            let _ = r.kv_layout.set(layout);
+        }
         slot.set(memory)
             .map_err(|_| err!(WrongState, "{what} buffers are already registered"))
     }
@@ -215,6 +230,8 @@ impl Node {
 pub(crate) struct Registry {
     pub kv: OnceLock<Memory>,
     pub aux: OnceLock<Memory>,
+    /// The layout of the KV pages, if the host registered one (set before `kv`).
+    pub kv_layout: OnceLock<KvLayout>,
     pub kv_regions: OnceLock<Arc<Vec<Region>>>,
     pub aux_regions: OnceLock<Arc<Vec<Region>>>,
     registering: Mutex<()>,
@@ -367,6 +384,25 @@ fn check_buffers(bufs: &[BufferDesc], what: &str) -> Result<()> {
                 InvalidArgument,
                 "{what} buffer {i}: item_len {} is larger than a data frame",
                 b.item_len
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a KV layout and that every buffer's pages are of its size.
+fn check_layout(bufs: &[BufferDesc], layout: &KvLayout) -> Result<()> {
+    layout
+        .check()
+        .map_err(|e| err!(InvalidArgument, "kv layout: {e}"))?;
+    let want = layout.page_bytes().unwrap_or(u64::MAX);
+    for (i, b) in bufs.iter().enumerate() {
+        if b.item_len as u64 != want {
+            return Err(err!(
+                InvalidArgument,
+                "kv buffer {i}: item_len {} differs from the layout's page bytes {want} ({})",
+                b.item_len,
+                layout.page_bytes_product()
             ));
         }
     }

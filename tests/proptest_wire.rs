@@ -24,11 +24,11 @@ use common::{
     engine, first_unlike_source, poisoned, source, wait_state, wait_terminal, wait_until, Region,
 };
 use kvxfer::proto::{
-    self, AuthMode, AuthRefusal, BufferInfo, ConnKind, DataHeader, Kind, Layout, Limits, Message,
+    self, AuthMode, AuthRefusal, BufferInfo, ConnKind, DataHeader, Kind, Limits, Message,
     ProtoError, QpInfo, ReadError, Registration, Role, Target, WireTransport,
     DATA_FRAME_PREFIX_LEN, DATA_HEADER_LEN, FRAME_HEADER_LEN, PROTO_VERSION,
 };
-use kvxfer::{Cause, RoomPeers, State};
+use kvxfer::{Cause, KvKind, KvLayout, PageOrder, RoomPeers, State};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PropConfig, TestRunner};
 
@@ -139,7 +139,21 @@ fn seeds() -> Vec<Vec<u8>> {
         encode(&Message::Registration(Registration {
             kv: vec![buffer(4096, 1024), buffer(8192, 1024)],
             aux: vec![buffer(64, 64)],
-            layout: Layout::default(),
+            layout: Some(KvLayout {
+                kv_heads: 8,
+                head_dim: 128,
+                dtype_bytes: 2,
+                tp_rank: 1,
+                tp_size: 2,
+                page_tokens: 16,
+                order: PageOrder::Nhd,
+                kind: KvKind::Heads,
+            }),
+        })),
+        encode(&Message::Registration(Registration {
+            kv: vec![buffer(4096, 1024)],
+            aux: vec![],
+            layout: None,
         })),
         encode(&Message::Destination {
             room: 1,
@@ -387,6 +401,42 @@ fn arb_transport() -> impl Strategy<Value = Message> {
         .prop_map(|(transport, qps)| Message::Transport { transport, qps })
 }
 
+/// Any kv layout, valid or not: each field drawn around the bounds `KvLayout::check`
+/// enforces (0, small values that do or do not divide, anything).
+fn arb_layout() -> impl Strategy<Value = KvLayout> {
+    let field = || prop_oneof![1 => Just(0u32), 6 => 1u32..=9, 1 => any::<u32>()];
+    (
+        [field(), field(), field(), field(), field(), field()],
+        prop_oneof![Just(PageOrder::Hnd), Just(PageOrder::Nhd)],
+        prop_oneof![Just(KvKind::Heads), Just(KvKind::Latent)],
+    )
+        .prop_map(
+            |([kv_heads, head_dim, dtype_bytes, tp_rank, tp_size, page_tokens], order, kind)| {
+                KvLayout {
+                    kv_heads,
+                    head_dim,
+                    dtype_bytes,
+                    tp_rank,
+                    tp_size,
+                    page_tokens,
+                    order,
+                    kind,
+                }
+            },
+        )
+}
+
+/// Any `Registration` of one buffer, with no layout or any layout.
+fn arb_registration() -> impl Strategy<Value = Message> {
+    prop::option::weighted(0.9, arb_layout()).prop_map(|layout| {
+        Message::Registration(Registration {
+            kv: vec![buffer(4096, 1024)],
+            aux: vec![],
+            layout,
+        })
+    })
+}
+
 /// What a receive loop does with one frame: header, then control payload or data
 /// header and data bytes.
 fn read_frame(r: &mut &[u8], limits: &Limits) -> Result<Vec<u8>, ReadError> {
@@ -483,6 +533,28 @@ proptest! {
         };
         let bound = frame.len() + qps * std::mem::size_of::<QpInfo>();
         prop_assert!(largest <= bound.max(64), "allocated {} bytes for {:?}", largest, m);
+    }
+
+    /// A Registration with any layout, valid or not: `validate` and a decode of its
+    /// encoding agree (the same error naming the layout field, or the same message back).
+    #[test]
+    fn registration_layouts_round_trip_or_fail_like_validate(m in arb_registration()) {
+        let limits = Limits::default();
+        let frame = encode(&m);
+        prop_assert_eq!(frame.len() as u64, FRAME_HEADER_LEN as u64 + m.payload_len());
+        let back = Message::decode(Kind::Registration, &frame[FRAME_HEADER_LEN..], &limits);
+        match (m.validate(&limits), back) {
+            (Ok(()), Ok(back)) => prop_assert_eq!(back, m),
+            (Err(want), Err(got)) => {
+                prop_assert!(
+                    matches!(&got, ProtoError::BadLayout { field, .. }
+                        if field.starts_with("Registration.layout.")),
+                    "{:?}", got
+                );
+                prop_assert_eq!(got, want);
+            }
+            (v, d) => prop_assert!(false, "validate {:?} but decode {:?}", v, d),
+        }
     }
 
     /// An authentication message, valid or not: `validate` and a decode of its encoding

@@ -21,7 +21,7 @@ contract on top of it.
 
 from __future__ import annotations
 
-from ._abi import HEADER_VERSION, FailureCause, LogLevel, RoomState, Status
+from ._abi import HEADER_VERSION, FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
 from ._core import (
     C_FUNCTIONS,
     TRACE,
@@ -73,12 +73,14 @@ __all__ = [
     "HEADER_VERSION",
     "InvalidArgumentError",
     "IoError",
+    "KvKind",
     "KvxferError",
     "LogLevel",
     "LogSink",
     "NotFoundError",
     "NullPointerError",
     "PageList",
+    "PageOrder",
     "PanicError",
     "RoomState",
     "Status",

@@ -147,6 +147,35 @@ class FailureCause(enum.IntEnum):
     """An internal error (a library bug, caught). (``KVXFER_CAUSE_INTERNAL``)"""
 
 
+class PageOrder(enum.IntEnum):
+    """The order of one page's elements (values of `kvxfer_kv_layout.page_order`).
+
+    C: ``enum kvxfer_page_order``.
+    """
+
+    HND = 0
+    """Heads-major: a page is `[head][token][dim]`. (``KVXFER_PAGE_HND``)"""
+
+    NHD = 1
+    """Tokens-major: a page is `[token][head][dim]`. (``KVXFER_PAGE_NHD``)"""
+
+
+class KvKind(enum.IntEnum):
+    """What the KV buffers hold (values of `kvxfer_kv_layout.kind`).
+
+    C: ``enum kvxfer_kv_kind``.
+    """
+
+    HEADS = 0
+    """MHA/GQA: K or V buffers, each rank holding `kv_heads / tp_size` of the model's KV
+    heads (or, with fewer heads than ranks, a replica of head
+    `tp_rank / (tp_size / kv_heads)`). (``KVXFER_KV_HEADS``)"""
+
+    LATENT = 1
+    """MLA: one latent per token (`kv_heads` 1, `head_dim` its width), the whole of it
+    replicated on every rank. (``KVXFER_KV_LATENT``)"""
+
+
 class Buffer(ctypes.Structure):
     """One registered memory buffer: `len` bytes at `base`, in pages (KV) or slots (aux) of
     `item_len` bytes each. Page `p` lives at `base + p * item_len`.
@@ -164,6 +193,40 @@ class Buffer(ctypes.Structure):
         'base': 'First byte of the buffer.',
         'len': 'Length in bytes.',
         'item_len': 'Bytes of one page or slot.',
+    }
+
+
+class KvLayout(ctypes.Structure):
+    """The layout of an engine's KV pages (`kvxfer_register_kv_layout`): the model's KV heads,
+    this engine's tensor-parallel rank, and how a page is laid out. Set `struct_size` to
+    `sizeof(kvxfer_kv_layout)`: fields are only ever appended, and the library refuses a
+    size it does not know.
+
+    C: ``kvxfer_kv_layout``.
+    """
+
+    _fields_ = [
+        ('struct_size', ctypes.c_size_t),
+        ('kv_heads', ctypes.c_uint32),
+        ('head_dim', ctypes.c_uint32),
+        ('dtype_bytes', ctypes.c_uint32),
+        ('tp_rank', ctypes.c_uint32),
+        ('tp_size', ctypes.c_uint32),
+        ('page_tokens', ctypes.c_uint32),
+        ('page_order', ctypes.c_uint32),
+        ('kind', ctypes.c_uint32),
+    ]
+
+    FIELD_DOCS = {
+        'struct_size': '`sizeof(kvxfer_kv_layout)` as the caller compiled it.',
+        'kv_heads': 'KV heads of the whole model (not per rank); 1 for `KVXFER_KV_LATENT`.',
+        'head_dim': 'Elements per head (for a latent, its width, e.g. 576).',
+        'dtype_bytes': 'Bytes per element (2 for fp16/bf16, 1 for fp8).',
+        'tp_rank': "This engine's tensor-parallel rank, below `tp_size`.",
+        'tp_size': "Tensor-parallel ranks of this engine's side. With `KVXFER_KV_HEADS`, `kv_heads`\nmust be a multiple of it, or (fewer heads than ranks) it a multiple of `kv_heads`.",
+        'page_tokens': 'Tokens per page.',
+        'page_order': 'A `kvxfer_page_order` value.',
+        'kind': 'A `kvxfer_kv_kind` value.',
     }
 
 
@@ -345,6 +408,14 @@ FUNCTIONS = {
         True,
         'kvxfer_status kvxfer_register_kv_layers(const kvxfer_engine *engine, const kvxfer_buffer *bufs, const uint32_t *layer_ids, size_t n)',
         "Registers the engine's KV buffers with a layer id each (`layer_ids[i]` for `bufs[i]`),\ninstead of `kvxfer_register_kv`. Buffers then pair with the peer's by layer id (several\nbuffers of one layer, such as K and V, pair in the order registered), so a pipeline\nstage registers only its own layers and a decode room pulling from several stages\ncompletes when, together, they delivered every decode buffer exactly once. Both sides\nmust use layer ids, or neither.\n\nErrors: as `kvxfer_register_kv`, and `KVXFER_ERR_INVALID_ARGUMENT` for a layer id\nabove `INT32_MAX`.",
+    ),
+    'kvxfer_register_kv_layout': (
+        ctypes.c_int32,
+        [ctypes.c_void_p, ctypes.POINTER(Buffer), ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(KvLayout)],
+        ('engine', 'bufs', 'layer_ids', 'n', 'layout'),
+        True,
+        'kvxfer_status kvxfer_register_kv_layout(const kvxfer_engine *engine, const kvxfer_buffer *bufs, const uint32_t *layer_ids, size_t n, const kvxfer_kv_layout *layout)',
+        "Registers the engine's KV buffers with the layout of their pages (`*layout`, copied),\ninstead of `kvxfer_register_kv` or `kvxfer_register_kv_layers`, once, before any room\nis created. `layer_ids` is NULL (buffers pair by position) or holds `n` layer ids\n(buffers pair by layer id, as with `kvxfer_register_kv_layers`). The layout names the\nmodel's KV heads, this engine's tensor-parallel rank and size (and so the heads it\nholds: `kv_heads / tp_size` of them, or with fewer heads than ranks one head\nreplicated on `tp_size / kv_heads` ranks, or for `KVXFER_KV_LATENT` the whole latent),\nand its pages; every buffer's `item_len` must be `page_tokens` x heads held x\n`head_dim` x `dtype_bytes`. The memory must stay valid until `kvxfer_engine_free`\nreturns; the arrays and the layout are copied.\n\nPeers exchange layouts when they connect, and both sides refuse, with one message\nnaming the field and both values (decode's first): a peer that registered no layout\n(a byte copy between a sliced and an unsliced layout would put heads in the wrong\nplace), another kind (MLA against MHA/GQA), another `kv_heads`, `head_dim` or\n`dtype_bytes`, or page sizes of which neither divides the other. The data path copies\nwhole pages today, so two layouts pair only when equal in every field: head-sliced\ntransfers between other tensor-parallel ranks or sizes (and a latent between them),\npage-size and page-order changes are not built yet, and are refused at the exchange\nsaying so. A refusal fails the decode\nengine's rooms with that peer at once (`KVXFER_CAUSE_MISMATCH`, the message as\nreason). A prefill room is named by no decode engine before the exchange, so it fails\nat its bootstrap deadline (`KVXFER_CAUSE_BOOTSTRAP_TIMEOUT`), its reason quoting the\nlast refusal.\n\nErrors: as `kvxfer_register_kv_layers`; `KVXFER_ERR_NULL_POINTER` for a NULL `layout`;\n`KVXFER_ERR_INVALID_ARGUMENT` for a `struct_size` other than\n`sizeof(kvxfer_kv_layout)`, an unknown `page_order` or `kind`, a zero field,\n`tp_rank >= tp_size`, heads that do not divide among the ranks (nor the ranks among\nthe heads), a latent with `kv_heads` other than 1, or a buffer whose `item_len` is not\nthe layout's page bytes (the message names the field or the buffer, and the values).",
     ),
     'kvxfer_register_aux': (
         ctypes.c_int32,

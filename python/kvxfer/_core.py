@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 from . import _abi
-from ._abi import FailureCause, LogLevel, RoomState, Status
+from ._abi import FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
 from ._lib import lib
 from .errors import KvxferError, check, error_for
 
@@ -564,6 +564,38 @@ class Engine:
             raise _invalid("kvxfer_register_kv_layers",
                            f"{n} buffers but {ids.n} layer ids")
         self._call("kvxfer_register_kv_layers", arr, ids.ptr, n)
+        self._keep.extend(owners)
+
+    @_wraps("kvxfer_register_kv_layout")
+    def register_kv_layout(
+        self,
+        buffers: Iterable[BufferLike],
+        *,
+        kv_heads: int,
+        head_dim: int,
+        dtype_bytes: int,
+        page_tokens: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        page_order: PageOrder = PageOrder.HND,
+        kind: KvKind = KvKind.HEADS,
+        layer_ids: PageList | None = None,
+    ) -> None:
+        """Registers the KV buffers with the layout of their pages (and, if given, a
+        layer id each), instead of :meth:`register_kv`. The keywords are the fields of
+        ``kvxfer_kv_layout``; ``struct_size`` is filled in."""
+        fn = "kvxfer_register_kv_layout"
+        arr, n, owners = _buffers(buffers, fn)
+        ids = None if layer_ids is None else _Pages(layer_ids, fn)
+        if ids is not None and ids.n != n:
+            raise _invalid(fn, f"{n} buffers but {ids.n} layer ids")
+        try:
+            layout = _abi.KvLayout(
+                ctypes.sizeof(_abi.KvLayout), kv_heads, head_dim, dtype_bytes, tp_rank,
+                tp_size, page_tokens, int(page_order), int(kind))
+        except TypeError as e:
+            raise _invalid(fn, f"layout: {e}") from None
+        self._call(fn, arr, None if ids is None else ids.ptr, n, ctypes.byref(layout))
         self._keep.extend(owners)
 
     @_wraps("kvxfer_register_aux")

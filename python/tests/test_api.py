@@ -249,6 +249,24 @@ def test_buffer_of_keeps_memory_alive_and_rejects_read_only():
         assert any(o is b.owner for o in e._keep)
 
 
+def test_register_kv_layout_passes_the_layout_and_the_librarys_refusals():
+    # 2 of 8 heads (tp 4) of 64 fp16 elements, 4-token pages: 1024 bytes a page.
+    layout = dict(kv_heads=8, head_dim=64, dtype_bytes=2, page_tokens=4, tp_rank=3, tp_size=4,
+                  page_order=kvxfer.PageOrder.NHD)
+    kv = bytearray(8 * 1024)
+    with kvxfer.Engine(role="prefill") as e:
+        _raises(kvxfer.InvalidArgumentError, "kv buffer 0: item_len 512 differs from the "
+                "layout's page bytes 1024 \\(page_tokens 4 x 2 heads x head_dim 64 x "
+                "dtype_bytes 2\\)", e.register_kv_layout, [kvxfer.Buffer.of(kv, 512)], **layout)
+        _raises(kvxfer.InvalidArgumentError, "tp_rank 4 is not below tp_size 4",
+                e.register_kv_layout, [kvxfer.Buffer.of(kv, 1024)], **{**layout, "tp_rank": 4})
+        _raises(kvxfer.InvalidArgumentError, "1 buffers but 2 layer ids",
+                e.register_kv_layout, [kvxfer.Buffer.of(kv, 1024)], layer_ids=[0, 1], **layout)
+        e.register_kv_layout([kvxfer.Buffer.of(kv, 1024)], layer_ids=[5], **layout)
+        _raises(kvxfer.WrongStateError, "already registered", e.register_kv,
+                [kvxfer.Buffer.of(kv, 1024)])
+
+
 def test_log_lines_reach_python_logging(caplog):
     with caplog.at_level(logging.INFO, logger="kvxfer"):
         with kvxfer.Engine(role="prefill", log_level="info") as e:

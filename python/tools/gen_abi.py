@@ -29,9 +29,11 @@ ENUMS = {
     "kvxfer_log_level": ("LogLevel", "KVXFER_LOG_"),
     "kvxfer_room_state": ("RoomState", "KVXFER_ROOM_"),
     "kvxfer_failure_cause": ("FailureCause", "KVXFER_CAUSE_"),
+    "kvxfer_page_order": ("PageOrder", "KVXFER_PAGE_"),
+    "kvxfer_kv_kind": ("KvKind", "KVXFER_KV_"),
 }
 # C struct typedef -> Python class name.
-STRUCTS = {"kvxfer_buffer": "Buffer", "kvxfer_metrics": "Metrics"}
+STRUCTS = {"kvxfer_buffer": "Buffer", "kvxfer_metrics": "Metrics", "kvxfer_kv_layout": "KvLayout"}
 OPAQUE = {"kvxfer_config", "kvxfer_engine"}
 
 # C types (whitespace-normalised) -> ctypes expressions. Data pointers that callers
@@ -62,6 +64,7 @@ SCALARS = {
     "kvxfer_drop_fn": "DROP_FN",
     "const kvxfer_buffer *": "ctypes.POINTER(Buffer)",
     "kvxfer_metrics *": "ctypes.POINTER(Metrics)",
+    "const kvxfer_kv_layout *": "ctypes.POINTER(KvLayout)",
 }
 for _h in OPAQUE:
     SCALARS[f"{_h} *"] = "ctypes.c_void_p"

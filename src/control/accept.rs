@@ -109,8 +109,9 @@ impl Control {
                     self.write_msg(&mut s, &self.hello(ConnKind::Control, 0))?;
                     self.write_msg(&mut s, &Message::Registration(self.registration(None)))?;
                     let theirs = self.expect_registration(&mut s)?;
-                    let map = self.check_registration(&peer.name, &theirs)?;
-                    self.prefill_transport(&peer, &mut s, &theirs, &map)?;
+                    let pairing = self.check_registration(&peer.name, &theirs)?;
+                    peer.set_pairing(pairing.clone());
+                    self.prefill_transport(&peer, &mut s, &theirs, &pairing.map)?;
                     s.tcp().set_read_timeout(None).map_err(|e| e.to_string())?;
                     Ok(self.start_control(&peer, s)?)
                 })();

@@ -81,8 +81,8 @@ impl Control {
             &Message::Registration(self.registration(peer.inbound.get())),
         )?;
         let theirs = self.expect_registration(&mut ctrl)?;
-        let map = self.check_registration(&peer.name, &theirs)?;
-        let _ = peer.kv_map.set(map);
+        let pairing = self.check_registration(&peer.name, &theirs)?;
+        peer.set_pairing(pairing);
         let _ = peer.aux_count.set(theirs.aux.len());
         let rdma = self.decode_transport(peer, &mut ctrl)?;
         let data_conns = if rdma {

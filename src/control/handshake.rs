@@ -7,7 +7,8 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{pairing, Control, Peer, SetupError};
+use super::pairing::{self, Pairing};
+use super::{Control, Peer, SetupError};
 use crate::proto::{
     self, ConnKind, Message, QpInfo, Registration, Role as WireRole, WireTransport, PROTO_VERSION,
 };
@@ -50,29 +51,31 @@ impl Control {
         Registration {
             kv: rdma::buffer_infos(m.kv.get(), |i| inbound.and_then(|k| k.key(false, i))),
             aux: rdma::buffer_infos(m.aux.get(), |i| inbound.and_then(|k| k.key(true, i))),
-            layout: proto::Layout::default(),
+            layout: m.kv_layout.get().copied(),
         }
     }
 
-    /// Checks the peer's registration against ours and returns, for each of the prefill
-    /// engine's kv buffers, the decode buffer it fills. A mismatch names the buffer.
+    /// Checks the peer's registration against ours (both sides run this one check, so
+    /// both refuse with the same message) and returns the pairing: for each of the
+    /// prefill engine's kv buffers, the decode buffer it fills, and both layouts. A
+    /// mismatch names the buffer, or the layout field and both values; it is kept as
+    /// the last refusal (see [`Control::last_mismatch`]).
     pub(super) fn check_registration(
         &self,
         peer: &str,
         theirs: &Registration,
-    ) -> Result<Vec<u32>, SetupError> {
+    ) -> Result<Pairing, SetupError> {
         let ours = self.registration(None);
         let (decode, prefill) = match self.node.role {
             crate::Role::Decode => (&ours, theirs),
             crate::Role::Prefill => (theirs, &ours),
         };
-        pairing::pair_kv(&decode.kv, &prefill.kv)
-            .and_then(|map| pairing::check_aux(&decode.aux, &prefill.aux).map(|()| map))
+        pairing::pair_kv(decode, prefill)
+            .and_then(|p| pairing::check_aux(&decode.aux, &prefill.aux).map(|()| p))
             .map_err(|why| {
-                SetupError::new(
-                    Cause::Mismatch,
-                    format!("registration mismatch with {peer}: {why}"),
-                )
+                let why = format!("registration mismatch with {peer}: {why}");
+                *self.last_mismatch.lock() = Some((self.node.now_ms(), why.clone()));
+                SetupError::new(Cause::Mismatch, why)
             })
     }
 

@@ -132,6 +132,8 @@ pub(crate) struct Control {
     gate: admission::Gate,
     /// The engine; a weak reference, since the engine holds this.
     events: OnceLock<Weak<dyn Events>>,
+    /// The last registration exchange refused: engine-clock ms and why.
+    last_mismatch: Mutex<Option<(u64, String)>>,
 }
 
 impl Control {
@@ -143,6 +145,7 @@ impl Control {
             handshaking: Default::default(),
             gate,
             events: OnceLock::new(),
+            last_mismatch: Mutex::new(None),
         }))
     }
 
@@ -239,6 +242,13 @@ impl Control {
     /// The last refusal at authentication: when (engine-clock ms) and what.
     pub fn last_refusal(&self) -> Option<(u64, String)> {
         self.gate.last_refusal()
+    }
+
+    /// The last registration exchange refused (buffers or layouts that do not pair):
+    /// when (engine-clock ms) and why. A prefill room cannot know which decode engine
+    /// would have claimed it, so its bootstrap deadline names this.
+    pub fn last_mismatch(&self) -> Option<(u64, String)> {
+        self.last_mismatch.lock().clone()
     }
 }
 

@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, RwLock};
 
+use super::pairing::{Layouts, Pairing};
 use crate::log::Logger;
 use crate::proto::Message;
 use crate::transport::rdma::link::RdmaLink;
@@ -27,7 +28,7 @@ pub(crate) struct Peer {
     pub engine_id: Option<u64>,
     /// Handshake, registration and transport are done. Release (when set, after the
     /// setup) / Acquire (in `is_ready`): whoever sees it set sees what the setup
-    /// published before it (`kv_map`, `aux_count`, the links).
+    /// published before it (`kv_map`, `kv_layouts`, `aux_count`, the links).
     ready: AtomicBool,
     /// Why it was lost, set once: the first loss wins.
     lost: OnceLock<String>,
@@ -43,8 +44,11 @@ pub(crate) struct Peer {
     /// our memory through; shut when it is lost, so no write lands after.
     pub inbound: OnceLock<Inbound>,
     streams: Mutex<Vec<TcpStream>>,
-    /// Decode side: for each of this prefill engine's kv buffers, our buffer it fills.
+    /// For each of the prefill engine's kv buffers, the decode engine's buffer it fills
+    /// (both sides: `Pairing::map` of the registration exchange).
     pub kv_map: OnceLock<Vec<u32>>,
+    /// Both engines' kv layouts, as the registration exchange agreed them (both sides).
+    pub kv_layouts: OnceLock<Layouts>,
     /// Decode side: how many aux buffers this prefill engine registered (0 or ours).
     pub aux_count: OnceLock<usize>,
     /// Both sides: how this prefill engine's pages map into this decode engine's, when
@@ -103,6 +107,7 @@ impl Peer {
             inbound: OnceLock::new(),
             streams: Mutex::new(Vec::new()),
             kv_map: OnceLock::new(),
+            kv_layouts: OnceLock::new(),
             aux_count: OnceLock::new(),
             slicing: OnceLock::new(),
             rooms: Mutex::new(HashSet::new()),
@@ -111,6 +116,13 @@ impl Peer {
             hb_seq: AtomicU64::new(0),
             since_ms: now_ms,
         })
+    }
+
+    /// Keeps what the registration exchange agreed: the buffer map and both layouts
+    /// (once, by the setup, before the peer is ready).
+    pub(super) fn set_pairing(&self, pairing: Pairing) {
+        let _ = self.kv_map.set(pairing.map);
+        let _ = self.kv_layouts.set(pairing.layouts);
     }
 
     /// Handshake and registration done, and not lost.

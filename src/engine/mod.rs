@@ -15,6 +15,7 @@ mod watchdog;
 use std::net::TcpListener;
 use std::sync::Arc;
 
+pub use crate::layout::{KvKind, KvLayout, PageOrder};
 pub use crate::metrics::MetricsSnapshot;
 pub use crate::node::MAX_BUFFERS;
 pub use crate::transport::BufferDesc;
@@ -121,36 +122,36 @@ impl Engine {
 
     /// Registers the KV buffers (once per engine, before the first room).
     pub fn register_kv(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        self.node.register(bufs, None, false)
+        self.node.register(bufs, None, None, false)
     }
 
     /// Registers the KV buffers with a layer id each (once per engine): buffers then pair
     /// with the peer's by layer id, and a pipeline stage may register only its layers.
     pub fn register_kv_layers(&self, bufs: Vec<BufferDesc>, layers: Vec<u32>) -> Result<()> {
-        if layers.len() != bufs.len() {
-            return Err(err!(
-                InvalidArgument,
-                "{} layer ids for {} kv buffers",
-                layers.len(),
-                bufs.len()
-            ));
+        check_layers(&bufs, &layers)?;
+        self.node.register(bufs, Some(layers), None, false)
+    }
+
+    /// Registers the KV buffers with the layout of their pages (once per engine), and
+    /// optionally a layer id each (as [`Engine::register_kv_layers`]). The layout must
+    /// pass [`KvLayout::check`] and every buffer's `item_len` must be its
+    /// [`KvLayout::page_bytes`]. Peers learn it at the registration exchange, which
+    /// refuses a peer whose layout cannot meet this one (or that registered none).
+    pub fn register_kv_layout(
+        &self,
+        bufs: Vec<BufferDesc>,
+        layers: Option<Vec<u32>>,
+        layout: KvLayout,
+    ) -> Result<()> {
+        if let Some(layers) = &layers {
+            check_layers(&bufs, layers)?;
         }
-        if let Some((i, l)) = layers
-            .iter()
-            .enumerate()
-            .find(|(_, &l)| l > i32::MAX as u32)
-        {
-            return Err(err!(
-                InvalidArgument,
-                "kv buffer {i}: layer id {l} is too large"
-            ));
-        }
-        self.node.register(bufs, Some(layers), false)
+        self.node.register(bufs, layers, Some(layout), false)
     }
 
     /// Registers the aux buffers (once per engine, before the first room).
     pub fn register_aux(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        self.node.register(bufs, None, true)
+        self.node.register(bufs, None, None, true)
     }
 
     /// Creates room `id` in `Bootstrapping`.
@@ -379,6 +380,29 @@ fn check_aux(node: &Node, slot: Option<u32>) -> Result<()> {
         return Err(err!(
             InvalidArgument,
             "aux slot {slot} is out of range: the aux buffers hold {slots} slots"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a layer id list against its buffers: one id each, each at most `i32::MAX`.
+fn check_layers(bufs: &[BufferDesc], layers: &[u32]) -> Result<()> {
+    if layers.len() != bufs.len() {
+        return Err(err!(
+            InvalidArgument,
+            "{} layer ids for {} kv buffers",
+            layers.len(),
+            bufs.len()
+        ));
+    }
+    if let Some((i, l)) = layers
+        .iter()
+        .enumerate()
+        .find(|(_, &l)| l > i32::MAX as u32)
+    {
+        return Err(err!(
+            InvalidArgument,
+            "kv buffer {i}: layer id {l} is too large"
         ));
     }
     Ok(())

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use super::boundary::{try_slice, write_string, BoxHandle};
 use super::config::kvxfer_config;
+use super::layout::{self, kvxfer_kv_layout};
 use super::status::kvxfer_status;
 use super::types::{kvxfer_failure_cause, KVXFER_METRICS_CAUSES, KVXFER_ROOM_STATES};
 use crate::engine::{BufferDesc, Engine, MetricsSnapshot};
@@ -317,6 +318,63 @@ pub unsafe extern "C" fn kvxfer_register_kv_layers(
         // SAFETY: layer_ids holds n elements by contract.
         let layers = unsafe { try_slice(layer_ids, n, "layer_ids") }?;
         engine.register_kv_layers(descs(bufs), layers.to_vec())
+    })
+}
+
+/// Registers the engine's KV buffers with the layout of their pages (`*layout`, copied),
+/// instead of `kvxfer_register_kv` or `kvxfer_register_kv_layers`, once, before any room
+/// is created. `layer_ids` is NULL (buffers pair by position) or holds `n` layer ids
+/// (buffers pair by layer id, as with `kvxfer_register_kv_layers`). The layout names the
+/// model's KV heads, this engine's tensor-parallel rank and size (and so the heads it
+/// holds: `kv_heads / tp_size` of them, or with fewer heads than ranks one head
+/// replicated on `tp_size / kv_heads` ranks, or for `KVXFER_KV_LATENT` the whole latent),
+/// and its pages; every buffer's `item_len` must be `page_tokens` x heads held x
+/// `head_dim` x `dtype_bytes`. The memory must stay valid until `kvxfer_engine_free`
+/// returns; the arrays and the layout are copied.
+///
+/// Peers exchange layouts when they connect, and both sides refuse, with one message
+/// naming the field and both values (decode's first): a peer that registered no layout
+/// (a byte copy between a sliced and an unsliced layout would put heads in the wrong
+/// place), another kind (MLA against MHA/GQA), another `kv_heads`, `head_dim` or
+/// `dtype_bytes`, or page sizes of which neither divides the other. The data path copies
+/// whole pages today, so two layouts pair only when equal in every field: head-sliced
+/// transfers between other tensor-parallel ranks or sizes (and a latent between them),
+/// page-size and page-order changes are not built yet, and are refused at the exchange
+/// saying so. A refusal fails the decode
+/// engine's rooms with that peer at once (`KVXFER_CAUSE_MISMATCH`, the message as
+/// reason). A prefill room is named by no decode engine before the exchange, so it fails
+/// at its bootstrap deadline (`KVXFER_CAUSE_BOOTSTRAP_TIMEOUT`), its reason quoting the
+/// last refusal.
+///
+/// Errors: as `kvxfer_register_kv_layers`; `KVXFER_ERR_NULL_POINTER` for a NULL `layout`;
+/// `KVXFER_ERR_INVALID_ARGUMENT` for a `struct_size` other than
+/// `sizeof(kvxfer_kv_layout)`, an unknown `page_order` or `kind`, a zero field,
+/// `tp_rank >= tp_size`, heads that do not divide among the ranks (nor the ranks among
+/// the heads), a latent with `kv_heads` other than 1, or a buffer whose `item_len` is not
+/// the layout's page bytes (the message names the field or the buffer, and the values).
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_register_kv_layout(
+    engine: *const kvxfer_engine,
+    bufs: *const kvxfer_buffer,
+    layer_ids: *const u32,
+    n: usize,
+    layout: *const kvxfer_kv_layout,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        // SAFETY: bufs holds n elements by contract.
+        let bufs = unsafe { try_slice(bufs, n, "bufs") }?;
+        let layers = if layer_ids.is_null() {
+            None
+        } else {
+            // SAFETY: a non-NULL layer_ids holds n elements by contract.
+            Some(unsafe { try_slice(layer_ids, n, "layer_ids") }?.to_vec())
+        };
+        // SAFETY: a non-NULL layout points to a readable struct of its struct_size.
+        let layout = unsafe { layout::read(layout) }?;
+        engine.register_kv_layout(descs(bufs), layers, layout)
     })
 }
 

@@ -11,6 +11,7 @@
 pub(crate) mod boundary;
 pub mod config;
 pub mod engine;
+pub mod layout;
 pub mod log;
 pub mod room;
 pub mod status;

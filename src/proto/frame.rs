@@ -454,6 +454,25 @@ pub enum ProtoError {
         /// The value found.
         found: i32,
     },
+    /// `Registration.layout.order` is not a [`PageOrder`](crate::layout::PageOrder)
+    /// value (0 = HND, 1 = NHD).
+    BadPageOrder {
+        /// The byte found.
+        found: u8,
+    },
+    /// `Registration.layout.kind` is not a [`KvKind`](crate::layout::KvKind) value
+    /// (0 = heads, 1 = latent).
+    BadKvKind {
+        /// The byte found.
+        found: u8,
+    },
+    /// `Registration.layout` fails [`KvLayout::check`](crate::layout::KvLayout::check).
+    BadLayout {
+        /// The field, e.g. `"Registration.layout.tp_rank"`.
+        field: &'static str,
+        /// What is wrong with it (its `Display` names the values).
+        error: crate::layout::LayoutError,
+    },
     /// `Done.room_echo` differs from `Done.room`: the frame is corrupt.
     RoomEchoMismatch {
         /// `Done.room`.
@@ -645,6 +664,15 @@ impl fmt::Display for ProtoError {
                 "DataHeader.target {found} is not a target (0 = kv, 1 = aux)"
             ),
             BadBool { field, found } => write!(f, "{field} must be 0 or 1, got {found}"),
+            BadPageOrder { found } => write!(
+                f,
+                "Registration.layout.order {found} is neither 0 (HND) nor 1 (NHD)"
+            ),
+            BadKvKind { found } => write!(
+                f,
+                "Registration.layout.kind {found} is neither 0 (heads) nor 1 (latent)"
+            ),
+            BadLayout { field, error } => write!(f, "{field}: {error}"),
             BadAuxSlot { found } => write!(
                 f,
                 "Destination.aux_slot {found} is invalid (-1 = none, else 0..=4294967295)"
@@ -945,6 +973,15 @@ mod tests {
             ProtoError::OffsetInSeveralPages {
                 page_off: 8,
                 n_pages: 2,
+            },
+            ProtoError::BadPageOrder { found: 2 },
+            ProtoError::BadKvKind { found: 9 },
+            ProtoError::BadLayout {
+                field: "Registration.layout.tp_rank",
+                error: crate::layout::LayoutError::RankNotBelowSize {
+                    tp_rank: 4,
+                    tp_size: 4,
+                },
             },
             ProtoError::BadAuxSlot { found: -2 },
             ProtoError::BadTransport { found: 0 },

@@ -3,11 +3,13 @@
 use super::frame::{FrameHeader, Kind, Limits, ProtoError};
 use super::wire::{put_i32, put_i64, put_u16, put_u32, put_u64, WireReader};
 use super::FRAME_HEADER_LEN;
+use crate::layout::{KvKind, KvLayout, PageOrder};
 
 /// Wire size of one [`BufferInfo`].
 const BUFFER_INFO_LEN: usize = 32;
-/// Wire size of a [`Layout`].
-const LAYOUT_LEN: usize = 16;
+/// Wire size of a [`KvLayout`] after its presence byte: six u32 fields, then the order
+/// and the kind (u8 each).
+const LAYOUT_LEN: usize = 26;
 /// Wire size of one [`QpInfo`]: qpn, psn, lid, gid, mtu, unpadded.
 const QP_INFO_LEN: usize = 27;
 /// Wire size of a `Transport` payload before its queue pairs: transport, three reserved
@@ -379,33 +381,21 @@ impl BufferInfo {
     }
 }
 
-/// How KV pages are laid out, for head-sliced transfers between different
-/// tensor-parallel sizes. Every field is 0 when unknown.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct Layout {
-    /// KV heads held by one rank.
-    pub kv_heads_per_rank: u32,
-    /// Elements per head.
-    pub head_dim: u32,
-    /// Bytes per element.
-    pub dtype_bytes: u32,
-    /// Tokens per page.
-    pub page_tokens: u32,
-}
-
 /// An engine's registered memory, exchanged once per peer.
 ///
-/// The codec checks each buffer on its own (see [`BufferInfo`]) and the list sizes
-/// against [`Limits::max_buffers`]; pairing with the local buffers (count, `item_len`,
-/// layer ids) is the engine's job.
+/// The codec checks each buffer on its own (see [`BufferInfo`]), the list sizes against
+/// [`Limits::max_buffers`] and the layout on its own ([`KvLayout::check`]); pairing with
+/// the local buffers and layout (count, `item_len`, layer ids, layouts that can meet) is
+/// the engine's job.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Registration {
     /// KV buffers, in registration order.
     pub kv: Vec<BufferInfo>,
     /// Aux buffers, indexed by aux slot.
     pub aux: Vec<BufferInfo>,
-    /// Page layout.
-    pub layout: Layout,
+    /// The layout of the KV pages, if the engine registered one
+    /// (`kvxfer_register_kv_layout`); `None`: the buffers are copied byte for byte.
+    pub layout: Option<KvLayout>,
 }
 
 /// A control message: the payload of every frame kind except [`Kind::Data`].
@@ -593,7 +583,7 @@ impl Message {
         let n = |len: usize, size: u64| (len as u64).saturating_mul(size);
         match self {
             Message::Hello { .. } => 14,
-            Message::Registration(reg) => (LAYOUT_LEN as u64 + 8)
+            Message::Registration(reg) => (1 + reg.layout.map_or(0, |_| LAYOUT_LEN as u64) + 8)
                 .saturating_add(n(reg.kv.len(), BUFFER_INFO_LEN as u64))
                 .saturating_add(n(reg.aux.len(), BUFFER_INFO_LEN as u64)),
             Message::Destination { pages, .. } => 28u64.saturating_add(n(pages.len(), 4)),
@@ -636,6 +626,9 @@ impl Message {
         };
         match self {
             Message::Registration(reg) => {
+                if let Some(layout) = &reg.layout {
+                    check_layout(layout)?;
+                }
                 for (field, list) in [(KV_LIST, &reg.kv), (AUX_LIST, &reg.aux)] {
                     count_ok(field, list.len(), "max_buffers", limits.max_buffers)?;
                     for (i, b) in list.iter().enumerate() {
@@ -756,10 +749,24 @@ impl Message {
                 put_u64(out, *engine_id);
             }
             Message::Registration(reg) => {
-                put_u32(out, reg.layout.kv_heads_per_rank);
-                put_u32(out, reg.layout.head_dim);
-                put_u32(out, reg.layout.dtype_bytes);
-                put_u32(out, reg.layout.page_tokens);
+                match &reg.layout {
+                    None => out.push(0),
+                    Some(l) => {
+                        out.push(1);
+                        for v in [
+                            l.kv_heads,
+                            l.head_dim,
+                            l.dtype_bytes,
+                            l.tp_rank,
+                            l.tp_size,
+                            l.page_tokens,
+                        ] {
+                            put_u32(out, v);
+                        }
+                        out.push(l.order.value() as u8);
+                        out.push(l.kind.value() as u8);
+                    }
+                }
                 for list in [&reg.kv, &reg.aux] {
                     put_u32(out, len32(list.len()));
                     for b in list {
@@ -892,11 +899,15 @@ impl Message {
                 }
             }
             Kind::Registration => {
-                let layout = Layout {
-                    kv_heads_per_rank: r.u32("Registration.layout.kv_heads_per_rank")?,
-                    head_dim: r.u32("Registration.layout.head_dim")?,
-                    dtype_bytes: r.u32("Registration.layout.dtype_bytes")?,
-                    page_tokens: r.u32("Registration.layout.page_tokens")?,
+                let layout = match r.u8("Registration.layout")? {
+                    0 => None,
+                    1 => Some(decode_layout(&mut r)?),
+                    found => {
+                        return Err(ProtoError::BadBool {
+                            field: "Registration.layout",
+                            found,
+                        })
+                    }
                 };
                 let kv = decode_buffers(&mut r, KV_LIST, limits)?;
                 let aux = decode_buffers(&mut r, AUX_LIST, limits)?;
@@ -1056,6 +1067,50 @@ impl Message {
     }
 }
 
+/// Reads a layout after its presence byte: the fields, then the order and kind (each a
+/// known value), then [`KvLayout::check`].
+fn decode_layout(r: &mut WireReader<'_>) -> Result<KvLayout, ProtoError> {
+    let kv_heads = r.u32("Registration.layout.kv_heads")?;
+    let head_dim = r.u32("Registration.layout.head_dim")?;
+    let dtype_bytes = r.u32("Registration.layout.dtype_bytes")?;
+    let tp_rank = r.u32("Registration.layout.tp_rank")?;
+    let tp_size = r.u32("Registration.layout.tp_size")?;
+    let page_tokens = r.u32("Registration.layout.page_tokens")?;
+    let order = r.u8("Registration.layout.order")?;
+    let order =
+        PageOrder::from_value(order.into()).ok_or(ProtoError::BadPageOrder { found: order })?;
+    let kind = r.u8("Registration.layout.kind")?;
+    let kind = KvKind::from_value(kind.into()).ok_or(ProtoError::BadKvKind { found: kind })?;
+    let layout = KvLayout {
+        kv_heads,
+        head_dim,
+        dtype_bytes,
+        tp_rank,
+        tp_size,
+        page_tokens,
+        order,
+        kind,
+    };
+    check_layout(&layout)?;
+    Ok(layout)
+}
+
+/// [`KvLayout::check`] as a codec error naming the wire field.
+fn check_layout(layout: &KvLayout) -> Result<(), ProtoError> {
+    layout.check().map_err(|error| ProtoError::BadLayout {
+        field: match error.field() {
+            "kv_heads" => "Registration.layout.kv_heads",
+            "head_dim" => "Registration.layout.head_dim",
+            "dtype_bytes" => "Registration.layout.dtype_bytes",
+            "tp_rank" => "Registration.layout.tp_rank",
+            "tp_size" => "Registration.layout.tp_size",
+            "page_tokens" => "Registration.layout.page_tokens",
+            _ => "Registration.layout",
+        },
+        error,
+    })
+}
+
 fn decode_buffers(
     r: &mut WireReader<'_>,
     field: &'static str,
@@ -1109,12 +1164,16 @@ pub(super) fn sample_messages() -> Vec<Message> {
                 },
             ],
             aux: vec![buf(1024, 128, BufferInfo::NO_LAYER)],
-            layout: Layout {
-                kv_heads_per_rank: 8,
+            layout: Some(KvLayout {
+                kv_heads: 8,
                 head_dim: 128,
                 dtype_bytes: 2,
+                tp_rank: 1,
+                tp_size: 4,
                 page_tokens: 16,
-            },
+                order: PageOrder::Hnd,
+                kind: KvKind::Heads,
+            }),
         }),
         Message::Destination {
             room: 7,
@@ -1248,6 +1307,21 @@ pub(super) fn sample_messages() -> Vec<Message> {
                 },
             ],
         },
+        // Appended here, so that the indices tests use above stay put.
+        Message::Registration(Registration {
+            kv: vec![buf(64 * 36_864, 36_864, BufferInfo::NO_LAYER)],
+            aux: vec![],
+            layout: Some(KvLayout {
+                kv_heads: 1,
+                head_dim: 576,
+                dtype_bytes: 1,
+                tp_rank: u32::MAX - 1,
+                tp_size: u32::MAX,
+                page_tokens: 64,
+                order: PageOrder::Nhd,
+                kind: KvKind::Latent,
+            }),
+        }),
     ]
 }
 
@@ -1383,7 +1457,7 @@ mod tests {
         Message::Registration(Registration {
             kv,
             aux,
-            layout: Layout::default(),
+            layout: None,
         })
     }
 
@@ -1431,7 +1505,8 @@ mod tests {
             ..Limits::default()
         };
         let mut p = payload(&registration(vec![GOOD], vec![]));
-        p[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        // After the presence byte of the (absent) layout.
+        p[1..5].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(
             Message::decode(Kind::Registration, &p, &limits),
             Err(ProtoError::CountExceedsPayload {
@@ -1733,6 +1808,170 @@ mod tests {
             Message::decode(Kind::Transport, &payload(&m), &Limits::default()),
             Ok(m)
         );
+    }
+
+    /// GQA rank 1 of 4 over 8 heads of 128 fp16 elements, 16-token NHD pages.
+    const LAYOUT: KvLayout = KvLayout {
+        kv_heads: 8,
+        head_dim: 128,
+        dtype_bytes: 2,
+        tp_rank: 1,
+        tp_size: 4,
+        page_tokens: 16,
+        order: PageOrder::Nhd,
+        kind: KvKind::Heads,
+    };
+
+    fn with_layout(layout: Option<KvLayout>) -> Message {
+        Message::Registration(Registration {
+            kv: vec![GOOD],
+            aux: vec![],
+            layout,
+        })
+    }
+
+    #[test]
+    fn wire_layout_of_registration_is_documented_one() {
+        let mut buffer = Vec::new();
+        buffer.extend_from_slice(&4096u64.to_le_bytes());
+        buffer.extend_from_slice(&1024u64.to_le_bytes());
+        buffer.extend_from_slice(&0u64.to_le_bytes());
+        buffer.extend_from_slice(&(-1i32).to_le_bytes());
+        buffer.extend_from_slice(&0u32.to_le_bytes());
+        let lists = |want: &mut Vec<u8>| {
+            want.extend_from_slice(&1u32.to_le_bytes());
+            want.extend_from_slice(&buffer);
+            want.extend_from_slice(&0u32.to_le_bytes());
+        };
+        // Without a layout: its presence byte 0, then the lists.
+        let mut want = vec![0];
+        lists(&mut want);
+        assert_eq!(payload(&with_layout(None)), want);
+        assert_eq!(with_layout(None).payload_len(), 1 + 8 + 32);
+        // With: 1, six u32 fields, the order and the kind.
+        let mut want = vec![1];
+        for v in [8u32, 128, 2, 1, 4, 16] {
+            want.extend_from_slice(&v.to_le_bytes());
+        }
+        want.extend_from_slice(&[1, 0]);
+        lists(&mut want);
+        let m = with_layout(Some(LAYOUT));
+        assert_eq!(payload(&m), want);
+        assert_eq!(m.payload_len(), 1 + 26 + 8 + 32);
+        assert_eq!(
+            Message::decode(Kind::Registration, &want, &Limits::default()),
+            Ok(m)
+        );
+    }
+
+    #[test]
+    fn every_layout_kind_and_order_round_trips() {
+        for order in [PageOrder::Hnd, PageOrder::Nhd] {
+            for kind in [KvKind::Heads, KvKind::Latent] {
+                let kv_heads = if kind == KvKind::Latent { 1 } else { 8 };
+                let l = KvLayout {
+                    order,
+                    kind,
+                    kv_heads,
+                    ..LAYOUT
+                };
+                let m = with_layout(Some(l));
+                assert_eq!(
+                    Message::decode(Kind::Registration, &payload(&m), &Limits::default()),
+                    Ok(m)
+                );
+            }
+        }
+    }
+
+    /// The payload of a registration with [`LAYOUT`], its layout byte `at` (0 = presence,
+    /// 1.. the layout's) set to `value`.
+    fn layout_decode_error(at: usize, value: &[u8]) -> ProtoError {
+        let mut p = payload(&with_layout(Some(LAYOUT)));
+        p[at..at + value.len()].copy_from_slice(value);
+        Message::decode(Kind::Registration, &p, &Limits::default()).unwrap_err()
+    }
+
+    #[test]
+    fn a_malformed_layout_is_a_decode_error_naming_the_field() {
+        let e = layout_decode_error(0, &[2]);
+        assert_eq!(
+            e,
+            ProtoError::BadBool {
+                field: "Registration.layout",
+                found: 2
+            }
+        );
+        let e = layout_decode_error(25, &[7]);
+        assert_eq!(e, ProtoError::BadPageOrder { found: 7 });
+        assert_eq!(
+            e.to_string(),
+            "Registration.layout.order 7 is neither 0 (HND) nor 1 (NHD)"
+        );
+        let e = layout_decode_error(26, &[2]);
+        assert_eq!(e, ProtoError::BadKvKind { found: 2 });
+        assert_eq!(
+            e.to_string(),
+            "Registration.layout.kind 2 is neither 0 (heads) nor 1 (latent)"
+        );
+        // Fields that fail KvLayout::check, by offset: kv_heads, head_dim, dtype_bytes,
+        // tp_rank, tp_size, page_tokens.
+        let cases: [(usize, u32, &str, &str); 6] = [
+            (1, 0, "kv_heads", "kv_heads is 0"),
+            (5, 0, "head_dim", "head_dim is 0"),
+            (9, 0, "dtype_bytes", "dtype_bytes is 0"),
+            (13, 4, "tp_rank", "tp_rank 4 is not below tp_size 4"),
+            (
+                17,
+                3,
+                "kv_heads",
+                "kv_heads 8 is not a multiple of tp_size 3",
+            ),
+            (21, 0, "page_tokens", "page_tokens is 0"),
+        ];
+        for (at, v, field, why) in cases {
+            let e = layout_decode_error(at, &v.to_le_bytes());
+            let ProtoError::BadLayout { field: f, error } = &e else {
+                panic!("{e:?}");
+            };
+            assert_eq!(*f, format!("Registration.layout.{field}"));
+            assert_eq!(error.field(), field);
+            assert!(error.to_string().starts_with(why), "{e}");
+            assert!(e
+                .to_string()
+                .starts_with(&format!("Registration.layout.{field}: ")));
+        }
+        // A latent of two heads.
+        let mut p = payload(&with_layout(Some(LAYOUT)));
+        p[26] = 1;
+        let e = Message::decode(Kind::Registration, &p, &Limits::default()).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("Registration.layout.kv_heads: kv_heads 8 with kind latent"),
+            "{e}"
+        );
+        // Cut inside the layout.
+        let p = payload(&with_layout(Some(LAYOUT)));
+        assert!(matches!(
+            Message::decode(Kind::Registration, &p[..8], &Limits::default()),
+            Err(ProtoError::Truncated {
+                field: "Registration.layout.head_dim",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn validate_refuses_the_layouts_decode_refuses() {
+        let bad = with_layout(Some(KvLayout {
+            tp_rank: 9,
+            ..LAYOUT
+        }));
+        let e = bad.validate(&Limits::default()).unwrap_err();
+        assert_eq!(e, layout_decode_error(13, &9u32.to_le_bytes()));
+        with_layout(Some(LAYOUT))
+            .validate(&Limits::default())
+            .unwrap();
     }
 
     #[test]

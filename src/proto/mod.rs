@@ -28,7 +28,7 @@
 //! | kind           | payload                                                                  |
 //! |----------------|--------------------------------------------------------------------------|
 //! | `Hello`        | `proto_version u16, role u8, conn u8, conn_index u16, engine_id u64` (14 bytes) |
-//! | `Registration` | layout `kv_heads_per_rank u32, head_dim u32, dtype_bytes u32, page_tokens u32`, then `kv_count u32` + kv buffers, then `aux_count u32` + aux buffers; each buffer is `len u64, item_len u64, addr u64, layer_id i32, rkey u32` (32 bytes) |
+//! | `Registration` | `has_layout u8 (0/1)`; if 1, the kv layout `kv_heads u32, head_dim u32, dtype_bytes u32, tp_rank u32, tp_size u32, page_tokens u32, order u8 (0 = HND, 1 = NHD), kind u8 (0 = heads, 1 = latent)` (26 bytes, which must pass `KvLayout::check`); then `kv_count u32` + kv buffers, then `aux_count u32` + aux buffers; each buffer is `len u64, item_len u64, addr u64, layer_id i32, rkey u32` (32 bytes) |
 //! | `Destination`  | `room u64, generation u64, aux_slot i64 (-1 = none), n_pages u32, pages u32 × n_pages` |
 //! | `Done`         | `room u64, generation u64, room_echo u64 (= room), pages_sent u32, aux_sent u8 (0/1)` (29 bytes) |
 //! | `Progress`     | `room u64, generation u64, kv_bytes u64, aux_rows u32, bytes u64` (36 bytes; RDMA only) |
@@ -85,8 +85,8 @@ mod wire;
 pub use data::{DataHeader, Target};
 pub use frame::{FrameHeader, Kind, Limits, ProtoError};
 pub use message::{
-    truncate_reason, AuthMode, AuthRefusal, BufferInfo, ConnKind, Layout, Message, QpInfo,
-    Registration, Role, WireTransport, AUTH_KEY_ID_LEN, AUTH_MAC_LEN, AUTH_NONCE_LEN,
+    truncate_reason, AuthMode, AuthRefusal, BufferInfo, ConnKind, Message, QpInfo, Registration,
+    Role, WireTransport, AUTH_KEY_ID_LEN, AUTH_MAC_LEN, AUTH_NONCE_LEN,
 };
 pub use runs::{encode_runs_prefix, read_run_headers, read_runs, read_runs_count, MAX_RUNS};
 pub use stream::{read_control, read_data_header, read_frame_header, ReadError};
@@ -100,7 +100,9 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 /// Version 2 added [`Kind::Transport`] to the control handshake and [`Kind::Progress`]
 /// for RDMA transfers. Version 3 added the authentication exchange that follows `Hello`
 /// on every connection ([`Kind::AuthHello`] .. [`Kind::AuthRefused`]). Version 4 added
-/// [`Kind::DataRuns`], several page runs of one room in one data frame. Version 5 lets a
+/// [`Kind::DataRuns`], several page runs of one room in one data frame. Version 5
+/// replaced the unused fixed layout of `Registration` by an optional kv layout
+/// ([`KvLayout`](crate::layout::KvLayout)) that the registration exchange checks, lets a
 /// data header write at an offset inside one page (`DataHeader::page_off`, for layouts
 /// that differ) and counts RDMA progress in KV bytes (`Progress::kv_bytes`).
 pub const PROTO_VERSION: u16 = 5;

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvxfer::proto::{
-    self, AuthMode, BufferInfo, ConnKind, DataHeader, Layout, Limits, Message, ReadError,
-    Registration, Role, Target, WireTransport, AUTH_KEY_ID_LEN, AUTH_NONCE_LEN, PROTO_VERSION,
+    self, AuthMode, BufferInfo, ConnKind, DataHeader, Limits, Message, ReadError, Registration,
+    Role, Target, WireTransport, AUTH_KEY_ID_LEN, AUTH_NONCE_LEN, PROTO_VERSION,
 };
 use kvxfer::{Engine, RoomPeers};
 
@@ -162,7 +162,7 @@ pub fn registration(bufs: usize, pages: usize, item: usize) -> Registration {
     Registration {
         kv: vec![buf; bufs],
         aux: vec![],
-        layout: Layout::default(),
+        layout: None,
     }
 }
 

@@ -324,26 +324,36 @@ impl Side for PrefillEngine {
         }
     }
 
-    /// A room failing its bootstrap deadline: the last refusal at authentication since
-    /// it was created, if any (the decode engine that would have claimed it may be the
-    /// one refused).
+    /// A room failing its bootstrap deadline: the last refusal at authentication and the
+    /// last refused registration exchange since it was created, if any (the decode
+    /// engine that would have claimed it may be the one refused: no destination names
+    /// the room before the exchange).
     fn deadline_note(&self, room: &PRoom) -> Option<String> {
         if room.state() != State::Bootstrapping {
             return None;
         }
         let node = &self.core.node;
-        let (at, text) = self.core.control.last_refusal()?;
+        let control = &self.core.control;
         // The room entered bootstrapping one bootstrap timeout before its deadline.
         let since = room
             .deadline_ms()
             .saturating_sub(node.config.bootstrap_timeout_ms);
-        let ago = node.now_ms().saturating_sub(at);
-        (at >= since).then(|| {
-            format!(
-                "; meanwhile a connection failed authentication ({ago} ms ago: {text}; \
-                 auth_failures counts every refusal)"
-            )
-        })
+        let now = node.now_ms();
+        let mut note = String::new();
+        if let Some((at, text)) = control.last_refusal().filter(|(at, _)| *at >= since) {
+            note.push_str(&format!(
+                "; meanwhile a connection failed authentication ({} ms ago: {text}; \
+                 auth_failures counts every refusal)",
+                now.saturating_sub(at)
+            ));
+        }
+        if let Some((at, text)) = control.last_mismatch().filter(|(at, _)| *at >= since) {
+            note.push_str(&format!(
+                "; meanwhile a decode engine's registration was refused ({} ms ago: {text})",
+                now.saturating_sub(at)
+            ));
+        }
+        (!note.is_empty()).then_some(note)
     }
 
     /// Held destinations whose room never came are answered with a failure, and

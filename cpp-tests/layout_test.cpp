@@ -1,0 +1,233 @@
+// KV layouts through the C ABI and kvxfer.hpp: kvxfer_register_kv_layout's refusals
+// (status and message), its struct_size rule, and a layout refused at the registration
+// exchange as both sides' rooms see it.
+#include "kvxfer.hpp"
+#include "support.hpp"
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace kvtest;
+
+namespace {
+
+/// GQA: 8 KV heads of 64 fp16 elements, 4-token HND pages, rank 2 of 4 (heads 4..6):
+/// 4 x 2 x 64 x 2 = 1024-byte pages.
+kvxfer_kv_layout gqa() {
+    kvxfer_kv_layout l;
+    l.struct_size = sizeof l;
+    l.kv_heads = 8;
+    l.head_dim = 64;
+    l.dtype_bytes = 2;
+    l.tp_rank = 2;
+    l.tp_size = 4;
+    l.page_tokens = 4;
+    l.page_order = KVXFER_PAGE_HND;
+    l.kind = KVXFER_KV_HEADS;
+    return l;
+}
+
+/// MLA: a 128-element fp16 latent, 4-token pages (1024 bytes), on one rank.
+kvxfer_kv_layout mla() {
+    kvxfer_kv_layout l = gqa();
+    l.kv_heads = 1;
+    l.head_dim = 128;
+    l.tp_rank = 0;
+    l.tp_size = 1;
+    l.kind = KVXFER_KV_LATENT;
+    return l;
+}
+
+/// kvxfer_register_kv_layout of `mem` with `layout` (and `layer_ids`, if any) on a fresh
+/// prefill engine: its status and message.
+Result register_on_fresh_engine(const Memory &mem, const kvxfer_kv_layout *layout,
+                                const uint32_t *layer_ids = nullptr) {
+    EnginePtr e = engine("prefill");
+    return result(kvxfer_register_kv_layout(e.get(), mem.data(), layer_ids, mem.size(), layout));
+}
+
+/// Asserts INVALID_ARGUMENT with a message containing `part`.
+::testing::AssertionResult refused(const Result &r, const std::string &part) {
+    if (r.status != KVXFER_ERR_INVALID_ARGUMENT || !contains(r.message, part)) {
+        return ::testing::AssertionFailure() << r << ", want INVALID_ARGUMENT with \"" << part
+                                             << "\"";
+    }
+    return ::testing::AssertionSuccess() << r;
+}
+
+} // namespace
+
+TEST(KvLayout, AGoodLayoutRegistersOnceWithOrWithoutLayerIds) {
+    Memory mem(2, 8, 1024);
+    kvxfer_kv_layout l = gqa();
+    EnginePtr e = engine("prefill");
+    EXPECT_TRUE(ok(kvxfer_register_kv_layout(e.get(), mem.data(), nullptr, mem.size(), &l)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_STATE,
+                           kvxfer_register_kv_layout(e.get(), mem.data(), nullptr, mem.size(), &l)));
+    EXPECT_TRUE(contains(last_error(), "already registered")) << last_error();
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_STATE,
+                           kvxfer_register_kv(e.get(), mem.data(), mem.size())));
+    const uint32_t ids[2] = {3, 3};
+    EXPECT_EQ(register_on_fresh_engine(mem, &l, ids).status, KVXFER_OK);
+    const uint32_t too_large[2] = {3, 0x80000000u};
+    EXPECT_TRUE(refused(register_on_fresh_engine(mem, &l, too_large),
+                        "kv buffer 1: layer id 2147483648 is too large"));
+}
+
+TEST(KvLayout, NullLayoutIsANullPointer) {
+    Memory mem(1, 8, 1024);
+    Result r = register_on_fresh_engine(mem, nullptr);
+    EXPECT_EQ(r.status, KVXFER_ERR_NULL_POINTER) << r;
+    EXPECT_TRUE(contains(r.message, "argument 'layout' is NULL")) << r;
+}
+
+TEST(KvLayout, AStructSizeOtherThanTheLibrarysIsRefused) {
+    Memory mem(1, 8, 1024);
+    const std::string ours = "not sizeof(kvxfer_kv_layout) = " + std::to_string(sizeof(kvxfer_kv_layout));
+    for (std::size_t size : {std::size_t{0}, sizeof(std::size_t), sizeof(kvxfer_kv_layout) - 4}) {
+        kvxfer_kv_layout l = gqa();
+        l.struct_size = size;
+        Result r = register_on_fresh_engine(mem, &l);
+        EXPECT_TRUE(refused(r, "layout.struct_size is " + std::to_string(size) + ", " + ours));
+        EXPECT_TRUE(contains(r.message, "set it to sizeof(kvxfer_kv_layout)")) << r;
+    }
+    // A caller built against a newer, longer struct: its size is read, nothing past it.
+    struct Newer {
+        kvxfer_kv_layout l;
+        uint32_t appended[2];
+    } newer{gqa(), {7, 7}};
+    newer.l.struct_size = sizeof newer;
+    Result r = register_on_fresh_engine(mem, &newer.l);
+    EXPECT_TRUE(refused(r, "layout.struct_size is " + std::to_string(sizeof newer)));
+    EXPECT_TRUE(contains(r.message, "newer kvxfer.h")) << r;
+}
+
+TEST(KvLayout, UnknownPageOrderAndKindAreRefusedByName) {
+    Memory mem(1, 8, 1024);
+    kvxfer_kv_layout l = gqa();
+    l.page_order = 2;
+    EXPECT_TRUE(refused(register_on_fresh_engine(mem, &l),
+                        "layout.page_order 2 is neither KVXFER_PAGE_HND (0) nor "
+                        "KVXFER_PAGE_NHD (1)"));
+    l = gqa();
+    l.kind = 9;
+    EXPECT_TRUE(refused(register_on_fresh_engine(mem, &l),
+                        "layout.kind 9 is neither KVXFER_KV_HEADS (0) nor KVXFER_KV_LATENT (1)"));
+}
+
+TEST(KvLayout, EachFailedCheckIsRefusedNamingTheFieldAndValue) {
+    Memory mem(1, 8, 1024);
+    struct Case {
+        const char *what;
+        void (*edit)(kvxfer_kv_layout &);
+        const char *message;
+    };
+    const Case cases[] = {
+        {"kv_heads 0", [](kvxfer_kv_layout &l) { l.kv_heads = 0; }, "kv layout: kv_heads is 0"},
+        {"head_dim 0", [](kvxfer_kv_layout &l) { l.head_dim = 0; }, "kv layout: head_dim is 0"},
+        {"dtype_bytes 0", [](kvxfer_kv_layout &l) { l.dtype_bytes = 0; },
+         "kv layout: dtype_bytes is 0"},
+        {"tp_size 0", [](kvxfer_kv_layout &l) { l.tp_size = 0; }, "kv layout: tp_size is 0"},
+        {"page_tokens 0", [](kvxfer_kv_layout &l) { l.page_tokens = 0; },
+         "kv layout: page_tokens is 0"},
+        {"rank past size", [](kvxfer_kv_layout &l) { l.tp_rank = 4; },
+         "kv layout: tp_rank 4 is not below tp_size 4"},
+        {"heads not a multiple of the ranks",
+         [](kvxfer_kv_layout &l) {
+             l.kv_heads = 6;
+             l.tp_rank = 0;
+         },
+         "kv layout: kv_heads 6 is not a multiple of tp_size 4"},
+        {"ranks not a multiple of the heads",
+         [](kvxfer_kv_layout &l) {
+             l.kv_heads = 4;
+             l.tp_size = 6;
+         },
+         "kv layout: tp_size 6 is not a multiple of kv_heads 4"},
+        {"a latent of two heads",
+         [](kvxfer_kv_layout &l) {
+             l.kind = KVXFER_KV_LATENT;
+             l.kv_heads = 2;
+         },
+         "kv layout: kv_heads 2 with kind latent"},
+    };
+    for (const Case &c : cases) {
+        kvxfer_kv_layout l = gqa();
+        c.edit(l);
+        EXPECT_TRUE(refused(register_on_fresh_engine(mem, &l), c.message)) << c.what;
+    }
+}
+
+TEST(KvLayout, ABufferWhosePagesAreNotTheLayoutsIsRefusedNamingItAndTheProduct) {
+    Memory good(1, 8, 1024), half(1, 16, 512);
+    std::vector<kvxfer_buffer> bufs = {good.buffers()[0], half.buffers()[0]};
+    kvxfer_kv_layout l = gqa();
+    EnginePtr e = engine("decode");
+    EXPECT_TRUE(fails_with(KVXFER_ERR_INVALID_ARGUMENT,
+                           kvxfer_register_kv_layout(e.get(), bufs.data(), nullptr, bufs.size(), &l)));
+    std::string msg = last_error();
+    EXPECT_TRUE(contains(msg, "kv buffer 1: item_len 512 differs from the layout's page bytes "
+                              "1024 (page_tokens 4 x 2 heads x head_dim 64 x dtype_bytes 2)"))
+        << msg;
+    // A refused registration registered nothing.
+    EXPECT_TRUE(ok(kvxfer_register_kv_layout(e.get(), good.data(), nullptr, good.size(), &l)));
+}
+
+TEST(KvLayoutHpp, RegisterKvLayoutSetsTheStructSizeAndChecksTheLayerIds) {
+    Memory mem(2, 8, 1024);
+    kvxfer::Config c;
+    c.set("role", "prefill");
+    kvxfer::Engine e(c);
+    kvxfer_kv_layout l = gqa();
+    l.struct_size = 0; // the wrapper sets it
+    try {
+        e.register_kv_layout(mem.buffers(), l, {1});
+        FAIL() << "two buffers with one layer id were taken";
+    } catch (const kvxfer::Error &err) {
+        EXPECT_EQ(err.status(), kvxfer::Status::InvalidArgument);
+        EXPECT_TRUE(contains(err.message(), "2 buffers but 1 layer ids")) << err.what();
+    }
+    try {
+        l.tp_rank = 7;
+        e.register_kv_layout(mem.buffers(), l);
+        FAIL() << "tp_rank 7 of 4 was taken";
+    } catch (const kvxfer::Error &err) {
+        EXPECT_EQ(err.status(), kvxfer::Status::InvalidArgument);
+        EXPECT_TRUE(contains(err.message(), "tp_rank 7 is not below tp_size 4")) << err.what();
+    }
+    l.tp_rank = 3;
+    e.register_kv_layout(mem.buffers(), l, {0, 0});
+}
+
+TEST(KvLayoutHpp, MlaAgainstMhaIsRefusedAtTheExchangeAndBothRoomsSayWhy) {
+    // Both sides' pages are 1024 bytes: only the layouts differ.
+    Memory pmem(2, 8, 1024), dmem(2, 8, 1024);
+    kvxfer::Config pc, dc;
+    pc.set("role", "prefill").set("transport", test_transport()).set("bootstrap_timeout_ms", "1000");
+    dc.set("role", "decode").set("transport", test_transport());
+    kvxfer::Engine prefill(pc), decode(dc);
+    prefill.register_kv_layout(pmem.buffers(), gqa());
+    decode.register_kv_layout(dmem.buffers(), mla());
+    prefill.create_prefill_room(1);
+    decode.create_decode_room(1, {prefill.address()});
+    auto terminal = [](const kvxfer::Engine &e, uint64_t room) {
+        auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        kvxfer::RoomState s = e.poll(room);
+        while (!kvxfer::is_terminal(s) && std::chrono::steady_clock::now() < until) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+            s = e.poll(room);
+        }
+        return s;
+    };
+    const std::string want = "kv kind differs: MLA (latent) on decode, MHA/GQA heads on prefill";
+    ASSERT_EQ(terminal(decode, 1), kvxfer::RoomState::Failed);
+    EXPECT_EQ(decode.failure_cause(1), kvxfer::FailureCause::Mismatch);
+    EXPECT_TRUE(contains(decode.failure(1), want)) << decode.failure(1);
+    // The prefill room is named by no decode engine before the exchange: it fails at its
+    // bootstrap deadline, quoting the refusal.
+    ASSERT_EQ(terminal(prefill, 1), kvxfer::RoomState::Failed);
+    EXPECT_EQ(prefill.failure_cause(1), kvxfer::FailureCause::BootstrapTimeout);
+    EXPECT_TRUE(contains(prefill.failure(1), want)) << prefill.failure(1);
+}
