@@ -4,7 +4,10 @@
 #include "kvxfer.hpp"
 #include "support.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -230,4 +233,119 @@ TEST(KvLayoutHpp, MlaAgainstMhaIsRefusedAtTheExchangeAndBothRoomsSayWhy) {
     ASSERT_EQ(terminal(prefill, 1), kvxfer::RoomState::Failed);
     EXPECT_EQ(prefill.failure_cause(1), kvxfer::FailureCause::BootstrapTimeout);
     EXPECT_TRUE(contains(prefill.failure(1), want)) << prefill.failure(1);
+}
+
+namespace {
+
+/// The byte at element byte `k` of head `h` of token `t` in buffer `b`: odd, so never
+/// the decode side's poison.
+unsigned char value(std::size_t b, uint32_t t, uint32_t h, uint32_t k) {
+    return static_cast<unsigned char>((b * 131 + t * 31 + h * 7 + k * 3) | 1);
+}
+
+/// Offset of byte `k` of head `h` (a model head the rank holds from `h0`, `n` of them)
+/// of the token in `slot`, in an HND page of `page_tokens` tokens and `e`-byte heads.
+std::size_t hnd(uint32_t slot, uint32_t h, uint32_t k, uint32_t h0, uint32_t page_tokens,
+                uint32_t e) {
+    return (static_cast<std::size_t>(h - h0) * page_tokens + slot) * e + k;
+}
+
+} // namespace
+
+TEST(KvLayoutHpp, FourPrefillRanksFillTwoDecodeRanksHeadByHead) {
+    // 8 KV heads of 64 fp16 elements (128 bytes), 4-token HND pages: a prefill rank of
+    // TP 4 holds 2 heads (1024-byte pages), a decode rank of TP 2 holds 4 (2048).
+    constexpr uint32_t kHeads = 8, kE = 128, kPt = 4, kPages = 8;
+    constexpr std::size_t kBufs = 2;
+    const std::vector<uint32_t> src = {5, 2, 7}, dst = {6, 1, 3};
+    std::vector<std::unique_ptr<Memory>> pmem, dmem;
+    std::vector<std::unique_ptr<kvxfer::Engine>> prefills, decodes;
+    auto layout = [&](uint32_t rank, uint32_t tp) {
+        kvxfer_kv_layout l = gqa();
+        l.kv_heads = kHeads;
+        l.tp_rank = rank;
+        l.tp_size = tp;
+        return l;
+    };
+    auto config = [](const char *role) {
+        kvxfer::Config c;
+        c.set("role", role).set("transport", test_transport());
+        return c;
+    };
+    std::vector<std::string> addrs;
+    for (uint32_t r = 0; r < 4; ++r) {
+        pmem.push_back(std::make_unique<Memory>(kBufs, kPages, kPt * 2 * kE));
+        for (std::size_t b = 0; b < kBufs; ++b) {
+            auto *p = static_cast<unsigned char *>(pmem[r]->buffers()[b].base);
+            for (std::size_t i = 0; i < src.size(); ++i) {
+                for (uint32_t slot = 0; slot < kPt; ++slot) {
+                    for (uint32_t h = 2 * r; h < 2 * r + 2; ++h) {
+                        for (uint32_t k = 0; k < kE; ++k) {
+                            p[src[i] * kPt * 2 * kE + hnd(slot, h, k, 2 * r, kPt, kE)] =
+                                value(b, static_cast<uint32_t>(i) * kPt + slot, h, k);
+                        }
+                    }
+                }
+            }
+        }
+        prefills.push_back(std::make_unique<kvxfer::Engine>(config("prefill")));
+        prefills[r]->register_kv_layout(pmem[r]->buffers(), layout(r, 4));
+        addrs.push_back(prefills[r]->address());
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+        dmem.push_back(std::make_unique<Memory>(kBufs, kPages, kPt * 4 * kE));
+        for (const auto &buf : dmem[r]->buffers()) {
+            std::memset(buf.base, 0xEE, buf.len);
+        }
+        decodes.push_back(std::make_unique<kvxfer::Engine>(config("decode")));
+        decodes[r]->register_kv_layout(dmem[r]->buffers(), layout(r, 2));
+        decodes[r]->create_decode_room(1, addrs);
+        decodes[r]->set_destination(1, dst);
+    }
+    for (auto &p : prefills) {
+        p->create_prefill_room(1, 2);
+        p->enqueue_chunk(1, {src[0], src[1]}, false);
+        p->enqueue_chunk(1, {src[2]}, true);
+    }
+    auto terminal = [](const kvxfer::Engine &e, uint64_t room) {
+        auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        kvxfer::RoomState s = e.poll(room);
+        while (!kvxfer::is_terminal(s) && std::chrono::steady_clock::now() < until) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+            s = e.poll(room);
+        }
+        return s;
+    };
+    for (auto &e : decodes) {
+        ASSERT_EQ(terminal(*e, 1), kvxfer::RoomState::Success) << e->failure(1);
+    }
+    for (auto &e : prefills) {
+        ASSERT_EQ(terminal(*e, 1), kvxfer::RoomState::Success) << e->failure(1);
+    }
+    // Each decode rank holds its 4 heads of every token at their place; every other
+    // page is untouched.
+    for (uint32_t r = 0; r < 2; ++r) {
+        for (std::size_t b = 0; b < kBufs; ++b) {
+            const auto *p = static_cast<const unsigned char *>(dmem[r]->buffers()[b].base);
+            for (uint32_t page = 0; page < kPages; ++page) {
+                auto at = std::find(dst.begin(), dst.end(), page);
+                for (uint32_t slot = 0; slot < kPt; ++slot) {
+                    for (uint32_t h = 4 * r; h < 4 * r + 4; ++h) {
+                        for (uint32_t k = 0; k < kE; ++k) {
+                            unsigned char want = 0xEE;
+                            if (at != dst.end()) {
+                                auto j = static_cast<uint32_t>(at - dst.begin());
+                                want = value(b, j * kPt + slot, h, k);
+                            }
+                            const unsigned char got =
+                                p[page * kPt * 4 * kE + hnd(slot, h, k, 4 * r, kPt, kE)];
+                            ASSERT_EQ(got, want) << "decode rank " << r << " buffer " << b
+                                                 << " page " << page << " token slot " << slot
+                                                 << " head " << h << " byte " << k;
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

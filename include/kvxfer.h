@@ -733,11 +733,13 @@ KVXFER_MUST_USE kvxfer_status kvxfer_register_kv_layers(const struct kvxfer_engi
  * naming the field and both values (decode's first): a peer that registered no layout
  * (a byte copy between a sliced and an unsliced layout would put heads in the wrong
  * place), another kind (MLA against MHA/GQA), another `kv_heads`, `head_dim` or
- * `dtype_bytes`, or page sizes of which neither divides the other. The data path copies
- * whole pages today, so two layouts pair only when equal in every field: head-sliced
- * transfers between other tensor-parallel ranks or sizes (and a latent between them),
- * page-size and page-order changes are not built yet, and are refused at the exchange
- * saying so. A refusal fails the decode
+ * `dtype_bytes`, or page sizes of which neither divides the other. Layouts equal in every
+ * field pair as a byte copy of whole pages; any other pair that meets moves head slices:
+ * each prefill rank writes into each decode page the bytes of the heads both hold (a
+ * replicated head or the latent from one replica per decode rank), tokens landing at
+ * their position whatever the page sizes and orders. A decode room then names every
+ * prefill rank of the instance, and each prefill room waits for every decode rank. A
+ * refusal fails the decode
  * engine's rooms with that peer at once (`KVXFER_CAUSE_MISMATCH`, the message as
  * reason). A prefill room is named by no decode engine before the exchange, so it fails
  * at its bootstrap deadline (`KVXFER_CAUSE_BOOTSTRAP_TIMEOUT`), its reason quoting the

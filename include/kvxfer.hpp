@@ -326,8 +326,8 @@ class Engine {
     /// kvxfer_kv_layout; struct_size is set here) and, unless `layer_ids` is empty, a
     /// layer id each. Peers exchange layouts when they connect and refuse ones that cannot
     /// meet (the decode room fails as Mismatch, naming the field and both values); layouts
-    /// that differ in tensor-parallel rank or size, page size or page order are refused as
-    /// not built yet.
+    /// that differ in tensor-parallel rank or size, page size or page order move head
+    /// slices (see kvxfer_register_kv_layout).
     /// A non-empty `layer_ids` of another length than `bufs` throws
     /// KVXFER_ERR_INVALID_ARGUMENT.
     void register_kv_layout(const std::vector<kvxfer_buffer> &bufs, kvxfer_kv_layout layout,

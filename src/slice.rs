@@ -1,8 +1,9 @@
 //! Which bytes of a prefill rank's KV pages go where in a decode rank's pages, when the
-//! two sides have different tensor-parallel sizes, page sizes or page orders.
+//! two sides' layouts ([`KvLayout`]) differ: other tensor-parallel sizes or ranks, page
+//! sizes or page orders.
 //!
-//! A KV buffer's page holds `page_tokens` tokens of the heads its rank holds, `head_bytes`
-//! (head dim × dtype bytes) per head and token, in one of two orders: heads-major (HND:
+//! A KV buffer's page holds `page_tokens` tokens of the heads its rank holds, head dim ×
+//! dtype bytes per head and token, in one of two orders: heads-major (HND:
 //! `[head][token][byte]`) or tokens-major (NHD: `[token][head][byte]`). An MLA latent is
 //! one replicated "head" on every rank.
 //!
@@ -20,116 +21,37 @@
 
 use std::ops::Range;
 
-/// The order of a page's bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Order {
-    /// `[head][token][byte]`: each head's tokens are contiguous.
-    Hnd,
-    /// `[token][head][byte]`: each token's heads are contiguous.
-    Nhd,
+use crate::layout::{KvKind, KvLayout, PageOrder};
+
+/// A rank's layout as the slicing reads it: how many ranks hold each of its heads (1
+/// unless there are fewer heads than ranks; every rank for an MLA latent), the bytes of
+/// one head of one token, and where a head of a token lies in a page.
+trait Place {
+    fn replicas(&self) -> u32;
+    fn head_bytes(&self) -> u64;
+    fn offset(&self, slot: u32, head: u32) -> u64;
 }
 
-/// One rank's KV pages, as the slicing sees them.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Shape {
-    /// The model's KV heads (1 for an MLA latent).
-    pub kv_heads: u32,
-    /// This rank and the number of ranks on its side.
-    pub tp_rank: u32,
-    pub tp_size: u32,
-    /// Tokens per page.
-    pub page_tokens: u32,
-    pub order: Order,
-    /// Bytes of one head of one token: head dim × dtype bytes.
-    pub head_bytes: u64,
-    /// An MLA latent, replicated on every rank, rather than heads split across ranks.
-    pub latent: bool,
-}
-
-impl Shape {
-    /// Checks what [`Shape::heads`] and [`plan`] rely on; the error names the field.
-    pub fn check(&self) -> Result<(), String> {
-        for (name, v) in [
-            ("kv_heads", self.kv_heads),
-            ("tp_size", self.tp_size),
-            ("page_tokens", self.page_tokens),
-        ] {
-            if v == 0 {
-                return Err(format!("{name} is 0"));
-            }
-        }
-        if self.head_bytes == 0 {
-            return Err("head_bytes is 0".into());
-        }
-        if self.tp_rank >= self.tp_size {
-            return Err(format!(
-                "tp_rank {} is not below tp_size {}",
-                self.tp_rank, self.tp_size
-            ));
-        }
-        if self.latent {
-            if self.kv_heads != 1 {
-                return Err(format!("a latent has kv_heads 1, not {}", self.kv_heads));
-            }
-        } else if self.kv_heads >= self.tp_size {
-            if self.kv_heads % self.tp_size != 0 {
-                return Err(format!(
-                    "kv_heads {} do not divide among tp_size {} ranks",
-                    self.kv_heads, self.tp_size
-                ));
-            }
-        } else if self.tp_size % self.kv_heads != 0 {
-            return Err(format!(
-                "tp_size {} ranks do not divide among kv_heads {} (each head must be held \
-                 by the same number of ranks)",
-                self.tp_size, self.kv_heads
-            ));
-        }
-        self.page_bytes()
-            .map(|_| ())
-            .ok_or_else(|| "page bytes overflow 64 bits".into())
-    }
-
-    /// How many ranks hold each head: 1 unless there are fewer heads than ranks (or a
-    /// latent, which every rank holds).
-    pub fn replicas(&self) -> u32 {
-        if self.latent {
-            self.tp_size
-        } else if self.kv_heads >= self.tp_size {
-            1
-        } else {
-            self.tp_size / self.kv_heads
+impl Place for KvLayout {
+    fn replicas(&self) -> u32 {
+        match self.kind {
+            KvKind::Latent => self.tp_size,
+            KvKind::Heads if self.kv_heads >= self.tp_size => 1,
+            KvKind::Heads => self.tp_size / self.kv_heads,
         }
     }
 
-    /// The model heads this rank holds.
-    pub fn heads(&self) -> Range<u32> {
-        if self.latent {
-            return 0..1;
-        }
-        let k = self.replicas();
-        if k > 1 {
-            let h = self.tp_rank / k;
-            return h..h + 1;
-        }
-        let n = self.kv_heads / self.tp_size;
-        self.tp_rank * n..(self.tp_rank + 1) * n
+    fn head_bytes(&self) -> u64 {
+        u64::from(self.head_dim) * u64::from(self.dtype_bytes)
     }
 
-    /// Bytes of one page: page tokens × heads held × head bytes; `None` on overflow.
-    pub fn page_bytes(&self) -> Option<u64> {
-        u64::from(self.page_tokens)
-            .checked_mul(u64::from(self.heads().len() as u32))?
-            .checked_mul(self.head_bytes)
-    }
-
-    /// The offset within a page of `head`'s bytes for the token in `slot`.
     fn offset(&self, slot: u32, head: u32) -> u64 {
-        let h = u64::from(head - self.heads().start);
-        let e = self.head_bytes;
+        let held = self.heads();
+        let h = u64::from(head - held.start);
+        let e = self.head_bytes();
         match self.order {
-            Order::Hnd => (h * u64::from(self.page_tokens) + u64::from(slot)) * e,
-            Order::Nhd => (u64::from(slot) * self.heads().len() as u64 + h) * e,
+            PageOrder::Hnd => (h * u64::from(self.page_tokens) + u64::from(slot)) * e,
+            PageOrder::Nhd => (u64::from(slot) * held.len() as u64 + h) * e,
         }
     }
 }
@@ -140,7 +62,7 @@ impl Shape {
 /// the prefill side holds it on several ranks (replicated heads, the MLA latent), by the
 /// replica whose index is the decode rank's modulo the replica count: decode ranks that
 /// need the same head pull it from different prefill ranks.
-pub fn assigned(p: &Shape, d: &Shape) -> Range<u32> {
+pub fn assigned(p: &KvLayout, d: &KvLayout) -> Range<u32> {
     let (ph, dh) = (p.heads(), d.heads());
     let o = ph.start.max(dh.start)..ph.end.min(dh.end);
     if o.is_empty() {
@@ -216,8 +138,8 @@ pub struct Segment {
 /// order, and a segment is merged into the one before it when it continues it on both
 /// sides.
 pub fn plan(
-    src: &Shape,
-    dst: &Shape,
+    src: &KvLayout,
+    dst: &KvLayout,
     heads: Range<u32>,
     tokens: Range<u64>,
     src_pages: &[u32],
@@ -228,9 +150,9 @@ pub fn plan(
         return;
     }
     let (ps, pd) = (u64::from(src.page_tokens), u64::from(dst.page_tokens));
-    debug_assert_eq!(src.head_bytes, dst.head_bytes);
+    debug_assert_eq!(src.head_bytes(), dst.head_bytes());
     debug_assert_eq!(tokens.start % ps, 0);
-    let e = src.head_bytes;
+    let e = src.head_bytes();
     let first = tokens.start;
     let mut t = tokens.start;
     while t < tokens.end {
@@ -262,13 +184,13 @@ pub fn plan(
         };
         match (src.order, dst.order) {
             // Each head's tokens are contiguous on both sides.
-            (Order::Hnd, Order::Hnd) => {
+            (PageOrder::Hnd, PageOrder::Hnd) => {
                 for h in heads.clone() {
                     push(ss, ds, h, u64::from(n) * e);
                 }
             }
             // Each token's heads are contiguous on both sides.
-            (Order::Nhd, Order::Nhd) => {
+            (PageOrder::Nhd, PageOrder::Nhd) => {
                 for i in 0..n {
                     push(ss + i, ds + i, heads.start, heads.len() as u64 * e);
                 }
@@ -288,16 +210,16 @@ pub fn plan(
 
 /// The bytes that prefill rank `p` owes decode rank `d` per paired buffer for a room
 /// that moves `tokens` tokens: what the decode side expects from that peer.
-pub fn owed_bytes(p: &Shape, d: &Shape, tokens: u64) -> u64 {
-    assigned(p, d).len() as u64 * tokens * d.head_bytes
+pub fn owed_bytes(p: &KvLayout, d: &KvLayout, tokens: u64) -> u64 {
+    assigned(p, d).len() as u64 * tokens * d.head_bytes()
 }
 
 /// A prefill engine's pages against a decode engine's, when their layouts differ: what
 /// both sides of the pair agree on from the registration exchange.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Slicing {
-    pub prefill: Shape,
-    pub decode: Shape,
+    pub prefill: KvLayout,
+    pub decode: KvLayout,
 }
 
 impl Slicing {
@@ -343,13 +265,13 @@ impl Slicing {
             u64::from(heads.start - held.start),
             u64::from(heads.end - held.start),
         );
-        let e = d.head_bytes;
+        let e = d.head_bytes();
         match d.order {
-            Order::Hnd => {
+            PageOrder::Hnd => {
                 let band = u64::from(d.page_tokens) * e;
                 off >= a * band && end <= b * band
             }
-            Order::Nhd => {
+            PageOrder::Nhd => {
                 let row = held.len() as u64 * e;
                 if heads == held {
                     return true;
@@ -365,63 +287,38 @@ impl Slicing {
 mod tests {
     use super::*;
 
-    fn shape(kv_heads: u32, tp_rank: u32, tp_size: u32, pt: u32, order: Order) -> Shape {
-        Shape {
+    use crate::layout::PageOrder as Order;
+
+    /// A GQA rank's layout with 4-byte heads (head dim 2, 2-byte elements).
+    fn shape(kv_heads: u32, tp_rank: u32, tp_size: u32, pt: u32, order: Order) -> KvLayout {
+        KvLayout {
             kv_heads,
+            head_dim: 2,
+            dtype_bytes: 2,
             tp_rank,
             tp_size,
             page_tokens: pt,
             order,
-            head_bytes: 4,
-            latent: false,
+            kind: KvKind::Heads,
         }
     }
 
-    fn latent(tp_rank: u32, tp_size: u32, pt: u32) -> Shape {
-        Shape {
+    fn latent(tp_rank: u32, tp_size: u32, pt: u32) -> KvLayout {
+        KvLayout {
             kv_heads: 1,
-            latent: true,
+            kind: KvKind::Latent,
             ..shape(1, tp_rank, tp_size, pt, Order::Nhd)
         }
     }
 
     #[test]
-    fn heads_split_across_ranks_or_replicate_when_fewer_than_ranks() {
-        assert_eq!(shape(8, 1, 4, 16, Order::Hnd).heads(), 2..4);
-        assert_eq!(shape(8, 0, 1, 16, Order::Hnd).heads(), 0..8);
+    fn heads_replicate_on_as_many_ranks_as_there_are_ranks_per_head() {
+        assert_eq!(shape(8, 1, 4, 16, Order::Hnd).replicas(), 1);
         // 2 heads on 8 ranks: ranks 0-3 hold head 0, ranks 4-7 head 1.
-        assert_eq!(shape(2, 3, 8, 16, Order::Hnd).heads(), 0..1);
         assert_eq!(shape(2, 4, 8, 16, Order::Hnd).heads(), 1..2);
         assert_eq!(shape(2, 4, 8, 16, Order::Hnd).replicas(), 4);
-        assert_eq!(latent(3, 4, 16).heads(), 0..1);
-        assert_eq!(
-            shape(8, 1, 4, 16, Order::Hnd).page_bytes(),
-            Some(16 * 2 * 4)
-        );
-    }
-
-    #[test]
-    fn shapes_that_do_not_divide_are_refused_naming_the_field() {
-        assert!(shape(6, 0, 4, 16, Order::Hnd)
-            .check()
-            .unwrap_err()
-            .contains("kv_heads 6 do not divide among tp_size 4"));
-        assert!(shape(3, 0, 4, 16, Order::Hnd)
-            .check()
-            .unwrap_err()
-            .contains("tp_size 4 ranks do not divide among kv_heads 3"));
-        assert!(shape(8, 4, 4, 16, Order::Hnd)
-            .check()
-            .unwrap_err()
-            .contains("tp_rank 4"));
-        assert!(shape(8, 0, 4, 0, Order::Hnd)
-            .check()
-            .unwrap_err()
-            .contains("page_tokens is 0"));
-        let mut l = latent(0, 2, 16);
-        l.kv_heads = 2;
-        assert!(l.check().unwrap_err().contains("latent has kv_heads 1"));
-        assert!(shape(8, 0, 4, 16, Order::Nhd).check().is_ok());
+        assert_eq!(latent(3, 4, 16).replicas(), 4);
+        assert_eq!(shape(8, 1, 4, 16, Order::Hnd).head_bytes(), 4);
     }
 
     #[test]
@@ -605,7 +502,7 @@ mod tests {
     ) {
         let mk = |r, n, pt, o| {
             if latent_kv {
-                Shape {
+                KvLayout {
                     order: o,
                     ..latent(r, n, pt)
                 }
@@ -613,8 +510,8 @@ mod tests {
                 shape(kv_heads, r, n, pt, o)
             }
         };
-        let prefills: Vec<Shape> = (0..ptp).map(|r| mk(r, ptp, pt.0, order.0)).collect();
-        let decodes: Vec<Shape> = (0..dtp).map(|r| mk(r, dtp, pt.1, order.1)).collect();
+        let prefills: Vec<KvLayout> = (0..ptp).map(|r| mk(r, ptp, pt.0, order.0)).collect();
+        let decodes: Vec<KvLayout> = (0..dtp).map(|r| mk(r, dtp, pt.1, order.1)).collect();
         let n_src = prompt.div_ceil(u64::from(pt.0));
         let n_dst = prompt.div_ceil(u64::from(pt.1));
         // Scattered pages: source page i is pool page 3i+1, destination page j is pool
@@ -639,7 +536,7 @@ mod tests {
                             (t % u64::from(p.page_tokens)) as u32,
                         );
                         for h in p.heads() {
-                            for k in 0..p.head_bytes {
+                            for k in 0..p.head_bytes() {
                                 let at = src_pages[i as usize] as usize * spb
                                     + (p.offset(s, h) + k) as usize;
                                 buf[at] = value(b, t, h, k);
@@ -649,8 +546,8 @@ mod tests {
                 }
                 let heads = assigned(p, d);
                 let pair = Slicing {
-                    prefill: p.clone(),
-                    decode: d.clone(),
+                    prefill: *p,
+                    decode: *d,
                 };
                 let mut before = 0;
                 while before < n_src {
@@ -691,7 +588,7 @@ mod tests {
                         (t % u64::from(d.page_tokens)) as u32,
                     );
                     for h in d.heads() {
-                        for k in 0..d.head_bytes {
+                        for k in 0..d.head_bytes() {
                             let at = dst_pages[j as usize] as usize * dpb
                                 + (d.offset(s, h) + k) as usize;
                             buf[at] = value(b, t, h, k);
@@ -714,7 +611,7 @@ mod tests {
             let owed: u64 = prefills.iter().map(|p| owed_bytes(p, d, moved)).sum();
             let total: u64 = writes[0].iter().map(|&w| u64::from(w)).sum();
             assert_eq!(owed, total, "owed bytes differ from the bytes sent");
-            assert_eq!(total, moved * d.heads().len() as u64 * d.head_bytes);
+            assert_eq!(total, moved * d.heads().len() as u64 * d.head_bytes());
         }
     }
 

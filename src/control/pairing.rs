@@ -11,11 +11,13 @@
 //! `item_len`. With, the model must be the same on both sides (kind, `kv_heads`,
 //! `head_dim`, `dtype_bytes`) and one side's `page_tokens` must divide the other's; the
 //! `item_len`s may then differ (each side checked its own against its layout when it
-//! registered). What the data path can move today (layouts equal in every field) is
-//! [`check_data_path_supports`]'s answer.
+//! registered). Layouts equal in every field copy pages byte for byte; any other pair
+//! moves head slices and tokens through a [`Slicing`] (`crate::slice`).
 
-use crate::layout::{KvKind, KvLayout};
+use crate::layout::KvLayout;
 use crate::proto::{BufferInfo, Registration};
+use crate::slice::Slicing;
+use std::ops::Range;
 
 /// The layouts of a pair of engines, each side's if it registered one.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -33,8 +35,23 @@ pub(crate) struct Pairing {
     pub layouts: Layouts,
 }
 
+impl Pairing {
+    /// How the prefill's pages map into the decode's when both registered layouts and
+    /// they differ (head slices, other page sizes or orders); `None` for a byte copy of
+    /// whole pages.
+    pub fn slicing(&self) -> Option<Slicing> {
+        match self.layouts {
+            Layouts {
+                decode: Some(decode),
+                prefill: Some(prefill),
+            } if decode != prefill => Some(Slicing { prefill, decode }),
+            _ => None,
+        }
+    }
+}
+
 /// Pairs a decode engine's registration with a prefill engine's: their layouts must meet
-/// (see the module documentation) and be ones the data path moves, and their kv buffers
+/// (see the module documentation), and their kv buffers
 /// must pair. Or why they cannot, naming the field and both values, decode's first.
 pub(crate) fn pair_kv(decode: &Registration, prefill: &Registration) -> Result<Pairing, String> {
     let layouts = Layouts {
@@ -44,9 +61,6 @@ pub(crate) fn pair_kv(decode: &Registration, prefill: &Registration) -> Result<P
     check_layouts(&layouts)?;
     // With layouts, each side's item_len is its own layout's page size.
     let map = pair_buffers(&decode.kv, &prefill.kv, layouts.decode.is_none())?;
-    if let (Some(d), Some(p)) = (&layouts.decode, &layouts.prefill) {
-        check_data_path_supports(d, p)?;
-    }
     Ok(Pairing { map, layouts })
 }
 
@@ -95,59 +109,6 @@ fn check_layouts(l: &Layouts) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// Whether the data path can move pages between two layouts that can meet. Today it
-/// copies whole pages byte for byte, so only layouts equal in every field pair; what
-/// differs in tensor-parallel rank or size (head slicing, or a latent sent once per
-/// decode rank), page size or page order is refused as not built yet.
-///
-/// This is the one place that says so: the data path replaces it when it moves more.
-pub(crate) fn check_data_path_supports(
-    decode: &KvLayout,
-    prefill: &KvLayout,
-) -> Result<(), String> {
-    let (d, p) = (decode, prefill);
-    if d == p {
-        return Ok(());
-    }
-    // check_layouts saw the same kind, kv_heads, head_dim and dtype_bytes: what differs
-    // is the rank, the page size or the page order.
-    let what = if (d.tp_size, d.tp_rank) != (p.tp_size, p.tp_rank) {
-        let (dh, ph) = (d.heads(), p.heads());
-        match d.kind {
-            KvKind::Heads => format!(
-                "head-sliced transfer between decode tp {} rank {} (heads {}..{} of {}) and \
-                 prefill tp {} rank {} (heads {}..{})",
-                d.tp_size,
-                d.tp_rank,
-                dh.start,
-                dh.end,
-                d.kv_heads,
-                p.tp_size,
-                p.tp_rank,
-                ph.start,
-                ph.end
-            ),
-            KvKind::Latent => format!(
-                "latent (MLA) transfer between decode tp {} rank {} and prefill tp {} rank {}",
-                d.tp_size, d.tp_rank, p.tp_size, p.tp_rank
-            ),
-        }
-    } else if d.page_tokens != p.page_tokens {
-        format!(
-            "a page-size change (page_tokens {} on decode, {} on prefill)",
-            d.page_tokens, p.page_tokens
-        )
-    } else {
-        format!(
-            "a page-order change ({} on decode, {} on prefill)",
-            d.order, p.order
-        )
-    };
-    Err(format!(
-        "{what} is not built yet: today only layouts equal in every field pair (a byte copy)"
-    ))
 }
 
 /// For each prefill buffer, the decode buffer it fills; or why they cannot pair. With
@@ -233,26 +194,71 @@ pub(crate) fn check_aux(decode: &[BufferInfo], prefill: &[BufferInfo]) -> Result
     Ok(())
 }
 
-/// Checks that the maps of a room's prefill engines cover every decode buffer exactly
-/// once.
-pub(crate) fn check_coverage(n_decode: usize, maps: &[&[u32]]) -> Result<(), String> {
-    let mut seen = vec![0u32; n_decode];
-    for m in maps {
-        for &j in m.iter() {
-            seen[j as usize] += 1;
+/// What one of a room's prefill engines delivers: for each of its kv buffers the decode
+/// buffer it fills (its pairing's map), and of each page the heads it sends (`None`:
+/// whole pages, a byte copy).
+pub(crate) struct Delivery<'a> {
+    pub map: &'a [u32],
+    pub heads: Option<Range<u32>>,
+}
+
+/// Checks that a room's prefill engines together deliver every decode buffer exactly
+/// once: whole, from one engine, or as head slices from several that together hold
+/// each of `heads` (the decode engine's) once.
+pub(crate) fn check_coverage(
+    n_decode: usize,
+    heads: Range<u32>,
+    peers: &[Delivery<'_>],
+) -> Result<(), String> {
+    for j in 0..n_decode as u32 {
+        let from: Vec<Option<Range<u32>>> = peers
+            .iter()
+            .flat_map(|p| p.map.iter().filter(|&&x| x == j).map(|_| p.heads.clone()))
+            .collect();
+        if from.is_empty() {
+            return Err(format!(
+                "decode kv buffer {j} is delivered by none of the room's prefill engines"
+            ));
         }
-    }
-    if let Some(j) = seen.iter().position(|&c| c == 0) {
-        return Err(format!(
-            "decode kv buffer {j} is delivered by none of the room's prefill engines"
-        ));
-    }
-    if let Some(j) = seen.iter().position(|&c| c > 1) {
-        return Err(format!(
-            "decode kv buffer {j} would be written by {} prefill engines; pipeline stages must \
-             register layer ids (kvxfer_register_kv_layers) for their own layers only",
-            seen[j]
-        ));
+        if from.len() > 1 && from.iter().any(Option::is_none) {
+            return Err(format!(
+                "decode kv buffer {j} would be written by {} prefill engines; pipeline stages \
+                 must register layer ids (kvxfer_register_kv_layers) for their own layers only",
+                from.len()
+            ));
+        }
+        if from.iter().any(Option::is_none) {
+            continue; // whole pages, from one engine
+        }
+        // Head slices: they must tile the decode engine's heads.
+        let mut slices: Vec<Range<u32>> = from
+            .into_iter()
+            .flatten()
+            .filter(|h| !h.is_empty())
+            .collect();
+        slices.sort_by_key(|h| h.start);
+        let none = |a: u32, b: u32| {
+            format!(
+                "decode kv buffer {j}: heads {a}..{b} are sent by none of the room's prefill \
+                 engines (a decode room names every prefill rank of the instance)"
+            )
+        };
+        let mut at = heads.start;
+        for h in slices {
+            if h.start < at {
+                return Err(format!(
+                    "decode kv buffer {j}: head {} would be written by two prefill engines",
+                    h.start
+                ));
+            }
+            if h.start > at {
+                return Err(none(at, h.start));
+            }
+            at = h.end;
+        }
+        if at < heads.end {
+            return Err(none(at, heads.end));
+        }
     }
     Ok(())
 }
@@ -260,6 +266,7 @@ pub(crate) fn check_coverage(n_decode: usize, maps: &[&[u32]]) -> Result<(), Str
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::KvKind;
 
     fn b(item_len: u64, layer_id: i32) -> BufferInfo {
         BufferInfo {
@@ -297,10 +304,35 @@ mod tests {
         let m1 = pair_buffers(&d, &stage1, true).unwrap();
         assert_eq!(m0, vec![0, 1, 2, 3]);
         assert_eq!(m1, vec![4, 5, 6, 7]);
-        check_coverage(8, &[&m0, &m1]).unwrap();
-        let e = check_coverage(8, &[&m0]).unwrap_err();
+        fn whole(map: &[u32]) -> Delivery<'_> {
+            Delivery { map, heads: None }
+        }
+        check_coverage(8, 0..0, &[whole(&m0), whole(&m1)]).unwrap();
+        let e = check_coverage(8, 0..0, &[whole(&m0)]).unwrap_err();
         assert!(e.contains("decode kv buffer 4 is delivered by none"), "{e}");
-        let e = check_coverage(8, &[&m0, &m0, &m1]).unwrap_err();
+        let e = check_coverage(8, 0..0, &[whole(&m0), whole(&m0), whole(&m1)]).unwrap_err();
+        assert!(e.contains("written by 2"), "{e}");
+    }
+
+    #[test]
+    fn head_slices_of_a_room_s_prefill_engines_must_tile_the_decode_heads() {
+        let map: &[u32] = &[0, 1];
+        let s = |h: Range<u32>| Delivery {
+            map,
+            heads: Some(h),
+        };
+        // Decode holds heads 4..8: two prefill ranks of 2 heads each, and ranks that
+        // send it nothing.
+        check_coverage(2, 4..8, &[s(0..0), s(4..6), s(6..8), s(0..0)]).unwrap();
+        check_coverage(2, 4..8, &[s(6..8), s(4..6)]).unwrap();
+        let e = check_coverage(2, 4..8, &[s(4..6)]).unwrap_err();
+        assert!(e.contains("heads 6..8 are sent by none"), "{e}");
+        let e = check_coverage(2, 4..8, &[s(0..0)]).unwrap_err();
+        assert!(e.contains("heads 4..8 are sent by none"), "{e}");
+        let e = check_coverage(2, 4..8, &[s(4..6), s(5..8)]).unwrap_err();
+        assert!(e.contains("head 5 would be written by two"), "{e}");
+        // A byte copy of whole pages and a head slice of the same buffer.
+        let e = check_coverage(2, 4..8, &[s(4..6), Delivery { map, heads: None }]).unwrap_err();
         assert!(e.contains("written by 2"), "{e}");
     }
 
@@ -460,84 +492,41 @@ mod tests {
     }
 
     #[test]
-    fn page_size_changes_are_refused_as_not_built_yet() {
+    fn layouts_that_meet_but_differ_pair_through_a_slicing_and_equal_ones_copy_pages() {
         let l = gqa(1, 0);
-        for (d, p) in [(64, 16), (16, 64)] {
-            let e = refused(
+        let slicing = |d: KvLayout, p: KvLayout| pair(Some(d), Some(p)).unwrap().slicing();
+        assert_eq!(slicing(l, l), None);
+        assert_eq!(pair(None, None).unwrap().slicing(), None);
+        for (d, p) in [
+            (gqa(2, 0), gqa(4, 1)),
+            (gqa(2, 0), gqa(2, 1)),
+            (mla(2, 1), mla(4, 3)),
+            (
                 KvLayout {
-                    page_tokens: d,
+                    page_tokens: 64,
                     ..l
                 },
                 KvLayout {
-                    page_tokens: p,
+                    page_tokens: 16,
                     ..l
                 },
-            );
+            ),
+            (
+                KvLayout {
+                    order: crate::layout::PageOrder::Nhd,
+                    ..l
+                },
+                l,
+            ),
+        ] {
             assert_eq!(
-                e,
-                format!(
-                    "a page-size change (page_tokens {d} on decode, {p} on prefill) is not \
-                     built yet: today only layouts equal in every field pair (a byte copy)"
-                )
+                slicing(d, p),
+                Some(Slicing {
+                    prefill: p,
+                    decode: d
+                })
             );
         }
-    }
-
-    #[test]
-    fn head_slicing_is_refused_as_not_built_yet_naming_both_ranks() {
-        let e = refused(gqa(2, 0), gqa(4, 1));
-        assert!(
-            e.starts_with(
-                "head-sliced transfer between decode tp 2 rank 0 (heads 0..4 of 8) and \
-                 prefill tp 4 rank 1 (heads 2..4) is not built yet"
-            ),
-            "{e}"
-        );
-        // Same size, other rank; and ranks that replicate one same head: still not a
-        // byte copy the data path makes today.
-        let e = refused(gqa(2, 0), gqa(2, 1));
-        assert!(
-            e.contains("decode tp 2 rank 0") && e.contains("prefill tp 2 rank 1"),
-            "{e}"
-        );
-        let two = |tp, rank| KvLayout {
-            kv_heads: 2,
-            ..gqa(tp, rank)
-        };
-        let e = refused(two(4, 1), two(2, 0));
-        assert!(
-            e.contains("(heads 0..1 of 2)") && e.contains("(heads 0..1)"),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn a_latent_between_other_ranks_is_refused_as_not_built_yet() {
-        let e = refused(mla(2, 1), mla(4, 3));
-        assert_eq!(
-            e,
-            "latent (MLA) transfer between decode tp 2 rank 1 and prefill tp 4 rank 3 is not \
-             built yet: today only layouts equal in every field pair (a byte copy)"
-        );
-        pair(Some(mla(4, 3)), Some(mla(4, 3))).unwrap();
-    }
-
-    #[test]
-    fn a_page_order_change_is_refused_as_not_built_yet() {
-        let nhd = |l: KvLayout| KvLayout {
-            order: PageOrder::Nhd,
-            ..l
-        };
-        let e = refused(nhd(gqa(2, 1)), gqa(2, 1));
-        assert!(
-            e.starts_with("a page-order change (NHD on decode, HND on prefill) is not built yet"),
-            "{e}"
-        );
-        let e = refused(mla(1, 0), nhd(mla(1, 0)));
-        assert!(
-            e.starts_with("a page-order change (HND on decode, NHD on prefill)"),
-            "{e}"
-        );
     }
 
     #[test]

@@ -121,6 +121,9 @@ impl Peer {
     /// Keeps what the registration exchange agreed: the buffer map and both layouts
     /// (once, by the setup, before the peer is ready).
     pub(super) fn set_pairing(&self, pairing: Pairing) {
+        if let Some(s) = pairing.slicing() {
+            let _ = self.slicing.set(s);
+        }
         let _ = self.kv_map.set(pairing.map);
         let _ = self.kv_layouts.set(pairing.layouts);
     }

@@ -186,6 +186,8 @@ pub struct FakePrefill {
     pub addr: String,
     pub ctrl: Option<TcpStream>,
     pub data: Vec<TcpStream>,
+    /// The kv layout its registration carries (none unless a test sets one).
+    pub layout: Option<kvxfer::KvLayout>,
 }
 
 impl FakePrefill {
@@ -197,6 +199,7 @@ impl FakePrefill {
             addr,
             ctrl: None,
             data: Vec::new(),
+            layout: None,
         }
     }
 
@@ -282,7 +285,10 @@ impl FakePrefill {
         }
         send_msg(
             &mut ctrl,
-            &Message::Registration(registration(bufs, pages, item)),
+            &Message::Registration(Registration {
+                layout: self.layout,
+                ..registration(bufs, pages, item)
+            }),
         );
         assert!(matches!(
             recv_msg(&mut ctrl),

@@ -132,12 +132,22 @@ impl DecodeEngine {
             .kv
             .get()
             .map_or(0, |m| m.buffers().len());
-        let maps: Vec<&[u32]> = d
+        let peers: Vec<pairing::Delivery<'_>> = d
             .peers
             .iter()
-            .map(|p| p.kv_map.get().map_or(&[][..], |m| &m[..]))
+            .map(|p| pairing::Delivery {
+                map: p.kv_map.get().map_or(&[][..], |m| &m[..]),
+                heads: p.slicing.get().map(|s| s.heads()),
+            })
             .collect();
-        if let Err(why) = pairing::check_coverage(n_kv, &maps) {
+        let heads = self
+            .core
+            .node
+            .memory
+            .kv_layout
+            .get()
+            .map_or(0..0, |l| l.heads());
+        if let Err(why) = pairing::check_coverage(n_kv, heads, &peers) {
             lifecycle::fail(
                 self,
                 room,

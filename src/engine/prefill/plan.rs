@@ -264,15 +264,16 @@ mod tests {
     /// the destination page and from its offset in the source page; aux rows as ever.
     #[test]
     fn a_sliced_chunk_plans_a_frame_per_segment_at_its_offsets() {
-        use crate::slice::{Order, Shape};
-        let shape = |tp_rank, tp_size| Shape {
+        use crate::layout::{KvKind, KvLayout, PageOrder};
+        let shape = |tp_rank, tp_size| KvLayout {
             kv_heads: 8,
+            head_dim: 2,
+            dtype_bytes: 2,
             tp_rank,
             tp_size,
             page_tokens: 16,
-            order: Order::Hnd,
-            head_bytes: 4,
-            latent: false,
+            order: PageOrder::Hnd,
+            kind: KvKind::Heads,
         };
         // Prefill rank 1 of TP 4 (heads 2-3, 128-byte pages) into decode rank 0 of TP 2
         // (heads 0-3, 256-byte pages): the second half of each decode page.
