@@ -281,6 +281,19 @@ const MLA: Model = Model {
     latent: true,
 };
 
+/// The whole matrix: every TP pair, GQA with 8 heads and with 2 (replicated
+/// when a side has more ranks), both page orders.
+#[test]
+fn every_tp_pair_with_8_and_2_kv_heads_in_both_orders_delivers_each_head_once() {
+    for (p, d) in [(1, 1), (2, 1), (4, 2), (8, 2), (1, 2), (2, 4), (2, 8)] {
+        for model in [GQA8, GQA2] {
+            for order in [Order::Hnd, Order::Nhd] {
+                transfer(model, side(p, 16, order), side(d, 16, order));
+            }
+        }
+    }
+}
+
 #[test]
 fn a_wider_prefill_fills_each_decode_page_from_several_ranks() {
     transfer(GQA8, side(4, 16, Order::Hnd), side(2, 16, Order::Hnd));
