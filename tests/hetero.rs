@@ -359,6 +359,46 @@ fn an_abort_on_one_rank_fails_the_room_on_every_rank_and_nothing_lands_after() {
     }
 }
 
+/// An abort on one decode rank fails the room on every rank of both sides, with the
+/// reason; nothing lands in any decode rank's pages once its room drained.
+#[test]
+fn an_abort_on_one_decode_rank_fails_the_room_everywhere() {
+    let t = Deployment::new(
+        GQA2,
+        side(2, 16, Order::Nhd),
+        side(4, 16, Order::Nhd),
+        96,
+        4,
+    );
+    for (e, _) in &t.prefills {
+        e.enqueue_chunk(4, &t.src[..2], false, None).unwrap();
+    }
+    t.decodes[2]
+        .0
+        .room_abort(4, "decode rank preempted")
+        .unwrap();
+    for (e, _) in t.decodes.iter().chain(&t.prefills) {
+        assert_eq!(wait_terminal(e, 4), State::Failed);
+        let why = e.room_failure(4).unwrap();
+        assert!(why.message.contains("decode rank preempted"), "{why}");
+    }
+    for (e, mem) in &t.decodes {
+        common::wait_until("the decode room to drain", || e.room_drained(4).unwrap());
+        for region in mem {
+            for &p in &t.dst {
+                region.poison(p, POISON);
+            }
+        }
+    }
+    for (e, _) in &t.prefills {
+        assert!(e.enqueue_chunk(4, &t.src[2..], true, None).is_err());
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    for (_, mem) in &t.decodes {
+        assert!(mem.iter().all(|r| r.holds_only(POISON)));
+    }
+}
+
 /// A prefill rank lost mid-room fails every decode room, with no partial SUCCESS.
 #[test]
 fn a_prefill_rank_lost_mid_room_fails_every_decode_room() {
