@@ -5,6 +5,8 @@
 #include "support.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 using namespace kvtest;
 
@@ -452,4 +454,93 @@ TEST(TransferHpp, ARoundTripThroughTheWrapper) {
     EXPECT_EQ(std::memcmp(dst.slot(1), src.slot(0), kAuxBytes), 0);
     d.clear(42);
     p.clear(42);
+}
+
+// Layer-wise enqueueing through the C ABI: each layer (a buffer, without layer ids) of
+// two chunks handed over in reverse lands as whole chunks would, the aux row with the
+// closing call; every refusal with its status and message.
+TEST_F(Transfer, LayersEnqueuedInReverseLandAndEveryRefusalSaysWhy) {
+    create(1);
+    std::vector<uint32_t> dst = {20, 21, 22, 5}, src = {0, 1, 2, 3};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 1, dst.data(), dst.size(), 3)));
+    for (int c = 0; c < 2; ++c) {
+        for (uint32_t l = kBuffers; l-- > 0;) {
+            const bool last = c == 1 && l == 0;
+            ASSERT_TRUE(ok(kvxfer_enqueue_layers(p_.get(), 1, src.data() + 2 * c, 2, l, 1, last,
+                                                 last ? 2 : -1)));
+        }
+    }
+    ASSERT_EQ(wait_terminal(d_.get(), 1), KVXFER_ROOM_SUCCESS) << failure(d_.get(), 1);
+    ASSERT_EQ(wait_terminal(p_.get(), 1), KVXFER_ROOM_SUCCESS);
+    EXPECT_TRUE(pages_equal(src, dst));
+    EXPECT_EQ(std::memcmp(dst_.slot(3), src_.slot(2), kAuxBytes), 0) << "aux row";
+
+    // Arguments that name no layer: the call fails, the room lives.
+    create(2);
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 2, dst.data(), dst.size(), -1)));
+    Result r = result(kvxfer_enqueue_layers(p_.get(), 2, src.data(), 2, 0, 0, false, -1));
+    EXPECT_EQ(r.status, KVXFER_ERR_INVALID_ARGUMENT) << r;
+    EXPECT_TRUE(contains(r.message, "layer_count is 0")) << r;
+    r = result(kvxfer_enqueue_layers(p_.get(), 2, src.data(), 2, kBuffers - 1, 2, false, -1));
+    EXPECT_EQ(r.status, KVXFER_ERR_INVALID_ARGUMENT) << r;
+    EXPECT_TRUE(contains(r.message, "layer 8 is out of range")) << r;
+    r = result(kvxfer_enqueue_layers(p_.get(), 2, src.data(), 2, 0, 1, false, 1));
+    EXPECT_EQ(r.status, KVXFER_ERR_INVALID_ARGUMENT) << r;
+    EXPECT_TRUE(contains(r.message, "only come with the last chunk")) << r;
+    r = result(kvxfer_enqueue_layers(d_.get(), 2, src.data(), 2, 0, 1, false, -1));
+    EXPECT_EQ(r.status, KVXFER_ERR_WRONG_ROLE) << r;
+    EXPECT_NE(poll(p_.get(), 2), KVXFER_ROOM_FAILED);
+    // A layer twice fails the room, naming the chunk and the layer, on both sides.
+    ASSERT_TRUE(ok(kvxfer_enqueue_layers(p_.get(), 2, src.data(), 2, 0, 2, false, -1)));
+    r = result(kvxfer_enqueue_layers(p_.get(), 2, src.data(), 2, 1, 1, false, -1));
+    EXPECT_EQ(r.status, KVXFER_ERR_INVALID_ARGUMENT) << r;
+    const std::string want = "chunk 0 (2 pages from source page 0): layer 1 was already enqueued";
+    EXPECT_TRUE(contains(r.message, want)) << r;
+    ASSERT_EQ(wait_terminal(p_.get(), 2), KVXFER_ROOM_FAILED);
+    ASSERT_EQ(wait_terminal(d_.get(), 2), KVXFER_ROOM_FAILED);
+    EXPECT_TRUE(contains(failure(p_.get(), 2), want)) << failure(p_.get(), 2);
+    EXPECT_TRUE(contains(failure(d_.get(), 2), want)) << failure(d_.get(), 2);
+    // After the room failed, a layer is refused with the reason.
+    r = result(kvxfer_enqueue_layers(p_.get(), 2, src.data() + 2, 2, 0, 1, false, -1));
+    EXPECT_EQ(r.status, KVXFER_ERR_WRONG_STATE) << r;
+    EXPECT_TRUE(contains(r.message, want)) << r;
+    // Closing the room while a chunk misses a layer fails it naming both.
+    create(3);
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 3, dst.data(), dst.size(), -1)));
+    ASSERT_TRUE(ok(kvxfer_enqueue_layers(p_.get(), 3, src.data(), 2, 0, kBuffers - 1, false, -1)));
+    r = result(kvxfer_enqueue_layers(p_.get(), 3, src.data() + 2, 2, 0, kBuffers, true, -1));
+    EXPECT_EQ(r.status, KVXFER_ERR_INVALID_ARGUMENT) << r;
+    EXPECT_TRUE(contains(r.message, "while chunk 0 (2 pages from source page 0) misses layer 7"))
+        << r;
+    ASSERT_EQ(wait_terminal(p_.get(), 3), KVXFER_ROOM_FAILED);
+}
+
+TEST_F(Transfer, LayersThroughTheCppHeader) {
+    kvxfer::Config pc, dc;
+    pc.set("role", "prefill").set("transport", test_transport());
+    dc.set("role", "decode").set("transport", test_transport());
+    Side src(true), dst(false);
+    kvxfer::Engine p(pc), d(dc);
+    p.register_kv(src.kv.buffers());
+    d.register_kv(dst.kv.buffers());
+    p.create_prefill_room(1);
+    d.create_decode_room(1, {p.address()});
+    d.set_destination(1, {9, 4});
+    p.enqueue_layers(1, {1, 2}, 4, kBuffers - 4, false);
+    p.enqueue_layers(1, {1, 2}, 0, 4, true);
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!kvxfer::is_terminal(d.poll(1)) && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ASSERT_EQ(d.poll(1), kvxfer::RoomState::Success);
+    for (std::size_t b = 0; b < kBuffers; ++b) {
+        EXPECT_EQ(std::memcmp(dst.page(b, 9), src.page(b, 1), kPageBytes), 0) << b;
+        EXPECT_EQ(std::memcmp(dst.page(b, 4), src.page(b, 2), kPageBytes), 0) << b;
+    }
+    try {
+        p.enqueue_layers(1, {1}, 0, 1, true);
+        FAIL() << "a closed room takes no layer";
+    } catch (const kvxfer::Error &e) {
+        EXPECT_EQ(e.code(), KVXFER_ERR_WRONG_STATE) << e.what();
+    }
 }

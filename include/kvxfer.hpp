@@ -388,6 +388,14 @@ class Engine {
     }
 
     /// The room's state; never blocks.
+    /// Prefill only: queues layers [layer_first, layer_first + layer_count) of the chunk
+    /// of source `pages` as soon as they are computed (kvxfer_enqueue_layers).
+    void enqueue_layers(uint64_t room, const std::vector<uint32_t> &pages, uint32_t layer_first,
+                        uint32_t layer_count, bool is_last, int64_t aux_slot = -1) {
+        check(kvxfer_enqueue_layers(handle_.get(), room, pages.data(), pages.size(), layer_first,
+                                    layer_count, is_last, aux_slot));
+    }
+
     RoomState poll(uint64_t room) const {
         kvxfer_room_state s{};
         check(kvxfer_room_poll(handle_.get(), room, &s));

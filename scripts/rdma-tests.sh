@@ -5,7 +5,7 @@
 # Usage: scripts/rdma-tests.sh [BUILD_DIR]      (BUILD_DIR: the CMake build, default build)
 #
 # Builds on the host: the Rust integration tests tests/rdma_verbs.rs, tests/rdma.rs,
-# tests/transfer.rs, tests/two_process.rs and tests/hetero.rs
+# tests/transfer.rs, tests/two_process.rs, tests/hetero.rs and tests/layerwise.rs
 # (feature test-hooks) and the gtest suite (already built in BUILD_DIR). Inside the guest
 # it checks that the rxe device came up, then runs each with KVXFER_TEST_TRANSPORT=rdma,
 # so every engine the suites create moves its data over RDMA. Exits nonzero if the
@@ -19,13 +19,13 @@ mkdir -p "$OUT"
 
 # Host-built test binaries (cargo prints their paths as JSON artifacts).
 bins=$(cargo test --locked --features test-hooks --no-run --message-format=json \
-         --test rdma_verbs --test rdma --test transfer --test two_process --test hetero |
+         --test rdma_verbs --test rdma --test transfer --test two_process --test hetero --test layerwise |
        python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["executable"])')
-[ "$(wc -w <<<"$bins")" = 5 ] || { echo "rdma-tests: expected 5 test binaries, got: $bins" >&2; exit 1; }
+[ "$(wc -w <<<"$bins")" = 6 ] || { echo "rdma-tests: expected 6 test binaries, got: $bins" >&2; exit 1; }
 [ -x "$BUILD/cpp-tests/kvxfer_tests" ] || { echo "rdma-tests: $BUILD/cpp-tests/kvxfer_tests missing (make build)" >&2; exit 1; }
 
 cat > "$OUT/guest.sh" <<GUEST

@@ -79,10 +79,11 @@ pub fn assigned(p: &KvLayout, d: &KvLayout) -> Range<u32> {
 /// earlier chunks moved `src_before` source pages and the destination has `n_dst` pages.
 ///
 /// A chunk's tokens are its pages' slots, from `src_before × Ps`. Tokens past the end of
-/// the destination are refused, except on the last chunk, whose last source page may be
-/// partly past it (a prompt's last page is partial). The last chunk must also reach the
-/// last destination page. With equal page sizes that is today's rule: a room moves as
-/// many pages as its destination has.
+/// the destination are refused, except that a chunk's last source page may be partly
+/// past it (a prompt's last page is partial; a chunk after that one overflows). With
+/// `last` (the room's source pages end with this chunk), the room must also reach the
+/// last destination page. With equal page sizes that is the rule of whole pages: a room
+/// moves as many pages as its destination has.
 pub fn chunk_tokens(
     src_page_tokens: u32,
     dst_page_tokens: u32,
@@ -96,8 +97,8 @@ pub fn chunk_tokens(
     let start = src_before * ps;
     let end = (src_before + n_src) * ps;
     if end > cap {
-        // Only the last source page of the last chunk may reach past the destination.
-        let past_ok = last && n_src > 0 && end - ps < cap;
+        // Only a chunk's last source page may reach past the destination.
+        let past_ok = n_src > 0 && end - ps < cap;
         if !past_ok {
             return Err(format!(
                 "{} source pages of {ps} tokens hold {end} tokens; the destination's {n_dst} \
@@ -334,9 +335,11 @@ mod tests {
         // 64-token source pages into 16-token destination pages: 100 tokens, 2 source
         // pages, 7 destination pages; the second source page is partly past the end.
         assert_eq!(chunk_tokens(64, 16, 1, 1, 7, true), Ok(64..112));
-        assert!(chunk_tokens(64, 16, 1, 1, 7, false).is_err());
-        // A third source page would hold no token of the destination.
+        assert_eq!(chunk_tokens(64, 16, 1, 1, 7, false), Ok(64..112));
+        // A third source page would hold no token of the destination, in this chunk or
+        // the next.
         assert!(chunk_tokens(64, 16, 1, 2, 7, true).is_err());
+        assert!(chunk_tokens(64, 16, 2, 1, 7, false).is_err());
         // 16-token source pages into 64-token destination pages: the last destination
         // page is partly filled.
         assert_eq!(chunk_tokens(16, 64, 4, 3, 2, true), Ok(64..112));

@@ -66,6 +66,12 @@ def _room_id(room: int, function: str) -> int:
     return room
 
 
+def _u32(v: int, what: str, function: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0xFFFF_FFFF:
+        raise _invalid(function, f"{what} {v!r} is not an integer in 0..2^32-1")
+    return v
+
+
 def _slot(slot: int | None, function: str) -> int:
     if slot is None:
         return -1
@@ -686,6 +692,34 @@ class Engine:
         name = "kvxfer_enqueue_chunk"
         p = _Pages(pages, name)
         self._call(name, _room_id(room, name), p.ptr, p.n, bool(is_last), _slot(aux_slot, name))
+
+    @_wraps("kvxfer_enqueue_layers")
+    def enqueue_layers(
+        self,
+        room: int,
+        pages: PageList,
+        layer_first: int,
+        layer_count: int = 1,
+        is_last: bool = False,
+        aux_slot: int | None = None,
+    ) -> None:
+        """Prefill engine only: queues layers ``layer_first .. layer_first +
+        layer_count`` of the chunk of source ``pages`` of room ``room``, as soon as they
+        are computed. The first call with a page list opens the chunk; later calls with
+        the same list add layers. ``is_last`` closes the room (every chunk must then have
+        every layer); ``aux_slot`` only with ``is_last``. Never blocks on the network."""
+        name = "kvxfer_enqueue_layers"
+        p = _Pages(pages, name)
+        self._call(
+            name,
+            _room_id(room, name),
+            p.ptr,
+            p.n,
+            _u32(layer_first, "layer_first", name),
+            _u32(layer_count, "layer_count", name),
+            bool(is_last),
+            _slot(aux_slot, name),
+        )
 
     @_wraps("kvxfer_room_poll")
     def room_poll(self, room: int) -> RoomState:

@@ -426,3 +426,27 @@ def test_engine_rejects_config_and_keys_together():
             kvxfer.Engine(cfg, workers=2)
         with kvxfer.Engine(cfg) as e:
             assert e.address.startswith("127.0.0.1:")
+
+
+def test_layers_enqueued_one_at_a_time_land_and_a_repeated_layer_fails_the_room():
+    """enqueue_layers: a chunk's two layers (K and V buffers without layer ids) handed
+    over one call each land as the whole chunk would; a layer enqueued twice fails the
+    room with the reason naming the chunk and the layer."""
+    with kvxfer.Engine(role="prefill") as p, kvxfer.Engine(role="decode") as d:
+        src = [bytearray(bytes([b + 1]) * 256) for b in range(2)]
+        dst = [bytearray(256) for _ in range(2)]
+        p.register_kv([kvxfer.Buffer.of(s, 64) for s in src])
+        d.register_kv([kvxfer.Buffer.of(x, 64) for x in dst])
+        for room in (1, 2):
+            p.room_create(room)
+            d.room_create(room, [p.address])
+            d.room_set_destination(room, [2, 3])
+        p.enqueue_layers(1, [0, 1], 1)
+        p.enqueue_layers(1, [0, 1], 0, 1, True)
+        assert _terminal(d, 1) == RoomState.SUCCESS
+        assert dst[0][128:256] == bytes([1]) * 128 and dst[1][128:256] == bytes([2]) * 128
+        p.enqueue_layers(2, [0, 1], 0)
+        _raises(kvxfer.InvalidArgumentError, "layer 0 was already enqueued",
+                p.enqueue_layers, 2, [0, 1], 0)
+        assert _terminal(p, 2) == RoomState.FAILED
+        _raises(kvxfer.InvalidArgumentError, "layer_first -1", p.enqueue_layers, 2, [0], -1)

@@ -249,8 +249,38 @@ impl Engine {
         aux_slot: Option<u32>,
     ) -> Result<()> {
         match &self.side {
-            Side::Prefill(p) => p.enqueue(id, pages, is_last, aux_slot),
+            Side::Prefill(p) => p.enqueue(id, pages, None, is_last, aux_slot),
             Side::Decode(_) => Err(wrong_role(Role::Prefill, "kvxfer_enqueue_chunk")),
+        }
+    }
+
+    /// Prefill only: queue layers `layer_first .. layer_first + layer_count` of the
+    /// chunk of source `pages` of room `id`, as soon as those layers are computed. Layers
+    /// are the layer ids the kv buffers were registered with, or without layer ids the
+    /// buffers' positions. The first call with a page list opens the chunk (it takes the
+    /// next destination pages, as `enqueue_chunk` does); later calls with the same list
+    /// add layers to it. `is_last` closes the room: every chunk must then have every
+    /// layer. A layer enqueued twice for a chunk, a page list overlapping an open chunk's,
+    /// or a room closed while a chunk misses a layer fails the room, naming the chunk and
+    /// the layer. Never blocks on the network.
+    pub fn enqueue_layers(
+        &self,
+        id: u64,
+        pages: &[u32],
+        layer_first: u32,
+        layer_count: u32,
+        is_last: bool,
+        aux_slot: Option<u32>,
+    ) -> Result<()> {
+        match &self.side {
+            Side::Prefill(p) => p.enqueue(
+                id,
+                pages,
+                Some((layer_first, layer_count)),
+                is_last,
+                aux_slot,
+            ),
+            Side::Decode(_) => Err(wrong_role(Role::Prefill, "kvxfer_enqueue_layers")),
         }
     }
 
@@ -349,10 +379,10 @@ fn wrong_role(role: Role, call: &str) -> crate::Error {
 
 fn require_live<T>(room: &Room<T>) -> Result<()> {
     let s = room.state();
-    if s.is_terminal() {
-        Err(err!(WrongState, "room {} is already {s}", room.id()))
-    } else {
-        Ok(())
+    match room.failure() {
+        _ if !s.is_terminal() => Ok(()),
+        Some(why) => Err(err!(WrongState, "room {} is already {s}: {why}", room.id())),
+        None => Err(err!(WrongState, "room {} is already {s}", room.id())),
     }
 }
 

@@ -157,6 +157,61 @@ pub unsafe extern "C" fn kvxfer_enqueue_chunk(
     })
 }
 
+/// Prefill engine only: queues layers `layer_first .. layer_first + layer_count` of the
+/// token chunk whose source pages are the `n_pages` of `pages`, as soon as those layers
+/// are computed, so that each layer's KV moves while the next is computed. Layers are
+/// the layer ids the KV buffers were registered with (`kvxfer_register_kv_layers`, or
+/// `kvxfer_register_kv_layout` with ids), or without layer ids the buffers' positions
+/// (buffer `i` is layer `i`). Never blocks on the network; each call's frames start
+/// moving at once, in the order of the calls.
+///
+/// The first call with a page list opens the chunk, which takes the next unused
+/// destination pages as `kvxfer_enqueue_chunk` does; later calls with the same list add
+/// layers to it, in any order, interleaved with other chunks' calls. `is_last` closes
+/// the room (every chunk must have every layer by then); `aux_slot` (>= 0) names the
+/// source aux slot and is allowed only with `is_last`. `kvxfer_enqueue_chunk` is one
+/// call with every layer of a new chunk.
+///
+/// A layer enqueued twice for one chunk, a page list that overlaps an open chunk's
+/// without being it, or a room closed while a chunk misses a layer fails the room with a
+/// reason naming the chunk (numbered from 0 in the order opened) and the layer, with
+/// cause MISMATCH, and the call returns `KVXFER_ERR_INVALID_ARGUMENT` with that reason;
+/// the decode engine fails the room as ABORTED from the peer. Overflowing the
+/// destination fails the room as `kvxfer_enqueue_chunk` does.
+///
+/// Errors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_NOT_FOUND`;
+/// `KVXFER_ERR_WRONG_STATE` if the room is terminal (the message names its state; its
+/// reason is `kvxfer_room_failure`) or already closed; `KVXFER_ERR_INVALID_ARGUMENT` for
+/// a page or slot out of range, an aux slot without `is_last`, `layer_count` 0, a layer
+/// not registered on this engine, or the room failures above.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_enqueue_layers(
+    engine: *const kvxfer_engine,
+    room: u64,
+    pages: *const u32,
+    n_pages: usize,
+    layer_first: u32,
+    layer_count: u32,
+    is_last: bool,
+    aux_slot: i64,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        // SAFETY: pages holds n_pages elements by contract.
+        let pages = unsafe { try_slice(pages, n_pages, "pages") }?;
+        engine.enqueue_layers(
+            room,
+            pages,
+            layer_first,
+            layer_count,
+            is_last,
+            aux(aux_slot)?,
+        )
+    })
+}
+
 /// Stores the state of room `room` in `*state`. Never blocks on the network: a lookup
 /// under one of 64 shard read locks (held for the lookup alone; it can wait only behind
 /// a create or clear of a room in the same shard, which hold it as briefly) and one

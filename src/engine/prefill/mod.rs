@@ -6,6 +6,7 @@
 mod acks;
 mod arrivals;
 pub(crate) mod holding;
+mod layers;
 mod outbox;
 mod plan;
 mod sender;
@@ -28,14 +29,23 @@ use crate::room::{Cause, FailureReason, Room, State};
 use crate::transport::DataLink;
 use acks::Acks;
 use holding::Holding;
+use layers::Chunks;
 use outbox::Outbox;
 
-/// One chunk of source pages.
+/// One chunk of source pages, or some layers of one (`kvxfer_enqueue_layers`).
 #[derive(Debug, Clone)]
 pub(crate) struct Chunk {
     pub pages: Vec<u32>,
+    /// The call closes the room: nothing is enqueued after it.
     pub is_last: bool,
     pub aux: Option<u32>,
+    /// The chunk's first position in the room's source pages (and so in each
+    /// destination's pages, for a byte copy).
+    pub start: usize,
+    /// The kv buffers to send (those of the layers enqueued); `None`: all of them.
+    pub buffers: Option<Arc<[bool]>>,
+    /// With `is_last`: the source pages of the whole room.
+    pub total: Option<usize>,
 }
 
 /// Where one decode engine wants the room's pages.
@@ -62,9 +72,8 @@ pub(crate) struct PrefillRoom {
     held: VecDeque<Chunk>,
     /// The last chunk was enqueued.
     closed: bool,
-    /// Source pages of the chunks planned so far: for a byte copy, the destination pages
-    /// filled (the same for every destination).
-    cursor: usize,
+    /// The chunks enqueued so far, and those still missing layers.
+    chunks: Chunks,
     /// Decode generations heard from engines by messages that were not destinations
     /// (an abort that came before the destination), kept for the cleared-use record.
     known: Vec<(Arc<Peer>, u64)>,
@@ -86,7 +95,7 @@ impl PrefillRoom {
             ready: false,
             held: VecDeque::new(),
             closed: false,
-            cursor: 0,
+            chunks: Chunks::default(),
             known: Vec::new(),
             outstanding: 0,
             sealed: false,
@@ -229,9 +238,18 @@ impl PrefillEngine {
         Ok(())
     }
 
-    /// Queues the next chunk of room `id`: source `pages`, whether it is the last, and
-    /// the aux slot that goes with the last. Never blocks on the network.
-    pub fn enqueue(&self, id: u64, pages: &[u32], is_last: bool, aux: Option<u32>) -> Result<()> {
+    /// Queues the next chunk of room `id`, or layers `(first, count)` of one: source
+    /// `pages`, whether the call closes the room, and the aux slot that goes with the
+    /// last call. Never blocks on the network. A layer enqueued twice for a chunk, or a
+    /// room closed while a chunk misses a layer, fails the room (see [`layers`]).
+    pub fn enqueue(
+        &self,
+        id: u64,
+        pages: &[u32],
+        layers: Option<(u32, u32)>,
+        is_last: bool,
+        aux: Option<u32>,
+    ) -> Result<()> {
         let room = self.core.room(id)?;
         super::require_live(&room)?;
         let node = &self.core.node;
@@ -243,15 +261,47 @@ impl PrefillEngine {
             ));
         }
         super::check_aux(node, aux)?;
-        let chunk = Chunk {
-            pages: pages.to_vec(),
-            is_last,
-            aux,
+        let kv = node
+            .memory
+            .kv
+            .get()
+            .expect("rooms exist only after KV registration");
+        let buffers: Option<Arc<[bool]>> = match layers {
+            None => None,
+            Some((first, count)) => Some(
+                layers::buffers_of(kv, first, count)
+                    .map_err(|why| err!(InvalidArgument, "{why}"))?
+                    .into(),
+            ),
         };
         let mut p = ext(&room).lock();
         if p.closed {
             return Err(err!(WrongState, "room {id} already has its last chunk"));
         }
+        let placed = match p.chunks.admit(pages, buffers.as_deref(), is_last, |b| {
+            layers::layer_of(kv, b)
+        }) {
+            Ok(placed) => placed,
+            Err(why) => {
+                drop(p);
+                let why = format!("room {id}: {why}");
+                lifecycle::fail(
+                    self,
+                    &room,
+                    FailureReason::local(Cause::Mismatch, why.clone()),
+                    None,
+                );
+                return Err(err!(InvalidArgument, "{why}"));
+            }
+        };
+        let chunk = Chunk {
+            pages: pages.to_vec(),
+            is_last,
+            aux,
+            start: placed.start,
+            buffers,
+            total: placed.total,
+        };
         p.closed = chunk.is_last;
         if !p.ready {
             p.held.push_back(chunk);

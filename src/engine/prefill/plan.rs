@@ -61,7 +61,7 @@ pub(crate) fn plan(
                 &dest.pages,
                 &mut segs,
             );
-            for b in 0..kv.buffers().len() {
+            for b in (0..kv.buffers().len()).filter(|&b| sends(chunk, b)) {
                 out.extend(segs.iter().map(|s| Planned {
                     hdr: DataHeader {
                         room,
@@ -82,7 +82,12 @@ pub(crate) fn plan(
         }
     };
     for run in coalesce(&chunk.pages, &dest.pages[start..start + n]) {
-        for (b, desc) in kv.buffers().iter().enumerate() {
+        for (b, desc) in kv
+            .buffers()
+            .iter()
+            .enumerate()
+            .filter(|&(b, _)| sends(chunk, b))
+        {
             let per = (MAX_FRAME_BYTES / desc.item_len).max(1) as u32;
             let mut off = 0;
             while off < run.len {
@@ -107,6 +112,11 @@ pub(crate) fn plan(
     }
     plan_aux(room, chunk, dest, aux, &mut out);
     out
+}
+
+/// Whether the chunk sends kv buffer `b` (all of them, or those of its layers).
+fn sends(chunk: &Chunk, b: usize) -> bool {
+    chunk.buffers.as_ref().is_none_or(|m| m[b])
 }
 
 /// The aux rows of the last chunk: one per aux buffer, when both sides give a slot.
@@ -203,6 +213,9 @@ mod tests {
             pages: vec![0, 1, 2, 7, 8],
             is_last: true,
             aux: Some(1),
+            start: 0,
+            buffers: None,
+            total: None,
         };
         let p = plan(5, &chunk, &d, Place::Pages { start: 0 }, &kv, Some(&aux));
         let kv_frames: Vec<(u32, u32, u32, u32)> = p
@@ -225,6 +238,30 @@ mod tests {
             == f.hdr.n_pages as usize * if f.hdr.target == Target::Kv { 1024 } else { 32 }));
     }
 
+    /// Some layers of a chunk: only their buffers' frames (the aux rows still go with
+    /// the call that closes the room).
+    #[test]
+    fn a_chunk_of_some_layers_plans_only_their_buffers() {
+        let (mut kvb, mut auxb) = (Vec::new(), Vec::new());
+        let kv = memory(3, 16, 64, &mut kvb);
+        let aux = memory(1, 4, 32, &mut auxb);
+        let d = dest(&[10, 11], Some(2));
+        let chunk = Chunk {
+            pages: vec![3, 4],
+            is_last: true,
+            aux: Some(1),
+            start: 0,
+            buffers: Some(vec![false, true, false].into()),
+            total: Some(2),
+        };
+        let p = plan(5, &chunk, &d, Place::Pages { start: 0 }, &kv, Some(&aux));
+        let frames: Vec<(Target, u32, u32)> = p
+            .iter()
+            .map(|f| (f.hdr.target, f.hdr.buffer, f.hdr.first_page))
+            .collect();
+        assert_eq!(frames, vec![(Target::Kv, 1, 10), (Target::Aux, 0, 2)]);
+    }
+
     /// A run longer than a frame is split into frames of at most MAX_FRAME_BYTES; a
     /// non-last chunk (or one without an aux slot on either side) plans no aux row.
     #[test]
@@ -238,6 +275,9 @@ mod tests {
             pages: (0..10).collect(),
             is_last: false,
             aux: None,
+            start: 0,
+            buffers: None,
+            total: None,
         };
         let p = plan(1, &chunk, &d, Place::Pages { start: 0 }, &kv, Some(&aux));
         let per = (MAX_FRAME_BYTES / item) as u32;
@@ -248,6 +288,9 @@ mod tests {
             pages: vec![],
             is_last: true,
             aux: None,
+            start: 0,
+            buffers: None,
+            total: None,
         };
         assert!(plan(
             1,
@@ -289,6 +332,9 @@ mod tests {
             pages: vec![5, 6],
             is_last: true,
             aux: Some(2),
+            start: 0,
+            buffers: None,
+            total: None,
         };
         let tokens = slice::chunk_tokens(16, 16, 1, 2, 3, true).unwrap();
         let place = Place::Sliced {

@@ -51,11 +51,11 @@ impl PrefillEngine {
             // Skipped: the room is already terminal (aborted, failed or done).
             return Ok(());
         }
-        let (dests, start) = {
-            let p = ext(room).lock();
-            (p.dests.clone(), p.cursor)
-        };
-        let n = chunk.pages.len();
+        let dests = ext(room).lock().dests.clone();
+        let (start, n) = (chunk.start, chunk.pages.len());
+        // With `is_last`, the room's source pages in all (the last call may add layers
+        // to an earlier chunk than the last).
+        let total = chunk.total.unwrap_or(start + n);
         match lifecycle::start(self, room) {
             Ok(()) => {}
             // Skipped: the room is already terminal.
@@ -83,25 +83,35 @@ impl PrefillEngine {
             let place = match peer.slicing.get() {
                 None => Place::Pages { start },
                 Some(slicing) => {
-                    let tokens = slice::chunk_tokens(
-                        slicing.prefill.page_tokens,
-                        slicing.decode.page_tokens,
-                        start as u64,
-                        n as u64,
-                        pages.len() as u64,
-                        chunk.is_last,
-                    )
-                    .map_err(|why| {
-                        FailureReason::local(
-                            Cause::Mismatch,
-                            format!(
-                                "room {}: chunk of {n} pages does not fit the destination \
-                                 from {}: {why}",
-                                room.id(),
-                                peer.name
-                            ),
+                    let fits = |before: usize, n: usize, last: bool| {
+                        slice::chunk_tokens(
+                            slicing.prefill.page_tokens,
+                            slicing.decode.page_tokens,
+                            before as u64,
+                            n as u64,
+                            pages.len() as u64,
+                            last,
                         )
-                    })?;
+                    };
+                    let tokens = fits(start, n, false)
+                        .and_then(|t| {
+                            if chunk.is_last {
+                                fits(0, total, true).map(|_| t)
+                            } else {
+                                Ok(t)
+                            }
+                        })
+                        .map_err(|why| {
+                            FailureReason::local(
+                                Cause::Mismatch,
+                                format!(
+                                    "room {}: chunk of {n} pages does not fit the destination \
+                                 from {}: {why}",
+                                    room.id(),
+                                    peer.name
+                                ),
+                            )
+                        })?;
                     Place::Sliced { slicing, tokens }
                 }
             };
@@ -118,13 +128,13 @@ impl PrefillEngine {
                     ),
                 ));
             }
-            if !sliced && chunk.is_last && start + n != pages.len() {
+            if !sliced && chunk.is_last && total != pages.len() {
                 return Err(FailureReason::local(
                     Cause::Mismatch,
                     format!(
                         "room {}: the last chunk leaves {} of {} destination pages from {} unfilled",
                         room.id(),
-                        pages.len() - start - n,
+                        pages.len().saturating_sub(total),
                         pages.len(),
                         peer.name
                     ),
@@ -144,7 +154,7 @@ impl PrefillEngine {
                     room: room.id(),
                     generation: dest.generation,
                     // The source pages of the room: the destination's for a byte copy.
-                    pages_sent: (start + n) as u32,
+                    pages_sent: total as u32,
                     aux_sent,
                 }
                 .encode(&mut frame)
@@ -153,18 +163,17 @@ impl PrefillEngine {
             }
             queued.push((outbox, peer.clone(), batches(frames, room.id())));
         }
-        let total: usize = queued.iter().map(|(_, _, b)| b.len()).sum();
-        let ticket = Ticket::new(total);
+        let batches_planned: usize = queued.iter().map(|(_, _, b)| b.len()).sum();
+        let ticket = Ticket::new(batches_planned);
         {
             let mut p = ext(room).lock();
-            p.cursor = start + n;
-            p.outstanding += total;
+            p.outstanding += batches_planned;
             if chunk.is_last {
                 p.sealed = true;
                 p.finishes = finishes;
             }
         }
-        if total == 0 {
+        if batches_planned == 0 {
             self.chunk_sent();
         }
         for (outbox, peer, batches) in queued {

@@ -1,0 +1,268 @@
+//! Layer-wise enqueueing (issue 14): a chunk's layers handed over one range at a time,
+//! as a prefill computes them, land exactly as the whole chunk would; every mix that
+//! leaves a layer out, repeats one or closes too early fails the room naming the chunk
+//! and the layer; an abort between two layers of a chunk ends the room with nothing more
+//! written.
+
+mod common;
+
+use common::{wait_terminal, Pair, POISON};
+use kvxfer::{Cause, ErrorKind, RoomPeers, State};
+
+/// 4 KV buffers registered without layer ids: layer `i` is buffer `i`.
+const LAYERS: u32 = 4;
+
+fn pair() -> Pair {
+    Pair::builder()
+        .bufs(LAYERS as usize)
+        .pages(64)
+        .item(1024)
+        .build()
+}
+
+/// Two chunks of 3 source pages, into scattered destination pages.
+const SRC: [[u32; 3]; 2] = [[1, 2, 3], [4, 5, 6]];
+const DST: [u32; 6] = [40, 22, 23, 9, 50, 51];
+
+fn all_src() -> Vec<u32> {
+    SRC.concat()
+}
+
+/// Runs room `room` with the calls `(chunk, layer_first, layer_count)` in order, the
+/// last one closing the room; checks both sides SUCCESS and every page of every layer.
+fn run(t: &Pair, room: u64, calls: &[(usize, u32, u32)]) {
+    t.open(room, &DST);
+    for (i, &(c, first, count)) in calls.iter().enumerate() {
+        t.p.enqueue_layers(room, &SRC[c], first, count, i + 1 == calls.len(), None)
+            .unwrap();
+    }
+    assert_eq!(wait_terminal(&t.p, room), State::Success);
+    assert_eq!(wait_terminal(&t.d, room), State::Success);
+    t.assert_pages(&all_src(), &DST);
+    t.repoison(&DST);
+}
+
+#[test]
+fn layers_in_order_in_reverse_interleaved_and_one_at_a_time_land_as_whole_chunks_do() {
+    let t = pair();
+    // In order, one layer a call, chunk by chunk.
+    let in_order: Vec<_> = (0..2)
+        .flat_map(|c| (0..LAYERS).map(move |l| (c, l, 1)))
+        .collect();
+    run(&t, 1, &in_order);
+    // In reverse.
+    let reverse: Vec<_> = (0..2)
+        .flat_map(|c| (0..LAYERS).rev().map(move |l| (c, l, 1)))
+        .collect();
+    run(&t, 2, &reverse);
+    // Interleaved across chunks: each layer of both chunks before the next layer (chunks
+    // take their destination pages in the order they open); the call that closes the
+    // room adds the last layer of chunk 0, not of chunk 1.
+    let interleaved: Vec<_> = (0..LAYERS)
+        .flat_map(|l| {
+            if l + 1 < LAYERS {
+                [(0, l, 1), (1, l, 1)]
+            } else {
+                [(1, l, 1), (0, l, 1)]
+            }
+        })
+        .collect();
+    run(&t, 3, &interleaved);
+    // Ranges of layers: 0-1 then 2-3.
+    run(&t, 4, &[(0, 0, 2), (1, 0, 2), (0, 2, 2), (1, 2, 2)]);
+    // Whole chunks through enqueue_layers: every layer in one call.
+    run(&t, 5, &[(0, 0, LAYERS), (1, 0, LAYERS)]);
+    for r in 1..=5 {
+        t.p.room_clear(r).unwrap();
+        t.d.room_clear(r).unwrap();
+    }
+}
+
+#[test]
+fn layer_ids_name_every_buffer_of_their_layer() {
+    // K and V of 2 layers: ids 0, 0, 1, 1.
+    let src = common::source(4, 16, 256);
+    let dst = common::poisoned(4, 16, 256);
+    let p = common::start("prefill", &[], common::quiet());
+    p.register_kv_layers(common::descs(&src), vec![0, 0, 1, 1])
+        .unwrap();
+    let d = common::start("decode", &[], common::quiet());
+    d.register_kv_layers(common::descs(&dst), vec![0, 0, 1, 1])
+        .unwrap();
+    p.room_create(1, RoomPeers::Decoders(1)).unwrap();
+    d.room_create(1, RoomPeers::Prefills(vec![p.address().into()]))
+        .unwrap();
+    d.room_set_destination(1, &[7, 8], None).unwrap();
+    p.enqueue_layers(1, &[2, 3], 1, 1, false, None).unwrap();
+    // Layer 1 (buffers 2 and 3) lands while layer 0 is not enqueued yet.
+    common::wait_until("layer 1 to land", || {
+        dst[2].page(7) == src[2].page(2) && dst[3].page(8) == src[3].page(3)
+    });
+    assert!(dst[0].holds_only(POISON) && dst[1].holds_only(POISON));
+    let e = p.enqueue_layers(1, &[2, 3], 2, 1, true, None).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.to_string().contains("layer 2 has no kv buffer"), "{e}");
+    assert_eq!(
+        p.room_poll(1).unwrap(),
+        State::Transferring,
+        "a bad range fails nothing"
+    );
+    p.enqueue_layers(1, &[2, 3], 0, 1, true, None).unwrap();
+    assert_eq!(wait_terminal(&d, 1), State::Success);
+    for b in 0..4 {
+        assert_eq!(dst[b].page(7), src[b].page(2));
+        assert_eq!(dst[b].page(8), src[b].page(3));
+    }
+}
+
+/// A call that breaks the chunk rules: the call fails with INVALID_ARGUMENT and the
+/// reason, and the room fails on both sides with it.
+fn assert_refused(t: &Pair, room: u64, e: kvxfer::Error, want: &str) {
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(e.to_string().contains(want), "{e}");
+    assert_eq!(wait_terminal(&t.p, room), State::Failed);
+    assert_eq!(wait_terminal(&t.d, room), State::Failed);
+    for (side, from_peer) in [(&t.p, false), (&t.d, true)] {
+        let why = side.room_failure(room).unwrap();
+        assert_eq!(why.from_peer, from_peer, "{why}");
+        assert!(why.message.contains(want), "{why}");
+    }
+    assert_eq!(t.p.room_poll(room).unwrap(), State::Failed);
+}
+
+#[test]
+fn a_repeated_layer_a_missing_layer_and_an_overlapping_chunk_fail_the_room_naming_them() {
+    let t = pair();
+    // A layer twice.
+    t.open(1, &DST);
+    t.p.enqueue_layers(1, &SRC[0], 0, 2, false, None).unwrap();
+    let e =
+        t.p.enqueue_layers(1, &SRC[0], 1, 1, false, None)
+            .unwrap_err();
+    assert_refused(
+        &t,
+        1,
+        e,
+        "chunk 0 (3 pages from source page 1): layer 1 was already enqueued",
+    );
+    // The room closed while chunk 0 misses layer 3.
+    t.open(2, &DST);
+    t.p.enqueue_layers(2, &SRC[0], 0, 3, false, None).unwrap();
+    let e =
+        t.p.enqueue_layers(2, &SRC[1], 0, LAYERS, true, None)
+            .unwrap_err();
+    assert_refused(
+        &t,
+        2,
+        e,
+        "the room was closed (is_last) while chunk 0 (3 pages from source page 1) misses layer 3",
+    );
+    // Pages that overlap an open chunk's.
+    t.open(3, &DST);
+    t.p.enqueue_layers(3, &SRC[0], 0, 1, false, None).unwrap();
+    let e =
+        t.p.enqueue_layers(3, &[3, 4, 5], 1, 1, false, None)
+            .unwrap_err();
+    assert_refused(&t, 3, e, "overlap those of chunk 0");
+    // More pages than the destination: the room fails as for whole chunks.
+    t.open(4, &DST[..3]);
+    t.p.enqueue_layers(4, &SRC[0], 0, 1, false, None).unwrap();
+    t.p.enqueue_layers(4, &SRC[1], 0, 1, false, None).unwrap();
+    assert_eq!(wait_terminal(&t.p, 4), State::Failed);
+    let why = t.p.room_failure(4).unwrap();
+    assert_eq!(why.cause, Cause::Mismatch);
+    assert!(why.message.contains("overflows the destination"), "{why}");
+    // A layer enqueued after the room failed is refused with the reason.
+    let e =
+        t.p.enqueue_layers(4, &SRC[1], 1, 1, false, None)
+            .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::WrongState);
+    assert!(e.to_string().contains("overflows the destination"), "{e}");
+    // Arguments that name no layer fail the call and leave the room live.
+    t.open(5, &DST);
+    for (first, count, want) in [
+        (0, 0, "layer_count is 0"),
+        (3, 2, "layer 4 is out of range"),
+    ] {
+        let e =
+            t.p.enqueue_layers(5, &SRC[0], first, count, false, None)
+                .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(e.to_string().contains(want), "{e}");
+    }
+    assert!(!t.p.room_poll(5).unwrap().is_terminal());
+    // Decode engines take no layers.
+    let e =
+        t.d.enqueue_layers(5, &SRC[0], 0, 1, false, None)
+            .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::WrongRole);
+}
+
+/// The silent pin of the seed, per layer: the worker held inside layer 1 of chunk 0 (a
+/// chunk that is not the last), later layers and the last chunk queued behind it; an
+/// abort arrives; the room ends FAILED with the reason on both sides, nothing more is
+/// written, and nothing stays in flight.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn an_abort_while_a_layer_is_written_ends_failed_and_writes_nothing_after() {
+    use common::{wait_until, LIMIT};
+    use kvxfer::testing;
+    const MID: &str = "worker.mid_chunk";
+    for from_decode in [false, true] {
+        let t = Pair::builder()
+            .config(&[
+                ("transport", "tcp"),
+                ("workers", "1"),
+                ("connections_per_peer", "1"),
+            ])
+            .bufs(LAYERS as usize)
+            .pages(64)
+            .item(1024)
+            .build();
+        let room = 7;
+        t.ready(room, &DST);
+        t.p.enqueue_layers(room, &SRC[0], 0, 1, false, None)
+            .unwrap();
+        wait_until("layer 0 to land", || {
+            t.d.metrics().bytes_received == 3 * 1024
+        });
+        // Layer 1 of chunk 0 (scattered destination: three frames, one per batch while
+        // the pause is armed), then the rest.
+        testing::pause_at(MID, room);
+        t.p.enqueue_layers(room, &SRC[0], 1, 1, false, None)
+            .unwrap();
+        assert!(
+            testing::wait_paused(MID, room, LIMIT),
+            "worker never paused"
+        );
+        t.p.enqueue_layers(room, &SRC[0], 2, 2, false, None)
+            .unwrap();
+        t.p.enqueue_layers(room, &SRC[1], 0, LAYERS, true, None)
+            .unwrap();
+        let sent = t.p.metrics().bytes_sent;
+        assert_eq!(sent, 4 * 1024, "layer 0 and one frame of layer 1");
+        let reason = "client went away between layers";
+        t.side(from_decode).room_abort(room, reason).unwrap();
+        assert_eq!(wait_terminal(&t.p, room), State::Failed);
+        assert_eq!(wait_terminal(&t.d, room), State::Failed);
+        wait_until("the decode room to drain", || {
+            t.d.room_drained(room).unwrap()
+        });
+        t.repoison(&DST);
+        testing::release(MID, room);
+        t.marker(room + 1, &[10], &[60]);
+        assert_eq!(
+            t.p.metrics().bytes_sent,
+            sent + 4 * 1024,
+            "more of the aborted room was sent"
+        );
+        assert!(t.poisoned(&DST), "a byte landed after the room drained");
+        for (e, local) in [(&t.p, !from_decode), (&t.d, from_decode)] {
+            let why = e.room_failure(room).unwrap();
+            assert_eq!(why.cause, Cause::Aborted, "{why}");
+            assert_eq!(why.from_peer, !local, "{why}");
+            assert!(why.message.contains(reason), "{why}");
+            assert_eq!(e.metrics().inflight, 0);
+        }
+    }
+}
