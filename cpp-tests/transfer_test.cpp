@@ -527,12 +527,18 @@ TEST_F(Transfer, LayersThroughTheCppHeader) {
     d.create_decode_room(1, {p.address()});
     d.set_destination(1, {9, 4});
     p.enqueue_layers(1, {1, 2}, 4, kBuffers - 4, false);
+    // Layers 4.. may land, but layer 0 has not been sent: none counts yet.
+    EXPECT_EQ(d.layers_landed(1), 0u);
     p.enqueue_layers(1, {1, 2}, 0, 4, true);
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (!kvxfer::is_terminal(d.poll(1)) && std::chrono::steady_clock::now() < until) {
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     ASSERT_EQ(d.poll(1), kvxfer::RoomState::Success);
+    EXPECT_EQ(d.layers_landed(1), kBuffers);
+    uint32_t n = 0;
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_ROLE, kvxfer_room_layers_landed(p.get(), 1, &n)));
+    EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER, kvxfer_room_layers_landed(d.get(), 1, nullptr)));
     for (std::size_t b = 0; b < kBuffers; ++b) {
         EXPECT_EQ(std::memcmp(dst.page(b, 9), src.page(b, 1), kPageBytes), 0) << b;
         EXPECT_EQ(std::memcmp(dst.page(b, 4), src.page(b, 2), kPageBytes), 0) << b;

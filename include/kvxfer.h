@@ -936,6 +936,22 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_failure_cause(const struct kvxfer_engi
 KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const struct kvxfer_engine *engine, uint64_t room, bool *drained);
 
 /**
+ * Decode engine only: stores in `*n` how many of room `room`'s first layers have landed
+ * whole, in layer order (the layer ids the KV buffers were registered with, or without
+ * ids their positions): layers 0 .. n-1 hold every byte that every prefill engine of
+ * the room owes them for the whole destination. For a decode server that starts work on
+ * a layer as soon as its KV is in place, while a layer-wise prefill
+ * (`kvxfer_enqueue_layers`) still sends the next ones. The count only grows while the
+ * room lives; SUCCESS means every layer landed, as ever. With head slices between page
+ * sizes that differ, a prefill engine's share is known, and counted, once its Done
+ * arrived. Never blocks on the network.
+ *
+ * Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
+ * `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_room_layers_landed(const struct kvxfer_engine *engine, uint64_t room, uint32_t *n);
+
+/**
  * Releases room `room`'s bookkeeping; a live room is aborted first (FAILED, "cleared
  * while live"). Afterwards the id may be created again at once. Clearing twice is
  * harmless: the second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`.

@@ -396,6 +396,14 @@ class Engine {
                                     layer_count, is_last, aux_slot));
     }
 
+    /// Decode only: how many of the room's first layers have landed whole
+    /// (kvxfer_room_layers_landed).
+    uint32_t layers_landed(uint64_t room) const {
+        uint32_t n = 0;
+        check(kvxfer_room_layers_landed(handle_.get(), room, &n));
+        return n;
+    }
+
     RoomState poll(uint64_t room) const {
         kvxfer_room_state s{};
         check(kvxfer_room_poll(handle_.get(), room, &s));

@@ -482,3 +482,33 @@ fn a_peer_writing_outside_the_heads_it_sends_is_cut_off_and_nothing_lands() {
     );
     assert!(mem[0].page(4).iter().all(|&b| b == POISON));
 }
+
+/// Layer by layer across TP sizes: each decode rank counts a layer once every prefill
+/// rank's heads of it landed.
+#[test]
+fn layers_sent_one_by_one_from_every_rank_are_counted_on_every_decode_rank() {
+    let t = Deployment::new(
+        GQA8,
+        side(4, 16, Order::Hnd),
+        side(2, 16, Order::Hnd),
+        96,
+        6,
+    );
+    for l in 0..BUFS as u32 {
+        let last = l + 1 == BUFS as u32;
+        for (e, _) in &t.prefills {
+            e.enqueue_layers(6, &t.src, l, 1, last, None).unwrap();
+        }
+        if !last {
+            for (e, _) in &t.decodes {
+                common::wait_until("the layer to land on every decode rank", || {
+                    e.room_layers_landed(6).unwrap() == l + 1
+                });
+            }
+        }
+    }
+    for (e, _) in t.decodes.iter().chain(&t.prefills) {
+        assert_eq!(wait_terminal(e, 6), State::Success);
+    }
+    t.assert_delivered();
+}

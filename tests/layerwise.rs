@@ -266,3 +266,38 @@ fn an_abort_while_a_layer_is_written_ends_failed_and_writes_nothing_after() {
         }
     }
 }
+
+/// The decode side sees layers land in layer order: a layer counts once every page of
+/// the whole destination holds it, from every chunk.
+#[test]
+fn the_decode_side_counts_the_layers_landed_in_order() {
+    let t = pair();
+    t.ready(9, &DST);
+    let landed = || t.d.room_layers_landed(9).unwrap();
+    assert_eq!(landed(), 0);
+    // Layer 1 of both chunks: not counted while layer 0 is missing.
+    t.p.enqueue_layers(9, &SRC[0], 1, 1, false, None).unwrap();
+    t.p.enqueue_layers(9, &SRC[1], 1, 1, false, None).unwrap();
+    common::wait_until("layer 1 to land", || {
+        t.d.metrics().bytes_received == 6 * 1024
+    });
+    assert_eq!(landed(), 0);
+    // Layer 0 of chunk 0 only: layer 0 is not whole yet.
+    t.p.enqueue_layers(9, &SRC[0], 0, 1, false, None).unwrap();
+    common::wait_until("chunk 0's layer 0", || {
+        t.d.metrics().bytes_received == 9 * 1024
+    });
+    assert_eq!(landed(), 0);
+    t.p.enqueue_layers(9, &SRC[1], 0, 1, false, None).unwrap();
+    common::wait_until("layers 0 and 1 to have landed", || landed() == 2);
+    t.p.enqueue_layers(9, &SRC[0], 2, 2, false, None).unwrap();
+    t.p.enqueue_layers(9, &SRC[1], 2, 1, false, None).unwrap();
+    common::wait_until("layer 2 to have landed", || landed() == 3);
+    t.p.enqueue_layers(9, &SRC[1], 3, 1, true, None).unwrap();
+    assert_eq!(wait_terminal(&t.d, 9), State::Success);
+    assert_eq!(landed(), LAYERS);
+    assert_eq!(
+        t.p.room_layers_landed(9).unwrap_err().kind(),
+        ErrorKind::WrongRole
+    );
+}

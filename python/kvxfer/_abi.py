@@ -521,6 +521,14 @@ FUNCTIONS = {
         'kvxfer_status kvxfer_room_drained(const kvxfer_engine *engine, uint64_t room, bool *drained)',
         "Stores in `*drained` whether room `room`'s memory may be reused: the room is terminal\nand no transport operation can still touch its pages. This is the one test a host\nmakes before it gives a room's pages to another request (and before it clears the\nroom, since a cleared room can no longer be asked). Decode engine: no write into its\ndestination pages can still land (over TCP the receiver refuses every byte for a\nterminal room and checks the room before each copy and each `recv`, so this becomes\ntrue as soon as the `recv` in progress returns; over RDMA, once every prefill engine\nof the room acknowledged that its writes completed, or was lost, or\n`drain_timeout_ms` passed and its queue pairs were shut; a room that succeeded is\ndrained at once). Prefill engine: no worker is still reading its source pages. A\nlive room is never drained. Never blocks.\n\nErrors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.",
     ),
+    'kvxfer_room_layers_landed': (
+        ctypes.c_int32,
+        [ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32)],
+        ('engine', 'room', 'n'),
+        True,
+        'kvxfer_status kvxfer_room_layers_landed(const kvxfer_engine *engine, uint64_t room, uint32_t *n)',
+        "Decode engine only: stores in `*n` how many of room `room`'s first layers have landed\nwhole, in layer order (the layer ids the KV buffers were registered with, or without\nids their positions): layers 0 .. n-1 hold every byte that every prefill engine of\nthe room owes them for the whole destination. For a decode server that starts work on\na layer as soon as its KV is in place, while a layer-wise prefill\n(`kvxfer_enqueue_layers`) still sends the next ones. The count only grows while the\nroom lives; SUCCESS means every layer landed, as ever. With head slices between page\nsizes that differ, a prefill engine's share is known, and counted, once its Done\narrived. Never blocks on the network.\n\nErrors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;\n`KVXFER_ERR_NULL_POINTER`.",
+    ),
     'kvxfer_room_clear': (
         ctypes.c_int32,
         [ctypes.c_void_p, ctypes.c_uint64],

@@ -721,6 +721,15 @@ class Engine:
             _slot(aux_slot, name),
         )
 
+    @_wraps("kvxfer_room_layers_landed")
+    def room_layers_landed(self, room: int) -> int:
+        """Decode engine only: how many of room ``room``'s first layers (in layer order)
+        have landed whole; never blocks."""
+        name = "kvxfer_room_layers_landed"
+        n = ctypes.c_uint32()
+        self._call(name, _room_id(room, name), ctypes.byref(n))
+        return n.value
+
     @_wraps("kvxfer_room_poll")
     def room_poll(self, room: int) -> RoomState:
         """The state of room ``room``; never blocks."""

@@ -450,3 +450,20 @@ def test_layers_enqueued_one_at_a_time_land_and_a_repeated_layer_fails_the_room(
                 p.enqueue_layers, 2, [0, 1], 0)
         assert _terminal(p, 2) == RoomState.FAILED
         _raises(kvxfer.InvalidArgumentError, "layer_first -1", p.enqueue_layers, 2, [0], -1)
+
+
+def test_the_decode_side_counts_layers_landed():
+    """room_layers_landed: 0 until the first layer landed whole, all once SUCCESS."""
+    with kvxfer.Engine(role="prefill") as p, kvxfer.Engine(role="decode") as d:
+        src = [bytearray(bytes([b + 1]) * 256) for b in range(2)]
+        dst = [bytearray(256) for _ in range(2)]
+        p.register_kv([kvxfer.Buffer.of(s, 64) for s in src])
+        d.register_kv([kvxfer.Buffer.of(x, 64) for x in dst])
+        p.room_create(1)
+        d.room_create(1, [p.address])
+        d.room_set_destination(1, [2, 3])
+        assert d.room_layers_landed(1) == 0
+        p.enqueue_layers(1, [0, 1], 0, 2, True)
+        assert _terminal(d, 1) == RoomState.SUCCESS
+        assert d.room_layers_landed(1) == 2
+        _raises(kvxfer.WrongRoleError, "decode", p.room_layers_landed, 1)

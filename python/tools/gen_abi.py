@@ -57,6 +57,7 @@ SCALARS = {
     "const uint64_t *": "ctypes.POINTER(ctypes.c_uint64)",
     "size_t *": "ctypes.POINTER(ctypes.c_size_t)",
     "uint64_t *": "ctypes.POINTER(ctypes.c_uint64)",
+    "uint32_t *": "ctypes.POINTER(ctypes.c_uint32)",
     "bool *": "ctypes.POINTER(ctypes.c_bool)",
     "kvxfer_room_state *": "ctypes.POINTER(ctypes.c_int32)",
     "kvxfer_failure_cause *": "ctypes.POINTER(ctypes.c_int32)",

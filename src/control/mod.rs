@@ -69,9 +69,9 @@ pub(crate) trait Events: Send + Sync {
         _peer: &Arc<Peer>,
         _room: u64,
         _generation: u64,
-        _kv_bytes: u64,
         _aux_rows: u32,
         _bytes: u64,
+        _kv: &[(u32, u64)],
     ) {
     }
 

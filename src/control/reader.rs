@@ -161,12 +161,12 @@ impl Control {
                 Message::Progress {
                     room,
                     generation,
-                    kv_bytes,
                     aux_rows,
                     bytes,
+                    kv,
                 },
                 Role::Decode,
-            ) if rdma => events.progress(peer, room, generation, kv_bytes, aux_rows, bytes),
+            ) if rdma => events.progress(peer, room, generation, aux_rows, bytes, &kv),
             (
                 Message::Done {
                     room,

@@ -307,6 +307,17 @@ impl Engine {
         with_side!(self, s => core::drained(&**s, id))
     }
 
+    /// Decode only: how many of room `id`'s first layers (in layer order: the layer ids
+    /// the kv buffers were registered with, or their positions) have landed whole, every
+    /// byte every prefill engine owes them for the whole destination. For a decode server
+    /// that starts work per layer; SUCCESS still means what it means (every layer).
+    pub fn room_layers_landed(&self, id: u64) -> Result<u32> {
+        match &self.side {
+            Side::Decode(d) => d.layers_landed(id),
+            Side::Prefill(_) => Err(wrong_role(Role::Decode, "kvxfer_room_layers_landed")),
+        }
+    }
+
     /// Releases room `id` (aborting it first if live); the id may be created again at
     /// once. Never waits: a room that has not drained yet (see [`Engine::room_drained`])
     /// drains in the background. A second clear finds no room.

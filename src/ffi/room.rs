@@ -345,6 +345,36 @@ pub unsafe extern "C" fn kvxfer_room_drained(
     })
 }
 
+/// Decode engine only: stores in `*n` how many of room `room`'s first layers have landed
+/// whole, in layer order (the layer ids the KV buffers were registered with, or without
+/// ids their positions): layers 0 .. n-1 hold every byte that every prefill engine of
+/// the room owes them for the whole destination. For a decode server that starts work on
+/// a layer as soon as its KV is in place, while a layer-wise prefill
+/// (`kvxfer_enqueue_layers`) still sends the next ones. The count only grows while the
+/// room lives; SUCCESS means every layer landed, as ever. With head slices between page
+/// sizes that differ, a prefill engine's share is known, and counted, once its Done
+/// arrived. Never blocks on the network.
+///
+/// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
+/// `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_layers_landed(
+    engine: *const kvxfer_engine,
+    room: u64,
+    n: *mut u32,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        let out = try_out(n, "n")?;
+        let landed = engine.room_layers_landed(room)?;
+        // SAFETY: checked by try_out; writable by contract.
+        unsafe { out.write(landed) };
+        Ok(())
+    })
+}
+
 /// Releases room `room`'s bookkeeping; a live room is aborted first (FAILED, "cleared
 /// while live"). Afterwards the id may be created again at once. Clearing twice is
 /// harmless: the second call changes nothing and returns `KVXFER_ERR_NOT_FOUND`.

@@ -452,12 +452,13 @@ pub enum Message {
         room: u64,
         /// Generation of the room id.
         generation: u64,
-        /// KV bytes written (as the decode side counts data frames' bytes).
-        kv_bytes: u64,
         /// Aux rows completed.
         aux_rows: u32,
         /// Bytes those writes carried, aux rows included.
         bytes: u64,
+        /// KV bytes written per KV buffer (the sender's index), as the decode side counts
+        /// data frames' bytes. At most [`Limits::max_buffers`] entries.
+        kv: Vec<(u32, u64)>,
     },
     /// Either direction: the room failed; the peer must fail it too.
     Abort {
@@ -588,7 +589,7 @@ impl Message {
                 .saturating_add(n(reg.aux.len(), BUFFER_INFO_LEN as u64)),
             Message::Destination { pages, .. } => 28u64.saturating_add(n(pages.len(), 4)),
             Message::Done { .. } => 29,
-            Message::Progress { .. } => 36,
+            Message::Progress { kv, .. } => 32u64.saturating_add(n(kv.len(), 12)),
             Message::Abort { reason, .. } => 20u64.saturating_add(reason.len() as u64),
             Message::AbortAck { .. } => 16,
             Message::Heartbeat { .. } => 8,
@@ -635,6 +636,9 @@ impl Message {
                         b.check(field, i)?;
                     }
                 }
+            }
+            Message::Progress { kv, .. } => {
+                count_ok("Progress.kv", kv.len(), "max_buffers", limits.max_buffers)?;
             }
             Message::Destination { pages, .. } => {
                 count_ok(
@@ -701,7 +705,6 @@ impl Message {
             }
             Message::Hello { .. }
             | Message::Done { .. }
-            | Message::Progress { .. }
             | Message::AbortAck { .. }
             | Message::Heartbeat { .. }
             | Message::AuthHello { .. }
@@ -803,15 +806,19 @@ impl Message {
             Message::Progress {
                 room,
                 generation,
-                kv_bytes,
                 aux_rows,
                 bytes,
+                kv,
             } => {
                 put_u64(out, *room);
                 put_u64(out, *generation);
-                put_u64(out, *kv_bytes);
                 put_u32(out, *aux_rows);
                 put_u64(out, *bytes);
+                put_u32(out, kv.len() as u32);
+                for &(buffer, b) in kv {
+                    put_u32(out, buffer);
+                    put_u64(out, b);
+                }
             }
             Message::Abort {
                 room,
@@ -958,13 +965,24 @@ impl Message {
                     aux_sent,
                 }
             }
-            Kind::Progress => Message::Progress {
-                room: r.u64("Progress.room")?,
-                generation: r.u64("Progress.generation")?,
-                kv_bytes: r.u64("Progress.kv_bytes")?,
-                aux_rows: r.u32("Progress.aux_rows")?,
-                bytes: r.u64("Progress.bytes")?,
-            },
+            Kind::Progress => {
+                let room = r.u64("Progress.room")?;
+                let generation = r.u64("Progress.generation")?;
+                let aux_rows = r.u32("Progress.aux_rows")?;
+                let bytes = r.u64("Progress.bytes")?;
+                let n = r.count("Progress.kv", "max_buffers", limits.max_buffers, 12)?;
+                let mut kv = Vec::with_capacity(n);
+                for _ in 0..n {
+                    kv.push((r.u32("Progress.kv.buffer")?, r.u64("Progress.kv.bytes")?));
+                }
+                Message::Progress {
+                    room,
+                    generation,
+                    aux_rows,
+                    bytes,
+                    kv,
+                }
+            }
             Kind::Abort => {
                 let room = r.u64("Abort.room")?;
                 let generation = r.u64("Abort.generation")?;
@@ -1208,16 +1226,23 @@ pub(super) fn sample_messages() -> Vec<Message> {
         Message::Progress {
             room: 7,
             generation: 3,
-            kv_bytes: 64 * 4096,
             aux_rows: 1,
             bytes: 64 * 4096 + 128,
+            kv: vec![(0, 32 * 4096), (1, 32 * 4096)],
         },
         Message::Progress {
             room: u64::MAX,
             generation: u64::MAX,
-            kv_bytes: u64::MAX,
             aux_rows: 0,
             bytes: u64::MAX,
+            kv: vec![(u32::MAX, u64::MAX)],
+        },
+        Message::Progress {
+            room: 1,
+            generation: 1,
+            aux_rows: 1,
+            bytes: 128,
+            kv: vec![],
         },
         Message::Abort {
             room: 7,

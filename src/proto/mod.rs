@@ -31,7 +31,7 @@
 //! | `Registration` | `has_layout u8 (0/1)`; if 1, the kv layout `kv_heads u32, head_dim u32, dtype_bytes u32, tp_rank u32, tp_size u32, page_tokens u32, order u8 (0 = HND, 1 = NHD), kind u8 (0 = heads, 1 = latent)` (26 bytes, which must pass `KvLayout::check`); then `kv_count u32` + kv buffers, then `aux_count u32` + aux buffers; each buffer is `len u64, item_len u64, addr u64, layer_id i32, rkey u32` (32 bytes) |
 //! | `Destination`  | `room u64, generation u64, aux_slot i64 (-1 = none), n_pages u32, pages u32 × n_pages` |
 //! | `Done`         | `room u64, generation u64, room_echo u64 (= room), pages_sent u32, aux_sent u8 (0/1)` (29 bytes) |
-//! | `Progress`     | `room u64, generation u64, kv_bytes u64, aux_rows u32, bytes u64` (36 bytes; RDMA only) |
+//! | `Progress`     | `room u64, generation u64, aux_rows u32, bytes u64, n_kv u32`, then `n_kv` × `buffer u32, kv_bytes u64` (KV bytes per buffer; RDMA only) |
 //! | `Abort`        | `room u64, generation u64, reason_len u32, reason UTF-8 bytes`           |
 //! | `AbortAck`     | `room u64, generation u64` (16 bytes)                                    |
 //! | `Heartbeat`    | `seq u64` (8 bytes)                                                      |
@@ -104,7 +104,7 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 /// replaced the unused fixed layout of `Registration` by an optional kv layout
 /// ([`KvLayout`](crate::layout::KvLayout)) that the registration exchange checks, lets a
 /// data header write at an offset inside one page (`DataHeader::page_off`, for layouts
-/// that differ) and counts RDMA progress in KV bytes (`Progress::kv_bytes`).
+/// that differ) and counts RDMA progress in KV bytes per buffer (`Progress::kv`).
 pub const PROTO_VERSION: u16 = 5;
 
 /// Length in bytes of the fixed frame header that starts every frame.

@@ -3,6 +3,7 @@
 //! [`receive`], RDMA progress over the control connection), completion when every
 //! prefill engine is done, and (over RDMA) the drain after a failure.
 
+mod layers;
 mod receive;
 mod room;
 
@@ -202,11 +203,19 @@ impl DecodeEngine {
         Some((room, idx?))
     }
 
-    /// Counts page writes and aux rows of peer `idx` that landed in the room's pages (a
-    /// TCP frame read, or an RDMA batch completed), re-arms the room's no-progress
-    /// deadline, and completes the room if the peer's Done was only waiting for them.
-    fn count(&self, peer: &Arc<Peer>, room: &Arc<DRoom>, idx: usize, kv_pages: u64, aux_rows: u64) {
-        let claimed = room.ext.count(idx, kv_pages, aux_rows);
+    /// Counts KV bytes (per our buffer) and aux rows of peer `idx` that landed in the
+    /// room's pages (a TCP frame read, or an RDMA batch completed), re-arms the room's
+    /// no-progress deadline, and completes the room if the peer's Done was only waiting
+    /// for them.
+    fn count(
+        &self,
+        peer: &Arc<Peer>,
+        room: &Arc<DRoom>,
+        idx: usize,
+        kv: &[(u32, u64)],
+        aux_rows: u64,
+    ) {
+        let claimed = room.ext.count(idx, kv, aux_rows);
         lifecycle::progressed(self, room);
         if claimed {
             self.settle(peer, room, idx);
@@ -357,9 +366,9 @@ impl Events for DecodeEngine {
         peer: &Arc<Peer>,
         id: u64,
         generation: u64,
-        kv_bytes: u64,
         aux_rows: u32,
         bytes: u64,
+        kv: &[(u32, u64)],
     ) {
         let Some((room, idx)) = self.room_of(peer, id, generation) else {
             return;
@@ -387,7 +396,13 @@ impl Events for DecodeEngine {
             .metrics
             .bytes_received
             .fetch_add(bytes, Ordering::Relaxed);
-        self.count(peer, &room, idx, kv_bytes, aux_rows as u64);
+        // The peer's buffers, as ours.
+        let map = peer.kv_map.get().map_or(&[][..], |m| &m[..]);
+        let ours: Vec<(u32, u64)> = kv
+            .iter()
+            .map(|&(b, n)| (map.get(b as usize).copied().unwrap_or(u32::MAX), n))
+            .collect();
+        self.count(peer, &room, idx, &ours, aux_rows as u64);
         let _ = lifecycle::start(self, &room);
     }
 

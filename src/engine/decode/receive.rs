@@ -60,12 +60,12 @@ impl Grant for Pages<'_> {
             .bytes_received
             .fetch_add(self.h.byte_len as u64, Ordering::Relaxed);
         if complete {
-            let (kv_bytes, rows) = match self.h.target {
-                Target::Kv => (self.h.byte_len as u64, 0),
-                Target::Aux => (0, 1),
+            let kv = [(self.buffer, self.h.byte_len as u64)];
+            let (kv, rows) = match self.h.target {
+                Target::Kv => (&kv[..], 0),
+                Target::Aux => (&[][..], 1),
             };
-            self.engine
-                .count(self.peer, &self.room, self.idx, kv_bytes, rows);
+            self.engine.count(self.peer, &self.room, self.idx, kv, rows);
         }
     }
 }

@@ -31,6 +31,8 @@ struct DecodeState {
     quiet: Vec<bool>,
     /// RDMA: engine-clock ms after which a failed room's silent peers are cut off.
     drain_deadline_ms: Option<u64>,
+    /// KV bytes landed per our kv buffer, from every peer.
+    landed: Vec<u64>,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -49,6 +51,18 @@ struct Destination {
     /// page → position in `pages`.
     pos: HashMap<u32, u32>,
     aux: Option<u32>,
+}
+
+/// The most kv buffers whose landed bytes a room tracks (more than any registration
+/// holds: `Limits::max_buffers`).
+const MAX_TRACKED_BUFFERS: usize = 1 << 16;
+
+/// What has landed in a room so far, for counting its layers: the destination's pages,
+/// each peer's Done claim (source pages sent), and the KV bytes landed per our buffer.
+pub(crate) struct Landed {
+    pub dest_pages: Option<u64>,
+    pub claims: Vec<Option<u32>>,
+    pub per_buffer: Vec<u64>,
 }
 
 /// What a peer's Done claim comes to, given what has arrived so far.
@@ -170,12 +184,20 @@ impl DecodeRoom {
         Ok(())
     }
 
-    /// Counts KV bytes and aux rows of peer `idx` that landed; whether its Done claim
-    /// was waiting for them.
-    pub fn count(&self, idx: usize, kv_bytes: u64, aux_rows: u64) -> bool {
+    /// Counts KV bytes (per our buffer) and aux rows of peer `idx` that landed; whether
+    /// its Done claim was waiting for them.
+    pub fn count(&self, idx: usize, kv: &[(u32, u64)], aux_rows: u64) -> bool {
         let mut st = self.inner.lock();
+        for &(b, n) in kv {
+            if let Some(l) = st.landed.get_mut(b as usize) {
+                *l += n;
+            } else if (b as usize) < MAX_TRACKED_BUFFERS {
+                st.landed.resize(b as usize + 1, 0);
+                st.landed[b as usize] = n;
+            }
+        }
         let pr = &mut st.progress[idx];
-        pr.kv_bytes += kv_bytes;
+        pr.kv_bytes += kv.iter().map(|&(_, n)| n).sum::<u64>();
         pr.aux_rows += aux_rows;
         pr.claim.is_some()
     }
@@ -247,6 +269,16 @@ impl DecodeRoom {
             Settle::Done {
                 all: st.progress.iter().all(|p| p.done),
             }
+        }
+    }
+
+    /// What has landed so far (see [`Landed`]).
+    pub fn landed(&self) -> Landed {
+        let st = self.inner.lock();
+        Landed {
+            dest_pages: st.dest.as_ref().map(|d| d.pages.len() as u64),
+            claims: st.progress.iter().map(|p| p.claim.map(|c| c.0)).collect(),
+            per_buffer: st.landed.clone(),
         }
     }
 

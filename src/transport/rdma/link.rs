@@ -306,10 +306,13 @@ impl DataLink for RdmaLink {
         };
         #[cfg(feature = "test-hooks")]
         crate::testing::pause_point("rdma.batch_done", first.room);
-        let (mut kv_bytes, mut aux, mut bytes) = (0u64, 0u32, 0u64);
+        let (mut kv, mut aux, mut bytes) = (Vec::<(u32, u64)>::new(), 0u32, 0u64);
         for (hdr, b) in runs {
             match hdr.target {
-                Target::Kv => kv_bytes += b.len() as u64,
+                Target::Kv => match kv.iter_mut().find(|(buf, _)| *buf == hdr.buffer) {
+                    Some((_, n)) => *n += b.len() as u64,
+                    None => kv.push((hdr.buffer, b.len() as u64)),
+                },
                 Target::Aux => aux += 1,
             }
             bytes += b.len() as u64;
@@ -317,7 +320,7 @@ impl DataLink for RdmaLink {
         self.send(&Message::Progress {
             room: first.room,
             generation: first.generation,
-            kv_bytes,
+            kv,
             aux_rows: aux,
             bytes,
         })?;
