@@ -300,11 +300,11 @@ impl fmt::Display for KvLayout {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// GQA with 8 KV heads of 128 fp16 elements, 16-token HND pages, rank `rank` of `tp`.
-    fn gqa(tp: u32, rank: u32) -> KvLayout {
+    pub(crate) fn gqa(tp: u32, rank: u32) -> KvLayout {
         KvLayout {
             kv_heads: 8,
             head_dim: 128,
@@ -317,7 +317,7 @@ mod tests {
         }
     }
 
-    fn mla(tp: u32, rank: u32) -> KvLayout {
+    pub(crate) fn mla(tp: u32, rank: u32) -> KvLayout {
         KvLayout {
             kv_heads: 1,
             head_dim: 576,

@@ -351,28 +351,7 @@ mod tests {
 
     use crate::layout::PageOrder;
 
-    /// GQA, 8 KV heads of 128 fp16 elements, 16-token HND pages: rank `rank` of `tp`.
-    fn gqa(tp: u32, rank: u32) -> KvLayout {
-        KvLayout {
-            kv_heads: 8,
-            head_dim: 128,
-            dtype_bytes: 2,
-            tp_rank: rank,
-            tp_size: tp,
-            page_tokens: 16,
-            order: PageOrder::Hnd,
-            kind: KvKind::Heads,
-        }
-    }
-
-    fn mla(tp: u32, rank: u32) -> KvLayout {
-        KvLayout {
-            kv_heads: 1,
-            head_dim: 576,
-            kind: KvKind::Latent,
-            ..gqa(tp, rank)
-        }
-    }
+    use crate::layout::tests::{gqa, mla};
 
     /// A registration of two buffers of `layout`'s page size (1024 bytes without one).
     fn reg(layout: Option<KvLayout>) -> Registration {
