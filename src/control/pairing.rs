@@ -266,7 +266,6 @@ pub(crate) fn check_coverage(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::KvKind;
 
     fn b(item_len: u64, layer_id: i32) -> BufferInfo {
         BufferInfo {
@@ -348,8 +347,6 @@ mod tests {
     }
 
     // --- layouts ------------------------------------------------------------------------
-
-    use crate::layout::PageOrder;
 
     use crate::layout::tests::{gqa, mla};
 
