@@ -474,7 +474,7 @@ struct Checked {
 
 /// The engines of one kind of phase: one per decode rank, each with the index of its
 /// pool.
-pub struct Set {
+struct Set {
     ranks: Vec<(Engine, usize)>,
     /// Whether they authenticate.
     auth: bool,
@@ -499,6 +499,8 @@ fn kvxfer_phase(
 ) -> Result<KvResult, String> {
     let ranks: Vec<Rank<'_>> = set.ranks.iter().map(|(e, i)| (e, &pools[*i])).collect();
     let ranks = &ranks;
+    // Set once the loop returned, to end the forwarders (within one wait of 50 ms).
+    // Relaxed: it publishes nothing else.
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         for &(e, _) in &ranks[1..] {
@@ -520,9 +522,9 @@ fn kvxfer_phase(
     })
 }
 
-/// The room's state on every rank: `Err` if a poll failed; else whether every rank is
-/// SUCCESS, the first rank FAILED, whether every rank is terminal, and whether any
-/// rank is transferring.
+/// A room's state over every rank ([`poll_all`], an error if one rank's poll failed):
+/// whether every rank is SUCCESS, the first rank FAILED, whether every rank is
+/// terminal, and whether any rank is transferring.
 struct Polled {
     success: bool,
     failed: Option<usize>,
