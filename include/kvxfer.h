@@ -495,6 +495,13 @@ typedef struct kvxfer_metrics {
    * answered with a failure of its decode room; the prefill room is unchanged.
    */
   uint64_t binding_refusals;
+  /**
+   * Prefill engine: data runs written to decode engines, KV and aux (TCP: data frames;
+   * RDMA: writes). A byte copy of consecutive pages is one run per buffer (cut at the
+   * largest frame); head slices between different layouts are one run per byte
+   * segment, so runs per page tell how finely a transfer was cut.
+   */
+  uint64_t data_runs_sent;
 } kvxfer_metrics;
 
 #ifdef __cplusplus

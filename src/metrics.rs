@@ -79,6 +79,9 @@ macro_rules! metrics_table {
             counter binding_refusals (binding_refusals)
                 "kvxfer_binding_refusals_total"
                 "Destinations and aborts refused: the room is bound to other decode engines.";
+            counter data_runs_sent (data_runs_sent)
+                "kvxfer_data_runs_sent_total"
+                "Data runs written to peers (TCP data frames, RDMA writes), KV and aux.";
         }
     };
 }
@@ -301,11 +304,12 @@ mod tests {
         m.failed(Cause::Mismatch);
         m.held.fetch_add(7, Ordering::Relaxed);
         m.auth_failures.fetch_add(3, Ordering::Relaxed);
+        m.data_runs_sent.fetch_add(5, Ordering::Relaxed);
         let s = m.snapshot();
         assert_eq!((s.rooms_created, s.rooms_succeeded), (2, 1));
         assert_eq!(s.rooms_failed[6], 1, "MISMATCH is the 7th cause: {s:?}");
         assert_eq!(s.rooms_failed_total(), 1);
-        assert_eq!((s.held, s.auth_failures), (7, 3));
+        assert_eq!((s.held, s.auth_failures, s.data_runs_sent), (7, 3, 5));
         assert_eq!((s.inflight, s.rooms_draining), (0, 0));
         assert_eq!(s.rooms_by_state, [0; 5]);
     }
@@ -340,7 +344,7 @@ mod tests {
             s.rooms_by_state[2]
         )));
         assert!(line("# TYPE kvxfer_rooms gauge"));
-        // Every sample line carries one distinct value, none missing, none twice: 16
+        // Every sample line carries one distinct value, none missing, none twice: 17
         // counters, 10 causes, 5 states and 2 gauges.
         let mut values: Vec<u64> = text
             .lines()
@@ -350,11 +354,11 @@ mod tests {
         values.sort_unstable();
         let n = values.len() as u64;
         assert_eq!(values, (1..=n).collect::<Vec<_>>(), "{text}");
-        assert_eq!(n, 33, "{text}");
+        assert_eq!(n, 34, "{text}");
         // One HELP and one TYPE per series, every series prefixed.
         let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((types, helps), (20, 20), "{text}");
+        assert_eq!((types, helps), (21, 21), "{text}");
         assert!(text
             .lines()
             .all(|l| l.starts_with("kvxfer_") || l.starts_with("# ")));

@@ -7,7 +7,12 @@ use std::fmt::Write as _;
 use clap::{Args, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use kvxfer::{KvKind, KvLayout, PageOrder};
+
 use crate::sys::Pages;
+
+/// The most ranks on either side (each an engine in one process).
+const MAX_TP: usize = 16;
 
 const USAGE: &str = "\
 kvxfer-bench [--preset NAME] [OPTIONS]         prefill + decode over loopback (two processes)
@@ -43,6 +48,8 @@ pub struct Cli {
     preset: String,
     #[command(flatten)]
     shape: Shape,
+    #[command(flatten)]
+    tp: Parallel,
     #[command(flatten)]
     traffic: Traffic,
     #[command(flatten)]
@@ -83,6 +90,29 @@ struct Shape {
     /// Bytes of each room's aux row (0 = no aux buffer) [64]
     #[arg(long)]
     aux_bytes: Option<usize>,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Tensor parallelism (issue 13)")]
+struct Parallel {
+    /// Prefill ranks: as many prefill engines in the prefill process, each holding its
+    /// slice of the KV heads (the whole latent with --layout mla), registered with its
+    /// layout; with either TP above 1 the kvxfer phases alternate with phases of the same
+    /// model and prompts at TP 1 -> 1 [1]
+    #[arg(long, value_name = "N")]
+    prefill_tp: Option<usize>,
+    /// Decode ranks: as many decode engines in the decode process; a room counts as done
+    /// when every decode rank's room reached SUCCESS [1]
+    #[arg(long, value_name = "M")]
+    decode_tp: Option<usize>,
+    /// The order of a page's elements on both sides, heads-major or tokens-major (with
+    /// --prefill-tp, --decode-tp or --decode-page-tokens) [hnd]
+    #[arg(long)]
+    page_order: Option<Order>,
+    /// Tokens per decode page, when they differ from the prefill's --page-tokens (one
+    /// must divide the other) [--page-tokens]
+    #[arg(long, value_name = "N")]
+    decode_page_tokens: Option<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -231,6 +261,25 @@ pub enum Layout {
     Mla,
 }
 
+/// The order of a page's elements (`--page-order`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    /// Heads-major: `[head][token][dim]`.
+    Hnd,
+    /// Tokens-major: `[token][head][dim]`.
+    Nhd,
+}
+
+impl Order {
+    pub fn name(self) -> &'static str {
+        match self {
+            Order::Hnd => "hnd",
+            Order::Nhd => "nhd",
+        }
+    }
+}
+
 /// How a scheduler loop with nothing to do waits (`--sched`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -361,6 +410,19 @@ pub struct Params {
     pub max_mem_gib: f64,
     pub quick: bool,
     pub json: bool,
+    /// Prefill and decode ranks (`--prefill-tp`, `--decode-tp`).
+    pub prefill_tp: usize,
+    pub decode_tp: usize,
+    pub page_order: Order,
+    /// `--decode-page-tokens`, when given.
+    pub decode_page_tokens: Option<usize>,
+}
+
+/// Which side of a transfer a layout is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Prefill,
+    Decode,
 }
 
 impl Cli {
@@ -376,6 +438,8 @@ impl Cli {
         over!(shape: layers, layout, kv_heads, head_dim, latent_dim, dtype_bytes, page_tokens, aux_bytes);
         over!(traffic: chunk_tokens, concurrency, rooms, repeat, abort_rate, dst_order, seed);
         over!(engine: transport, conns, log_level, auth);
+        over!(tp: prefill_tp, decode_tp, page_order);
+        p.decode_page_tokens = self.tp.decode_page_tokens;
         over!(measure: verify, verify_threads, baseline_buf_mib, baseline_write_kib);
         over!(measure: baseline_read_kib, sched, poll_us, max_mem_gib, pool_pages);
         if let Some((a, b)) = self.traffic.prompt {
@@ -449,6 +513,10 @@ impl Params {
             max_mem_gib: 16.0,
             quick,
             json: false,
+            prefill_tp: 1,
+            decode_tp: 1,
+            page_order: Order::Hnd,
+            decode_page_tokens: None,
         };
         match name {
             "llama3-8b" => {
@@ -555,7 +623,142 @@ impl Params {
         if self.rooms == 0 && self.duration.is_none() {
             return Err("--rooms must be positive".into());
         }
+        self.validate_tp()
+    }
+
+    /// The checks of a run between layouts (`--prefill-tp`, `--decode-tp`,
+    /// `--page-order`, `--decode-page-tokens`).
+    fn validate_tp(&self) -> Result<(), String> {
+        for (opt, tp) in [
+            ("--prefill-tp", self.prefill_tp),
+            ("--decode-tp", self.decode_tp),
+        ] {
+            if !(1..=MAX_TP).contains(&tp) {
+                return Err(format!("{opt} {tp} is outside 1..={MAX_TP}"));
+            }
+        }
+        if !self.layouts() {
+            if self.page_order != Order::Hnd {
+                return Err(format!(
+                    "--page-order {} applies to transfers between layouts (--prefill-tp, \
+                     --decode-tp or --decode-page-tokens): at TP 1 -> 1 whole pages are \
+                     copied, whatever their order",
+                    self.page_order.name()
+                ));
+            }
+            return Ok(());
+        }
+        if self.auth == Auth::Both {
+            return Err(
+                "--auth both and --prefill-tp/--decode-tp each alternate two kinds of phase: \
+                 run them separately (--auth on or off with TP)"
+                    .into(),
+            );
+        }
+        let cell = self.cell_bytes();
+        if cell % 8 != 0 || cell < 24 {
+            return Err(format!(
+                "a head of {cell} bytes (--head-dim x --dtype-bytes, or --latent-dim x \
+                 --dtype-bytes): the per-head pattern of a transfer between layouts needs a \
+                 multiple of 8 bytes, at least 24"
+            ));
+        }
+        if let Some(d) = self.decode_page_tokens {
+            let pt = self.page_tokens;
+            if d == 0 || (d % pt != 0 && pt % d != 0) {
+                return Err(format!(
+                    "--decode-page-tokens {d} and --page-tokens {pt}: one must divide the other"
+                ));
+            }
+            if self.chunk_tokens % d != 0 {
+                return Err(format!(
+                    "--chunk-tokens {} must be a multiple of --decode-page-tokens {d}",
+                    self.chunk_tokens
+                ));
+            }
+        }
+        let sides = [
+            (Side::Prefill, "--prefill-tp", self.prefill_tp),
+            (Side::Decode, "--decode-tp", self.decode_tp),
+        ];
+        for (side, opt, tp) in sides {
+            self.layout(side, tp, 0).check().map_err(|e| {
+                format!(
+                    "{opt} {tp} with --kv-heads {}: {e}",
+                    self.kv_heads_of_layout()
+                )
+            })?;
+        }
         Ok(())
+    }
+
+    /// Whether the run moves KV between layouts (each rank an engine registered with its
+    /// layout, the per-head pattern) rather than whole pages between two engines.
+    pub fn layouts(&self) -> bool {
+        self.prefill_tp > 1
+            || self.decode_tp > 1
+            || self
+                .decode_page_tokens
+                .is_some_and(|d| d != self.page_tokens)
+    }
+
+    /// Tokens per page on `side`.
+    pub fn side_page_tokens(&self, side: Side) -> usize {
+        match side {
+            Side::Prefill => self.page_tokens,
+            Side::Decode => self.decode_page_tokens.unwrap_or(self.page_tokens),
+        }
+    }
+
+    /// Bytes of one head of one token (of the latent with --layout mla).
+    pub fn cell_bytes(&self) -> usize {
+        match self.layout {
+            Layout::Kv => self.head_dim * self.dtype_bytes,
+            Layout::Mla => self.latent_dim * self.dtype_bytes,
+        }
+    }
+
+    fn kv_heads_of_layout(&self) -> usize {
+        match self.layout {
+            Layout::Kv => self.kv_heads,
+            Layout::Mla => 1,
+        }
+    }
+
+    /// The layout of rank `rank` of `tp` on `side` (TP 1 on both sides with the prefill's
+    /// pages: the equal-TP comparison).
+    pub fn layout(&self, side: Side, tp: usize, rank: usize) -> KvLayout {
+        let (kind, head_dim) = match self.layout {
+            Layout::Kv => (KvKind::Heads, self.head_dim),
+            Layout::Mla => (KvKind::Latent, self.latent_dim),
+        };
+        KvLayout {
+            kv_heads: self.kv_heads_of_layout() as u32,
+            head_dim: head_dim as u32,
+            dtype_bytes: self.dtype_bytes as u32,
+            tp_rank: rank as u32,
+            tp_size: tp as u32,
+            page_tokens: self.side_page_tokens(side) as u32,
+            order: match self.page_order {
+                Order::Hnd => PageOrder::Hnd,
+                Order::Nhd => PageOrder::Nhd,
+            },
+            kind,
+        }
+    }
+
+    /// The layouts of the ranks of `side` in a run between layouts.
+    pub fn rank_layouts(&self, side: Side) -> Vec<KvLayout> {
+        let tp = match side {
+            Side::Prefill => self.prefill_tp,
+            Side::Decode => self.decode_tp,
+        };
+        (0..tp).map(|r| self.layout(side, tp, r)).collect()
+    }
+
+    /// The equal-TP comparison's layout: TP 1, the prefill's pages (on both sides).
+    pub fn equal_layout(&self) -> KvLayout {
+        self.layout(Side::Prefill, 1, 0)
     }
 
     /// KV buffers each engine registers.
@@ -620,6 +823,18 @@ impl Params {
             ", chunk {}, {} in flight",
             self.chunk_tokens, self.concurrency
         );
+        if self.layouts() {
+            let _ = write!(
+                s,
+                "; TP {} -> {}, {} pages",
+                self.prefill_tp,
+                self.decode_tp,
+                self.page_order.name().to_uppercase()
+            );
+            if let Some(d) = self.decode_page_tokens {
+                let _ = write!(s, ", decode pages of {d} tokens");
+            }
+        }
         s
     }
 }
@@ -734,11 +949,87 @@ mod tests {
     }
 
     #[test]
+    fn tp_options_set_each_ranks_layout_and_default_to_whole_pages() {
+        let d = params("");
+        assert_eq!(
+            (d.prefill_tp, d.decode_tp, d.page_order),
+            (1, 1, Order::Hnd)
+        );
+        assert!(!d.layouts());
+        assert!(!params("--decode-page-tokens 16").layouts());
+        let p = params("--prefill-tp 4 --decode-tp 2 --page-order nhd");
+        assert!(p.layouts());
+        let pre = p.rank_layouts(Side::Prefill);
+        assert_eq!(pre.len(), 4);
+        assert_eq!(pre[3].heads(), 6..8);
+        assert_eq!((pre[3].tp_rank, pre[3].order), (3, PageOrder::Nhd));
+        let dec = p.rank_layouts(Side::Decode);
+        assert_eq!(
+            (dec[1].heads(), dec[1].page_bytes()),
+            (4..8, Some(16 * 4 * 256))
+        );
+        let eq = p.equal_layout();
+        assert_eq!((eq.tp_size, eq.heads(), eq.page_tokens), (1, 0..8, 16));
+        let m = params("--preset deepseek-mla --prefill-tp 3 --decode-tp 5");
+        let l = m.layout(Side::Decode, 5, 4);
+        assert_eq!(
+            (l.kind, l.kv_heads, l.head_dim, l.heads()),
+            (KvKind::Latent, 1, 576, 0..1)
+        );
+        let pages = params("--decode-page-tokens 64 --prompt 1000");
+        assert!(pages.layouts());
+        assert_eq!(pages.layout(Side::Decode, 1, 0).page_tokens, 64);
+        assert_eq!(pages.equal_layout().page_tokens, 16);
+        // Replicated heads: 2 KV heads over 8 decode ranks.
+        let r = params("--kv-heads 2 --decode-tp 8");
+        assert_eq!(r.layout(Side::Decode, 8, 5).heads(), 1..2);
+    }
+
+    #[test]
+    fn tp_sizes_that_do_not_divide_the_heads_are_refused_with_the_reason() {
+        let e = parse("--prefill-tp 3").unwrap_err();
+        assert!(
+            e.contains(
+                "--prefill-tp 3 with --kv-heads 8: kv_heads 8 is not a multiple of tp_size 3"
+            ),
+            "{e}"
+        );
+        let e = parse("--kv-heads 2 --decode-tp 3").unwrap_err();
+        assert!(
+            e.contains(
+                "--decode-tp 3 with --kv-heads 2: tp_size 3 is not a multiple of kv_heads 2"
+            ),
+            "{e}"
+        );
+        let e = parse("--decode-page-tokens 24").unwrap_err();
+        assert!(e.contains("one must divide the other"), "{e}");
+        let e = parse("--decode-page-tokens 4096").unwrap_err();
+        assert!(e.contains("--chunk-tokens 2048 must be a multiple"), "{e}");
+        let e = parse("--page-order nhd").unwrap_err();
+        assert!(
+            e.contains("--page-order nhd applies to transfers between layouts"),
+            "{e}"
+        );
+        let e = parse("--head-dim 2 --prefill-tp 2").unwrap_err();
+        assert!(e.contains("a head of 4 bytes"), "{e}");
+        for bad in [
+            "--prefill-tp 0",
+            "--decode-tp 17",
+            "--auth both --prefill-tp 2",
+            "--decode-page-tokens 0",
+            "--page-order xyz",
+        ] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn the_command_lines_of_the_makefiles_and_scripts_parse() {
         // Makefile (bench-smoke), Makefile.bench, scripts/rdma-bench.sh, bench/peers/.
         for ok in [
             "--preset single-page --quick --json",
             "--preset llama3-8b --quick --abort-rate 0.2 --json",
+            "--preset llama3-8b --quick --prefill-tp 2 --decode-tp 1 --json",
             "--preset deepseek-mla --json --quick",
             "--preset table --json",
             "--transport rdma --json --preset llama3-8b --prompt 1024 --rooms 6 --concurrency 2 \

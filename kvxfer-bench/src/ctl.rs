@@ -31,7 +31,8 @@ pub enum ToPrefill {
         bytes: u64,
         secs: f64,
     },
-    /// A kvxfer phase on prefill engine `engine`, its rooms counted from `start`.
+    /// A kvxfer phase on the prefill engines of set `engine` (one engine per rank), its
+    /// rooms counted from `start`.
     Run {
         start: u64,
         engine: usize,
@@ -47,10 +48,12 @@ pub enum ToPrefill {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ToDecode {
-    /// The plan is set up: the prefill engines' addresses (one per `--auth` pair, in
-    /// pair order) and the TCP baseline's listener.
+    /// The plan is set up: the prefill engines' addresses, by set (one set per `--auth`
+    /// pair, in pair order, of one engine each; between layouts, the ranks of the TP
+    /// phases, then the one rank of the equal-TP phases) and rank, and the TCP
+    /// baseline's listener.
     Ready {
-        engines: Vec<String>,
+        engines: Vec<Vec<String>>,
         baseline: String,
     },
     /// The plan could not be set up.
@@ -59,12 +62,14 @@ pub enum ToDecode {
     TcpReady,
     /// The baseline was sent: bytes, and this process's usage over it.
     TcpDone { bytes: u64, usage: Usage },
-    /// A phase ended: every room's record in index order, this process's usage over the
-    /// phase and the prefill scheduler loop's own.
+    /// A phase ended: every room's record in index order (every rank's together), this
+    /// process's usage over the phase, the prefill scheduler loops' own, and the data
+    /// runs the phase's engines wrote (their `data_runs_sent`).
     PhaseDone {
         rooms: Vec<PrefillRoom>,
         usage: Usage,
         driver: Usage,
+        runs: u64,
     },
 }
 
@@ -109,6 +114,37 @@ impl Outcome {
         Outcome::Failed {
             cause: cause.into(),
             from_peer: false,
+        }
+    }
+}
+
+impl PrefillRoom {
+    /// One room as every rank saw it: from the first rank's enqueue to the last rank's
+    /// end; SUCCESS if every rank's was, else the first rank's own failure (one not
+    /// reported by a peer), or the first failure.
+    pub fn merge(ranks: &[PrefillRoom]) -> PrefillRoom {
+        let failed = || {
+            ranks
+                .iter()
+                .map(|r| &r.outcome)
+                .filter(|o| **o != Outcome::Ok)
+        };
+        let own = failed().find(|o| {
+            matches!(
+                o,
+                Outcome::Failed {
+                    from_peer: false,
+                    ..
+                }
+            )
+        });
+        PrefillRoom {
+            t_enq: ranks.iter().map(|r| r.t_enq).min().unwrap_or(0),
+            t_term: ranks.iter().map(|r| r.t_term).max().unwrap_or(0),
+            outcome: own
+                .or_else(|| failed().next())
+                .cloned()
+                .unwrap_or(Outcome::Ok),
         }
     }
 }
@@ -193,6 +229,9 @@ pub enum AbortAt {
 /// What both sides know about room `idx` of a run, derived from the seed alone.
 #[derive(Debug, Clone, Copy)]
 pub struct RoomPlan {
+    /// Prompt tokens.
+    pub tokens: usize,
+    /// Pages at the prefill's page size.
     pub pages: usize,
     pub abort: Option<AbortAt>,
 }
@@ -209,6 +248,7 @@ pub fn room_plan(p: &Params, idx: u64) -> RoomPlan {
         _ => AbortAt::PrefillMid,
     });
     RoomPlan {
+        tokens,
         pages: p.pages_for(tokens),
         abort,
     }

@@ -5,12 +5,13 @@
 
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvxfer::{Engine, RoomPeers, State};
 
-use crate::args::{Auth, Params};
+use crate::args::{Auth, Params, Side};
 use crate::baseline::{self, Measured};
 use crate::ctl::{room_id, room_plan, AbortAt, Ctl, Outcome, ToDecode, ToPrefill};
 use crate::pool::Pool;
@@ -51,6 +52,15 @@ pub fn loadavg() -> f64 {
 pub struct KvResult {
     /// Whether the phase's engines authenticated (`--auth`; a sum: whether any did).
     pub auth: bool,
+    /// A phase of the TP ranks (`--prefill-tp`, `--decode-tp`), not of the equal-TP
+    /// comparison (a sum: whether any was).
+    pub tp: bool,
+    /// Data runs the prefill engines wrote (`data_runs_sent`: TCP frames, RDMA writes).
+    pub runs: u64,
+    /// Pages of one buffer at the prefill's page size (every head of `page_tokens`
+    /// tokens) times KV buffers, over the rooms that succeeded: what `runs` is counted
+    /// per.
+    pub buffer_pages: u64,
     /// Rooms started.
     pub rooms: u64,
     /// Rooms that reached SUCCESS on the decode side and whose pages checked.
@@ -104,6 +114,10 @@ impl KvResult {
     pub fn rooms_per_sec(&self) -> f64 {
         self.ok as f64 / self.secs
     }
+    /// Data runs (TCP frames, RDMA writes) per page of one buffer.
+    pub fn runs_per_page(&self) -> f64 {
+        self.runs as f64 / self.buffer_pages as f64
+    }
     /// Payload GB delivered and verified.
     pub fn gb(&self) -> f64 {
         self.bytes as f64 / 1e9
@@ -115,6 +129,9 @@ impl KvResult {
     /// Adds another phase's figures to these.
     pub fn absorb(&mut self, o: &KvResult) {
         self.auth |= o.auth;
+        self.tp |= o.tp;
+        self.runs += o.runs;
+        self.buffer_pages += o.buffer_pages;
         self.rooms += o.rooms;
         self.ok += o.ok;
         self.bytes += o.bytes;
@@ -189,35 +206,87 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
     let dslots = p.concurrency + p.verify_threads + 1;
     let pslots = p.concurrency + 2;
     let local = prefill_addr.is_none();
-    let mut mem = Pool::bytes(p, dslots) as f64;
+    // The pools of each side: between layouts, one per rank and one for the equal-TP
+    // comparison; else one, shared by the --auth pairs.
+    let layouts = |side: Side| -> Vec<Option<kvxfer::KvLayout>> {
+        if p.layouts() {
+            let mut v: Vec<_> = p.rank_layouts(side).into_iter().map(Some).collect();
+            v.push(Some(p.equal_layout()));
+            v
+        } else {
+            vec![None]
+        }
+    };
+    let side_bytes = |side: Side, slots: usize| -> f64 {
+        layouts(side)
+            .iter()
+            .map(|l| Pool::bytes(p, slots, l.as_ref()) as f64)
+            .sum()
+    };
+    let mut mem = side_bytes(Side::Decode, dslots);
     if local {
-        mem += Pool::bytes(p, pslots) as f64;
+        mem += side_bytes(Side::Prefill, pslots);
     }
     if mem / (1u64 << 30) as f64 > p.max_mem_gib {
         return Err(format!(
             "the pools would register {:.1} GiB ({} + {} slots of {} pages x {} buffers x {} \
-             bytes), more than --max-mem-gib {}; lower --concurrency or the prompt length",
+             bytes{}), more than --max-mem-gib {}; lower --concurrency or the prompt length",
             mem / (1u64 << 30) as f64,
             dslots,
             if local { pslots } else { 0 },
             p.max_pages(),
             p.n_buffers(),
             p.item_len(),
+            if p.layouts() {
+                ", split among the ranks, plus the equal-TP comparison's"
+            } else {
+                ""
+            },
             p.max_mem_gib
         ));
     }
-    // One engine per --auth setting, over the same pool (their phases never overlap).
     let listen = if local { "127.0.0.1:0" } else { "0.0.0.0:0" };
-    let engines = p
-        .auth
-        .pairs()
-        .iter()
-        .map(|&auth| make_engine(p, "decode", listen, auth))
-        .collect::<Result<Vec<Engine>, String>>()?;
-    let pool = Pool::new(p, dslots, p.dst_order);
-    for e in &engines {
-        pool.register(e)?;
+    let mut pools = Vec::new();
+    let mut sets = Vec::new();
+    if p.layouts() {
+        // The TP phases' ranks, then the equal-TP phases' one rank, each engine over its
+        // own pool.
+        let auth = p.auth.pairs()[0];
+        let kinds = [
+            (p.rank_layouts(Side::Decode), true),
+            (vec![p.equal_layout()], false),
+        ];
+        for (set, tp) in kinds {
+            let mut ranks = Vec::new();
+            for l in set {
+                let pool = Pool::with_layout(p, dslots, p.dst_order, Some(l));
+                let e = make_engine(p, "decode", listen, auth)?;
+                pool.register(&e)?;
+                pools.push(pool);
+                ranks.push((e, pools.len() - 1));
+            }
+            sets.push(Set { ranks, auth, tp });
+        }
+    } else {
+        // One engine per --auth setting, over the same pool (their phases never overlap).
+        let pool = Pool::new(p, dslots, p.dst_order);
+        for &auth in p.auth.pairs() {
+            let e = make_engine(p, "decode", listen, auth)?;
+            pool.register(&e)?;
+            sets.push(Set {
+                ranks: vec![(e, 0)],
+                auth,
+                tp: false,
+            });
+        }
+        pools.push(pool);
     }
+    // The prefill ranks each set pulls from.
+    let prefill_ranks: Vec<usize> = if p.layouts() {
+        vec![p.prefill_tp, 1]
+    } else {
+        vec![1; sets.len()]
+    };
 
     let mut guard = ChildGuard(None);
     let mut ctl = if let Some(addr) = prefill_addr {
@@ -239,12 +308,12 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
         Ctl::new(r, w)
     };
     ctl.send(&ToPrefill::Plan(Box::new(p.clone())))?;
-    // One prefill engine per --auth setting.
+    // The prefill engines of each set, one per rank.
     let (engine_addrs, base_addr) = match ctl.recv()? {
         ToDecode::Ready {
             engines: e,
             baseline,
-        } if e.len() == engines.len() => (e, baseline),
+        } if e.iter().map(Vec::len).eq(prefill_ranks.iter().copied()) => (e, baseline),
         ToDecode::Error(e) => return Err(format!("prefill side: {e}")),
         other => return Err(format!("prefill side said {}", other.kind())),
     };
@@ -253,7 +322,7 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
         same_host: local,
         loadavg: (loadavg(), f64::NAN),
         pool_pages: p.pool_pages.name(),
-        pool_huge_fraction: pool.huge_fraction,
+        pool_huge_fraction: pools[0].huge_fraction,
         ..Default::default()
     };
     // The baselines move the volume a kvxfer phase is planned to move (or run as long
@@ -267,8 +336,9 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
     // With --auth both, the pairs take turns, --repeat phases of each, in the order
     // off on, on off, off on, ... so that neither setting always runs first (the first
     // phase also pays for first touches and connection setup) or drifts with the host.
-    let phases = p.repeat * engines.len();
-    let pair_of = |phase: usize| match engines.len() {
+    // Between layouts, the TP ranks and the equal-TP comparison take turns the same way.
+    let phases = p.repeat * sets.len();
+    let pair_of = |phase: usize| match sets.len() {
         2 if (phase / 2) % 2 == 1 => 1 - phase % 2,
         n => phase % n,
     };
@@ -287,29 +357,35 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
             break;
         }
         let which = pair_of(rep);
-        let auth = p.auth.pairs()[which];
+        let set = &sets[which];
         progress_note(
             p,
             &format!(
-                "kvxfer, phase {} of {phases}, auth {}",
+                "kvxfer, phase {} of {phases}, auth {}{}",
                 rep + 1,
-                match (auth, p.tls) {
+                match (set.auth, p.tls) {
                     (true, true) => "on, with TLS and encrypt_data",
                     (true, false) => "on",
                     (false, _) => "off",
+                },
+                match (p.layouts(), set.tp) {
+                    (false, _) => String::new(),
+                    (true, true) => format!(", TP {} -> {}", p.prefill_tp, p.decode_tp),
+                    (true, false) => ", TP 1 -> 1 (equal-TP comparison)".into(),
                 }
             ),
         );
         let mut kv = kvxfer_phase(
             p,
-            &engines[which],
-            &pool,
+            set,
+            &pools,
             &mut ctl,
             (&engine_addrs[which], which),
             local,
             start,
         )?;
-        kv.auth = auth;
+        kv.auth = set.auth;
+        kv.tp = set.tp;
         start += kv.rooms;
         report.kv.absorb(&kv);
         report.phases.push(kv);
@@ -365,7 +441,8 @@ struct Live {
     idx: usize,
     id: u64,
     slot: usize,
-    pages: usize,
+    /// Tokens the room moves (every rank's pages hold them).
+    tokens: u64,
     abort: Option<AbortAt>,
     aborted: bool,
 }
@@ -386,7 +463,7 @@ struct Job {
     idx: usize,
     id: u64,
     slot: usize,
-    pages: usize,
+    tokens: u64,
 }
 
 struct Checked {
@@ -395,26 +472,91 @@ struct Checked {
     result: Result<u64, String>,
 }
 
-/// The decode scheduler loop of one run.
+/// The engines of one kind of phase: one per decode rank, each with the index of its
+/// pool.
+struct Set {
+    ranks: Vec<(Engine, usize)>,
+    /// Whether they authenticate.
+    auth: bool,
+    /// The TP phases' ranks (between layouts), not the equal-TP comparison's.
+    tp: bool,
+}
+
+/// One rank of a phase: its engine and its pool.
+type Rank<'a> = (&'a Engine, &'a Pool);
+
+/// The decode scheduler loop of one run, over every decode rank of `set`. With several
+/// ranks, a thread per other rank wakes the loop (waiting in rank 0's engine) when a
+/// room of its rank changes state.
 fn kvxfer_phase(
     p: &Params,
-    engine: &Engine,
-    pool: &Pool,
+    set: &Set,
+    pools: &[Pool],
     ctl: &mut Ctl,
-    prefill: (&str, usize),
+    prefill: (&[String], usize),
     same_host: bool,
     start: u64,
 ) -> Result<KvResult, String> {
-    std::thread::scope(|scope| kvxfer_loop(p, engine, pool, ctl, prefill, same_host, start, scope))
+    let ranks: Vec<Rank<'_>> = set.ranks.iter().map(|(e, i)| (e, &pools[*i])).collect();
+    let ranks = &ranks;
+    // Set once the loop returned, to end the forwarders (within one wait of 50 ms).
+    // Relaxed: it publishes nothing else.
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for &(e, _) in &ranks[1..] {
+            let (stop, first) = (&stop, ranks[0].0);
+            scope.spawn(move || {
+                let mut seen = e.changes();
+                while !stop.load(Ordering::Relaxed) {
+                    let now = e.wait(seen, Duration::from_millis(50));
+                    if now != seen {
+                        seen = now;
+                        first.wake();
+                    }
+                }
+            });
+        }
+        let r = kvxfer_loop(p, ranks, ctl, prefill, same_host, start, scope);
+        stop.store(true, Ordering::Relaxed);
+        r
+    })
+}
+
+/// A room's state over every rank ([`poll_all`], an error if one rank's poll failed):
+/// whether every rank is SUCCESS, the first rank FAILED, whether every rank is
+/// terminal, and whether any rank is transferring.
+struct Polled {
+    success: bool,
+    failed: Option<usize>,
+    terminal: bool,
+    transferring: bool,
+}
+
+fn poll_all(ranks: &[Rank<'_>], id: u64) -> kvxfer::Result<Polled> {
+    let mut st = Polled {
+        success: true,
+        failed: None,
+        terminal: true,
+        transferring: false,
+    };
+    for (i, (e, _)) in ranks.iter().enumerate() {
+        let s = e.room_poll(id)?;
+        st.success &= s == State::Success;
+        st.terminal &= s.is_terminal();
+        st.transferring |= s == State::Transferring;
+        if s == State::Failed && st.failed.is_none() {
+            st.failed = Some(i);
+        }
+    }
+    Ok(st)
 }
 
 #[allow(clippy::too_many_arguments)]
 fn kvxfer_loop<'s>(
     p: &'s Params,
-    engine: &'s Engine,
-    pool: &'s Pool,
+    ranks: &'s [Rank<'s>],
     ctl: &mut Ctl,
-    (prefill_addr, prefill_engine): (&str, usize),
+    (prefill_addrs, prefill_set): (&[String], usize),
     same_host: bool,
     start: u64,
     scope: &'s std::thread::Scope<'s, '_>,
@@ -424,6 +566,9 @@ fn kvxfer_loop<'s>(
     let (ret_tx, ret_rx) = mpsc::channel::<Checked>();
     let job_rx = Arc::new(Mutex::new(job_rx));
     let verify = p.verify;
+    // The loop waits in rank 0's engine.
+    let engine = ranks[0].0;
+    let slots = ranks[0].1.slots;
     let verifiers: Vec<_> = (0..p.verify_threads)
         .map(|_| {
             let (rx, tx) = (job_rx.clone(), ret_tx.clone());
@@ -434,7 +579,19 @@ fn kvxfer_loop<'s>(
                         Ok(j) => j,
                         Err(_) => break,
                     };
-                    let result = pool.verify(job.slot, job.pages, job.id, verify);
+                    let mut result = Ok(0);
+                    for (rank, (_, pool)) in ranks.iter().enumerate() {
+                        let pages = pool.pages_for(job.tokens as usize);
+                        let r = pool.verify(job.slot, pages, job.tokens, job.id, verify);
+                        result = match (result, r) {
+                            (Ok(a), Ok(b)) => Ok(a + b),
+                            (Err(e), _) => Err(e),
+                            (_, Err(e)) if ranks.len() > 1 => {
+                                Err(format!("decode rank {rank}: {e}"))
+                            }
+                            (_, Err(e)) => Err(e),
+                        };
+                    }
                     let _ = tx.send(Checked {
                         idx: job.idx,
                         slot: job.slot,
@@ -449,7 +606,7 @@ fn kvxfer_loop<'s>(
         .collect();
     drop(ret_tx);
 
-    let mut free: Vec<usize> = (0..pool.slots).rev().collect();
+    let mut free: Vec<usize> = (0..slots).rev().collect();
     let mut live: Vec<Live> = Vec::with_capacity(p.concurrency);
     let mut draining: Vec<Live> = Vec::new();
     let mut recs: Vec<Rec> = Vec::new();
@@ -459,18 +616,23 @@ fn kvxfer_loop<'s>(
     } else {
         p.rooms
     };
-    let peers = RoomPeers::Prefills(vec![prefill_addr.to_string()]);
+    let peers = RoomPeers::Prefills(prefill_addrs.to_vec());
     let mut announced = 0u64;
     let mut ended = false;
     ctl.send(&ToPrefill::Run {
         start,
-        engine: prefill_engine,
+        engine: prefill_set,
     })?;
     let (u0, driver0) = (Usage::now(), Usage::thread());
     let t0 = Instant::now();
     let deadline = p.duration.map(|d| t0 + Duration::from_secs_f64(d));
     let mut next_progress = t0 + Duration::from_secs(1);
     let mut t_last = t0;
+    // Tokens each room moves: the prefill's pages' tokens, at most the decode pages'.
+    let moved = |plan: &crate::ctl::RoomPlan| -> u64 {
+        let dst = ranks[0].1.pages_for(plan.tokens) * ranks[0].1.page_tokens;
+        (plan.pages * p.page_tokens).min(dst) as u64
+    };
     loop {
         let mut progress = false;
         let seen = engine.changes();
@@ -484,8 +646,12 @@ fn kvxfer_loop<'s>(
                 Ok(checked) => {
                     recs[c.idx].ok = true;
                     out.ok += 1;
-                    out.bytes += plan.pages as u64 * p.page_bytes();
+                    out.bytes += ranks
+                        .iter()
+                        .map(|(_, pool)| pool.room_bytes(pool.pages_for(plan.tokens), moved(&plan)))
+                        .sum::<u64>();
                     out.bytes_checked += checked;
+                    out.buffer_pages += (plan.pages * p.n_buffers()) as u64;
                 }
                 Err(e) => {
                     *out.failed.entry("verify".into()).or_default() += 1;
@@ -505,12 +671,13 @@ fn kvxfer_loop<'s>(
                 let idx = recs.len();
                 let plan = room_plan(p, start + idx as u64);
                 let id = room_id(p, start + idx as u64);
-                let pages = pool.pages(slot, plan.pages);
-                let aux = pool.aux.is_some().then_some(slot as u32);
+                let aux = ranks[0].1.aux.is_some().then_some(slot as u32);
                 let t_dest = mono_ns();
-                let r = engine
-                    .room_create(id, peers.clone())
-                    .and_then(|()| engine.room_set_destination(id, &pages, aux));
+                let r = ranks.iter().try_for_each(|(e, pool)| {
+                    let pages = pool.pages(slot, pool.pages_for(plan.tokens));
+                    e.room_create(id, peers.clone())
+                        .and_then(|()| e.room_set_destination(id, &pages, aux))
+                });
                 recs.push(Rec {
                     t_dest,
                     planned_abort: plan.abort.is_some(),
@@ -523,7 +690,7 @@ fn kvxfer_loop<'s>(
                     idx,
                     id,
                     slot,
-                    pages: plan.pages,
+                    tokens: moved(&plan),
                     abort: plan.abort,
                     aborted: false,
                 };
@@ -533,10 +700,14 @@ fn kvxfer_loop<'s>(
                     *out.failed.entry("create_error".into()).or_default() += 1;
                     out.unexpected += 1;
                     out.note(format!("room {idx}: {e}"));
-                    let _ = engine.room_abort(id, "bench: setup failed");
+                    for (e, _) in ranks {
+                        let _ = e.room_abort(id, "bench: setup failed");
+                    }
                     draining.push(l);
                     continue;
                 }
+                // A planned decode abort comes from rank 0; the engines fail the room on
+                // every other rank.
                 if l.abort == Some(AbortAt::DecodeEarly) {
                     let _ = engine.room_abort(id, "bench: planned abort (decode, early)");
                     l.aborted = true;
@@ -552,12 +723,12 @@ fn kvxfer_loop<'s>(
             ended = true;
             ctl.send(&ToPrefill::End(start + recs.len() as u64))?;
         }
-        // Poll every room in flight, as a server's scheduler loop does.
+        // Poll every room in flight on every rank, as a server's scheduler loop does.
         let mut i = 0;
         while i < live.len() {
             let l = &mut live[i];
-            match engine.room_poll(l.id) {
-                Ok(State::Success) => {
+            match poll_all(ranks, l.id) {
+                Ok(Polled { success: true, .. }) => {
                     let rec = &mut recs[l.idx];
                     rec.t_done = mono_ns();
                     if !rec.seen_transferring {
@@ -566,7 +737,9 @@ fn kvxfer_loop<'s>(
                     if l.abort.is_some() {
                         out.aborts_too_late += 1;
                     }
-                    let _ = engine.room_clear(l.id);
+                    for (e, _) in ranks {
+                        let _ = e.room_clear(l.id);
+                    }
                     let l = live.swap_remove(i);
                     checking += 1;
                     job_tx
@@ -574,15 +747,20 @@ fn kvxfer_loop<'s>(
                             idx: l.idx,
                             id: l.id,
                             slot: l.slot,
-                            pages: l.pages,
+                            tokens: l.tokens,
                         })
                         .map_err(|_| "the checker threads stopped".to_string())?;
                     progress = true;
                     continue;
                 }
-                Ok(State::Failed) => {
+                Ok(Polled {
+                    failed: Some(rank),
+                    terminal,
+                    ..
+                }) => {
                     recs[l.idx].t_done = mono_ns();
-                    let (key, expected, msg) = match engine.room_failure(l.id) {
+                    let failed = ranks[rank].0;
+                    let (key, expected, msg) = match failed.room_failure(l.id) {
                         Ok(f) => (
                             f.cause.name().to_string(),
                             l.abort.is_some() && prefill::is_abort(f.cause.name()),
@@ -595,41 +773,61 @@ fn kvxfer_loop<'s>(
                         out.expected += 1;
                     } else {
                         out.unexpected += 1;
-                        out.note(format!("room {}: {msg}", l.idx));
+                        let on = if ranks.len() > 1 {
+                            format!(" (decode rank {rank})")
+                        } else {
+                            String::new()
+                        };
+                        out.note(format!("room {}{on}: {msg}", l.idx));
+                    }
+                    // The request is gone: a rank still live gives up too (the engines
+                    // would fail it through the prefill ranks; this does not wait).
+                    if !terminal {
+                        for (e, _) in ranks {
+                            let _ = e.room_abort(l.id, "bench: another decode rank failed");
+                        }
                     }
                     draining.push(live.swap_remove(i));
                     progress = true;
                     continue;
                 }
-                Ok(State::Transferring) => {
+                Ok(Polled { transferring, .. }) => {
                     let rec = &mut recs[l.idx];
                     // Not progress: the loop sleeps as it did before it looked.
-                    if !rec.seen_transferring {
+                    if transferring && !rec.seen_transferring {
                         rec.seen_transferring = true;
                         rec.t_first = mono_ns();
                     }
-                    if l.abort == Some(AbortAt::DecodeMid) && !l.aborted {
+                    if transferring && l.abort == Some(AbortAt::DecodeMid) && !l.aborted {
                         let _ =
                             engine.room_abort(l.id, "bench: planned abort (decode, mid-transfer)");
                         l.aborted = true;
                         progress = true;
                     }
                 }
-                Ok(_) => {}
                 Err(e) => {
                     *out.failed.entry("poll_error".into()).or_default() += 1;
                     out.unexpected += 1;
                     out.note(format!("room {}: poll: {e}", l.idx));
+                    for (e, _) in ranks {
+                        let _ = e.room_abort(l.id, "bench: poll failed");
+                    }
                     draining.push(live.swap_remove(i));
                     continue;
                 }
             }
             i += 1;
         }
-        // Failed rooms give their pages back once no write into them can still land.
+        // Failed rooms give their pages back once no write into them can still land, on
+        // any rank.
         draining.retain(|l| {
-            if engine.room_drained(l.id).unwrap_or(true) {
-                let _ = engine.room_clear(l.id);
+            let drained = ranks
+                .iter()
+                .all(|(e, _)| e.room_drained(l.id).unwrap_or(true));
+            if drained {
+                for (e, _) in ranks {
+                    let _ = e.room_clear(l.id);
+                }
                 free.push(l.slot);
                 progress = true;
                 false
@@ -683,12 +881,13 @@ fn kvxfer_loop<'s>(
     }
 
     // The prefill side's account of the same rooms.
-    let (prooms, usage, driver) = match ctl.recv()? {
+    let (prooms, usage, driver, runs) = match ctl.recv()? {
         ToDecode::PhaseDone {
             rooms,
             usage,
             driver,
-        } => (rooms, usage, driver),
+            runs,
+        } => (rooms, usage, driver, runs),
         other => return Err(format!("prefill side said {} after the run", other.kind())),
     };
     if prooms.len() != recs.len() {
@@ -700,6 +899,7 @@ fn kvxfer_loop<'s>(
     }
     out.prefill = usage;
     out.prefill_driver = driver;
+    out.runs = runs;
     for (idx, (pr, rec)) in prooms.iter().zip(&recs).enumerate() {
         match &pr.outcome {
             Outcome::Ok => {

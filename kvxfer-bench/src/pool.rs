@@ -2,11 +2,15 @@
 //! `max_pages` pages, one slot per room in flight. Page `k` of the room in slot `s` is
 //! page `s * max_pages + k` of every buffer (scattered inside the slot on the decode side
 //! with `--dst-order shuffled`).
+//!
+//! A rank's pool in a transfer between layouts has that rank's layout ([`KvLayout`]):
+//! its pages hold its heads of `page_tokens` tokens, in the per-head pattern
+//! ([`pattern::Cells`]).
 
-use kvxfer::{BufferDesc, Engine};
+use kvxfer::{BufferDesc, Engine, KvLayout};
 
 use crate::args::{DstOrder, Params};
-use crate::pattern::{self, mix};
+use crate::pattern::{self, mix, Cells};
 use crate::sys::{self, Pages, Region};
 
 pub struct Pool {
@@ -16,6 +20,12 @@ pub struct Pool {
     pub aux_len: usize,
     pub slot_pages: usize,
     pub slots: usize,
+    /// Tokens per page.
+    pub page_tokens: usize,
+    /// The rank's layout, registered with `register_kv_layout` (None: `register_kv` and
+    /// the per-page pattern).
+    pub layout: Option<KvLayout>,
+    cells: Option<Cells>,
     /// Page order inside a slot (identity when contiguous).
     perm: Vec<u32>,
     /// Share of the pool's bytes the kernel backed with huge pages, where it says.
@@ -23,14 +33,36 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// Bytes a pool of `slots` slots registers.
-    pub fn bytes(p: &Params, slots: usize) -> u64 {
-        (slots * p.max_pages()) as u64 * p.page_bytes() + (slots * p.aux_bytes) as u64
+    /// Bytes a pool of `slots` slots with `layout` (or the plain one) registers.
+    pub fn bytes(p: &Params, slots: usize, layout: Option<&KvLayout>) -> u64 {
+        let (item_len, slot_pages) = Pool::geometry(p, layout);
+        (slots * slot_pages * item_len * p.n_buffers() + slots * p.aux_bytes) as u64
     }
 
+    /// Bytes per page of one buffer, and pages per slot.
+    fn geometry(p: &Params, layout: Option<&KvLayout>) -> (usize, usize) {
+        match layout {
+            None => (p.item_len(), p.max_pages()),
+            Some(l) => (
+                l.page_bytes().expect("a checked layout") as usize,
+                p.prompt_max.div_ceil(l.page_tokens as usize),
+            ),
+        }
+    }
+
+    /// A pool with the plain layout (`register_kv`, the per-page pattern).
     pub fn new(p: &Params, slots: usize, order: DstOrder) -> Pool {
-        let item_len = p.item_len();
-        let slot_pages = p.max_pages();
+        Pool::with_layout(p, slots, order, None)
+    }
+
+    /// A pool with `layout` (or the plain one).
+    pub fn with_layout(
+        p: &Params,
+        slots: usize,
+        order: DstOrder,
+        layout: Option<KvLayout>,
+    ) -> Pool {
+        let (item_len, slot_pages) = Pool::geometry(p, layout.as_ref());
         let huge_before = sys::huge_bytes();
         let kv: Vec<Region> = (0..p.n_buffers())
             .map(|_| Region::new(slots * slot_pages * item_len, p.pool_pages))
@@ -59,6 +91,10 @@ impl Pool {
                 perm.swap(i, j);
             }
         }
+        let cells = layout.as_ref().map(Cells::of);
+        debug_assert!(cells
+            .as_ref()
+            .is_none_or(|c| c.page_words() * 8 == item_len));
         Pool {
             kv,
             aux,
@@ -66,23 +102,32 @@ impl Pool {
             aux_len: p.aux_bytes,
             slot_pages,
             slots,
+            page_tokens: layout.map_or(p.page_tokens, |l| l.page_tokens as usize),
+            cells,
+            layout,
             perm,
             huge_fraction,
         }
     }
 
     pub fn register(&self, e: &Engine) -> Result<(), String> {
-        e.register_kv(
-            self.kv
-                .iter()
-                .map(|r| BufferDesc {
-                    base: r.addr(),
-                    len: r.len(),
-                    item_len: self.item_len,
-                })
-                .collect(),
-        )
-        .map_err(|e| format!("register_kv: {e}"))?;
+        let bufs = self
+            .kv
+            .iter()
+            .map(|r| BufferDesc {
+                base: r.addr(),
+                len: r.len(),
+                item_len: self.item_len,
+            })
+            .collect();
+        match self.layout {
+            None => e
+                .register_kv(bufs)
+                .map_err(|e| format!("register_kv: {e}"))?,
+            Some(l) => e
+                .register_kv_layout(bufs, None, l)
+                .map_err(|e| format!("register_kv_layout ({l}): {e}"))?,
+        }
         if let Some(a) = &self.aux {
             e.register_aux(vec![BufferDesc {
                 base: a.addr(),
@@ -92,6 +137,21 @@ impl Pool {
             .map_err(|e| format!("register_aux: {e}"))?;
         }
         Ok(())
+    }
+
+    /// Pages of a prompt of `tokens` tokens.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.page_tokens)
+    }
+
+    /// KV bytes a room of `tokens` tokens delivered into this pool (decode side): whole
+    /// pages with the plain layout, this rank's heads of every token moved with one.
+    pub fn room_bytes(&self, pages: usize, tokens: u64) -> u64 {
+        let per_buffer = match &self.cells {
+            None => (pages * self.item_len) as u64,
+            Some(c) => tokens * (c.heads.len() * c.cell_words * 8) as u64,
+        };
+        per_buffer * self.kv.len() as u64
     }
 
     /// The engine page index of page `k` of the room in `slot`.
@@ -117,7 +177,10 @@ impl Pool {
                     let off = self.page(slot, k) as usize * self.item_len;
                     // SAFETY: nothing is registered with a peer yet.
                     let words = unsafe { r.words_mut(off, w) };
-                    pattern::fill_body(words, b as u32, k as u32);
+                    match &self.cells {
+                        None => pattern::fill_body(words, b as u32, k as u32),
+                        Some(c) => pattern::fill_cell_bodies(words, c, b as u32, k as u32),
+                    }
                 }
             }
         }
@@ -140,6 +203,13 @@ impl Pool {
         for (b, r) in self.kv.iter().enumerate() {
             for k in 0..n {
                 let off = self.page(slot, k) as usize * self.item_len;
+                if let Some(c) = &self.cells {
+                    // SAFETY: the slot is ours (see above): no engine thread reads it
+                    // for a live room.
+                    let words = unsafe { r.words_mut(off, w) };
+                    pattern::stamp_cells(words, c, room, b as u32, k as u32);
+                    continue;
+                }
                 let (first, last) = pattern::stamps(room, b as u32, k as u32);
                 // SAFETY: the slot is ours (see above): no engine thread reads it for a
                 // live room.
@@ -160,12 +230,14 @@ impl Pool {
         }
     }
 
-    /// Decode side, after SUCCESS: checks the first `n` pages of `slot` and its aux row
-    /// against `room`'s pattern. Returns the KV bytes checked.
+    /// Decode side, after SUCCESS: checks the first `n` pages of `slot` (with a layout:
+    /// the cells of the first `tokens` tokens) and its aux row against `room`'s pattern.
+    /// Returns the KV bytes checked word by word.
     pub fn verify(
         &self,
         slot: usize,
         n: usize,
+        tokens: u64,
         room: u64,
         verify: crate::args::Verify,
     ) -> Result<u64, String> {
@@ -188,9 +260,20 @@ impl Pool {
                 // SAFETY: the room is SUCCESS (and cleared): the engine writes no more
                 // into its pages, and the slot is not reused before this returns.
                 let words = unsafe { r.words(off, w) };
-                pattern::check(words, room, b as u32, k as u32, depth)?;
+                let (b, k) = (b as u32, k as u32);
+                match &self.cells {
+                    None => pattern::check(words, room, b, k, depth)?,
+                    Some(c) => pattern::check_cells(words, c, room, b, k, tokens, depth)?,
+                }
                 if depth == pattern::Depth::Full {
-                    checked += self.item_len as u64;
+                    checked += match &self.cells {
+                        None => self.item_len as u64,
+                        Some(c) => {
+                            let first = k as u64 * self.page_tokens as u64;
+                            let held = tokens.saturating_sub(first).min(self.page_tokens as u64);
+                            held * (c.heads.len() * c.cell_words * 8) as u64
+                        }
+                    };
                 }
             }
         }

@@ -1,6 +1,10 @@
 //! The prefill side: an engine whose source pool holds every room's pattern, a scheduler
 //! loop that creates the rooms the decode side announced and enqueues their chunks, and
 //! the sending half of the TCP baseline. Driven over the control channel.
+//!
+//! Between layouts (`--prefill-tp`, `--decode-tp`) every prefill rank is an engine over
+//! its own pool, with its own scheduler loop (a thread per rank during a phase), and the
+//! equal-TP comparison is one more engine over a pool of the TP 1 layout.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{Cause, Engine, RoomPeers, State};
 
-use crate::args::{DstOrder, Params};
+use crate::args::{DstOrder, Params, Side};
 use crate::ctl::{
     self, room_id, room_plan, AbortAt, Ctl, Outcome, PrefillRoom, ToDecode, ToPrefill,
 };
@@ -49,28 +53,53 @@ pub fn serve(listen: Option<&str>) -> Result<(), String> {
         let _ = ctl.send(&ToDecode::Error(format!("bad plan: {e}")));
         return Err(e);
     }
-    let setup = || -> Result<(Vec<Engine>, Pool, TcpListener), String> {
+    let setup = || -> Result<(Vec<Set>, Vec<Pool>, TcpListener), String> {
         let listen = if host.contains(':') {
             format!("[{host}]:0")
         } else {
             format!("{host}:0")
         };
-        // One engine per --auth setting, over the same pool.
-        let engines = p
-            .auth
-            .pairs()
-            .iter()
-            .map(|&auth| make_engine(&p, "prefill", &listen, auth))
-            .collect::<Result<Vec<Engine>, String>>()?;
-        let pool = Pool::new(&p, p.concurrency + 2, DstOrder::Contiguous);
-        pool.fill_bodies();
-        for e in &engines {
-            pool.register(e)?;
+        let slots = p.concurrency + 2;
+        let mut pools = Vec::new();
+        let mut sets = Vec::new();
+        if p.layouts() {
+            // The TP phases' ranks, then the equal-TP phases' one rank, each engine over
+            // its own pool.
+            let auth = p.auth.pairs()[0];
+            let layouts = [
+                (p.rank_layouts(Side::Prefill), p.decode_tp),
+                (vec![p.equal_layout()], 1),
+            ];
+            for (set, decoders) in layouts {
+                let mut ranks = Vec::new();
+                for l in set {
+                    let pool = Pool::with_layout(&p, slots, DstOrder::Contiguous, Some(l));
+                    pool.fill_bodies();
+                    let e = make_engine(&p, "prefill", &listen, auth)?;
+                    pool.register(&e)?;
+                    pools.push(pool);
+                    ranks.push((e, pools.len() - 1));
+                }
+                sets.push(Set { ranks, decoders });
+            }
+        } else {
+            // One engine per --auth setting, over the same pool.
+            let pool = Pool::new(&p, slots, DstOrder::Contiguous);
+            pool.fill_bodies();
+            for &auth in p.auth.pairs() {
+                let e = make_engine(&p, "prefill", &listen, auth)?;
+                pool.register(&e)?;
+                sets.push(Set {
+                    ranks: vec![(e, 0)],
+                    decoders: 1,
+                });
+            }
+            pools.push(pool);
         }
         let base = TcpListener::bind(&listen).map_err(|e| format!("baseline listener: {e}"))?;
-        Ok((engines, pool, base))
+        Ok((sets, pools, base))
     };
-    let (engines, pool, base) = match setup() {
+    let (engines, pools, base) = match setup() {
         Ok(x) => x,
         Err(e) => {
             let _ = ctl.send(&ToDecode::Error(e.clone()));
@@ -84,12 +113,16 @@ pub fn serve(listen: Option<&str>) -> Result<(), String> {
         }
     };
     let mut addrs = Vec::with_capacity(engines.len());
-    for e in &engines {
-        let a: SocketAddr = e
-            .address()
-            .parse()
-            .map_err(|e| format!("engine address: {e}"))?;
-        addrs.push(reachable(a).to_string());
+    for set in &engines {
+        let mut ranks = Vec::with_capacity(set.ranks.len());
+        for (e, _) in &set.ranks {
+            let a: SocketAddr = e
+                .address()
+                .parse()
+                .map_err(|e| format!("engine address: {e}"))?;
+            ranks.push(reachable(a).to_string());
+        }
+        addrs.push(ranks);
     }
     let base_addr = reachable(base.local_addr().map_err(|e| e.to_string())?);
     ctl.send(&ToDecode::Ready {
@@ -111,8 +144,10 @@ pub fn serve(listen: Option<&str>) -> Result<(), String> {
         let (upto, end) = (upto.clone(), end.clone());
         let engines = Arc::downgrade(&engines);
         let wake = move || {
-            if let Some(es) = engines.upgrade() {
-                es.iter().for_each(Engine::wake);
+            if let Some(sets) = engines.upgrade() {
+                sets.iter()
+                    .flat_map(|s| &s.ranks)
+                    .for_each(|(e, _)| e.wake());
             }
         };
         std::thread::spawn(move || loop {
@@ -158,12 +193,17 @@ pub fn serve(listen: Option<&str>) -> Result<(), String> {
                 )?;
             }
             ToPrefill::Run { start, engine } => {
-                let engine = engines
+                let set = engines
                     .get(engine)
                     .ok_or_else(|| format!("run: no engine {engine}"))?;
-                let (u0, driver0) = (Usage::now(), Usage::thread());
-                let rooms = run_rooms(&p, engine, &pool, start, &upto, &end)?;
-                let driver = Usage::thread().since(driver0);
+                let runs = || -> u64 {
+                    set.ranks
+                        .iter()
+                        .map(|(e, _)| e.metrics().data_runs_sent)
+                        .sum()
+                };
+                let (u0, runs0) = (Usage::now(), runs());
+                let (rooms, driver) = run_ranks(&p, set, &pools, start, &upto, &end)?;
                 let usage = Usage::now().since(u0);
                 ctl::send(
                     &mut w,
@@ -171,6 +211,7 @@ pub fn serve(listen: Option<&str>) -> Result<(), String> {
                         rooms,
                         usage,
                         driver,
+                        runs: runs() - runs0,
                     },
                 )?;
             }
@@ -182,6 +223,68 @@ pub fn serve(listen: Option<&str>) -> Result<(), String> {
     Ok(())
 }
 
+/// The engines of one kind of phase: one per rank, each with the index of its pool, and
+/// the decode ranks each room waits for.
+struct Set {
+    ranks: Vec<(Engine, usize)>,
+    decoders: usize,
+}
+
+/// One phase on every rank of `set`, each rank's scheduler loop on a thread of its own
+/// (as each rank of a server has its own): every room's record, every rank's together,
+/// and the loops' usage.
+fn run_ranks(
+    p: &Params,
+    set: &Set,
+    pools: &[Pool],
+    start: u64,
+    upto: &AtomicU64,
+    end: &AtomicU64,
+) -> Result<(Vec<PrefillRoom>, Usage), String> {
+    let per_rank: Vec<Result<(Vec<PrefillRoom>, Usage), String>> = std::thread::scope(|scope| {
+        let loops: Vec<_> = set
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(rank, (engine, pool))| {
+                let pool = &pools[*pool];
+                scope.spawn(move || {
+                    let u0 = Usage::thread();
+                    // A planned prefill abort comes from rank 0; the engines fail the
+                    // room on every other rank.
+                    let rooms =
+                        run_rooms(p, engine, pool, start, upto, end, (set.decoders, rank == 0))?;
+                    Ok((rooms, Usage::thread().since(u0)))
+                })
+            })
+            .collect();
+        loops
+            .into_iter()
+            .map(|l| {
+                l.join()
+                    .unwrap_or_else(|_| Err("a prefill loop panicked".into()))
+            })
+            .collect()
+    });
+    // Every rank saw the end: the next phase's announcements start afresh.
+    end.store(u64::MAX, Ordering::Release);
+    let mut driver = Usage::default();
+    let mut ranks = Vec::with_capacity(per_rank.len());
+    for r in per_rank {
+        let (rooms, u) = r?;
+        driver = driver + u;
+        ranks.push(rooms);
+    }
+    let n = ranks.iter().map(Vec::len).min().unwrap_or(0);
+    if ranks.iter().any(|r| r.len() != n) {
+        return Err("the prefill ranks ran different numbers of rooms".into());
+    }
+    let rooms = (0..n)
+        .map(|i| PrefillRoom::merge(&ranks.iter().map(|r| r[i].clone()).collect::<Vec<_>>()))
+        .collect();
+    Ok((rooms, driver))
+}
+
 struct Live {
     idx: usize,
     id: u64,
@@ -190,7 +293,8 @@ struct Live {
     aborted: bool,
 }
 
-/// The prefill scheduler loop of one run.
+/// The prefill scheduler loop of one rank over one phase; `aborts`: this rank makes the
+/// planned prefill aborts.
 fn run_rooms(
     p: &Params,
     engine: &Engine,
@@ -198,6 +302,7 @@ fn run_rooms(
     start: u64,
     upto: &AtomicU64,
     end: &AtomicU64,
+    (decoders, aborts): (usize, bool),
 ) -> Result<Vec<PrefillRoom>, String> {
     let mut free: Vec<usize> = (0..pool.slots).rev().collect();
     let mut live: Vec<Live> = Vec::with_capacity(pool.slots);
@@ -218,7 +323,7 @@ fn run_rooms(
             pool.stamp(slot, plan.pages, id);
             let t_enq = mono_ns();
             let r = engine
-                .room_create(id, RoomPeers::Decoders(1))
+                .room_create(id, RoomPeers::Decoders(decoders))
                 .and_then(|()| {
                     let pages = pool.pages(slot, plan.pages);
                     let parts: Vec<&[u32]> = pages.chunks(chunk).collect();
@@ -243,7 +348,7 @@ fn run_rooms(
                     idx,
                     id,
                     slot,
-                    abort: plan.abort == Some(AbortAt::PrefillMid),
+                    abort: aborts && plan.abort == Some(AbortAt::PrefillMid),
                     aborted: false,
                 }),
                 Err(_) if failed_at_birth => live.push(Live {
@@ -303,7 +408,6 @@ fn run_rooms(
             i += 1;
         }
         if start + recs.len() as u64 >= end.load(Ordering::Acquire) && live.is_empty() {
-            end.store(u64::MAX, Ordering::Release);
             return Ok(recs);
         }
         if !progress {

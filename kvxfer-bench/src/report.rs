@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::args::{Auth, Params};
+use crate::args::{Auth, Params, Side};
 use crate::baseline::Measured;
 use crate::decode::{KvResult, Report};
 use crate::sys::Usage;
@@ -85,6 +85,81 @@ pub fn auth_split(r: &Report) -> Option<AuthSplit> {
         on_rooms_per_sec: on.rooms_per_sec(),
         rooms_per_sec_ratio: on.rooms_per_sec() / off.rooms_per_sec(),
     })
+}
+
+/// `--prefill-tp`/`--decode-tp`: the TP phases against the equal-TP (1 -> 1) phases of
+/// the same model and prompts, measured in turn in the same run.
+#[derive(Serialize)]
+pub struct TpSplit {
+    tp_gbps: f64,
+    equal_gbps: f64,
+    /// TP over equal, all phases together.
+    gbps_ratio: f64,
+    /// TP over equal for each pair of adjacent phases (one of each), in order.
+    gbps_ratio_per_pair: Vec<f64>,
+    tp_rooms_per_sec: f64,
+    equal_rooms_per_sec: f64,
+    rooms_per_sec_ratio: f64,
+    rooms_per_sec_ratio_per_pair: Vec<f64>,
+    /// KV bytes delivered per room (every decode rank's together): the same on both
+    /// unless heads are replicated on the decode side (MLA: each decode rank receives
+    /// the whole latent).
+    tp_bytes_per_room: f64,
+    equal_bytes_per_room: f64,
+    /// Data runs the prefill engines wrote (TCP frames, RDMA writes) per page of one
+    /// buffer at the prefill's page size.
+    tp_runs_per_page: f64,
+    equal_runs_per_page: f64,
+}
+
+pub fn tp_split(p: &Params, r: &Report) -> Option<TpSplit> {
+    if !p.layouts() {
+        return None;
+    }
+    let total = |tp: bool| {
+        let mut t = KvResult::default();
+        r.phases
+            .iter()
+            .filter(|k| k.tp == tp)
+            .for_each(|k| t.absorb(k));
+        (t.secs > 0.0).then_some(t)
+    };
+    let (tp, eq) = (total(true)?, total(false)?);
+    let per_pair = |f: fn(&KvResult) -> f64| -> Vec<f64> {
+        r.phases
+            .chunks_exact(2)
+            .filter_map(|w| {
+                let (t, e) = if w[0].tp {
+                    (&w[0], &w[1])
+                } else {
+                    (&w[1], &w[0])
+                };
+                (t.tp && !e.tp).then(|| f(t) / f(e))
+            })
+            .collect()
+    };
+    let per_room = |k: &KvResult| k.bytes as f64 / k.ok as f64;
+    Some(TpSplit {
+        tp_gbps: tp.gbps(),
+        equal_gbps: eq.gbps(),
+        gbps_ratio: tp.gbps() / eq.gbps(),
+        gbps_ratio_per_pair: per_pair(KvResult::gbps),
+        tp_rooms_per_sec: tp.rooms_per_sec(),
+        equal_rooms_per_sec: eq.rooms_per_sec(),
+        rooms_per_sec_ratio: tp.rooms_per_sec() / eq.rooms_per_sec(),
+        rooms_per_sec_ratio_per_pair: per_pair(KvResult::rooms_per_sec),
+        tp_bytes_per_room: per_room(&tp),
+        equal_bytes_per_room: per_room(&eq),
+        tp_runs_per_page: tp.runs_per_page(),
+        equal_runs_per_page: eq.runs_per_page(),
+    })
+}
+
+fn min_max(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        })
 }
 
 /// The figures derived from a report.
@@ -167,6 +242,12 @@ struct Json<'a> {
     kvxfer_runs_auth: Vec<bool>,
     kvxfer_runs_rooms_per_sec: Vec<f64>,
     auth_on_vs_off: Option<AuthSplit>,
+    prefill_tp: usize,
+    decode_tp: usize,
+    /// "hnd" or "nhd" between layouts, null at TP 1 -> 1 (whole pages copied).
+    page_order: Option<&'static str>,
+    decode_page_tokens: usize,
+    tp_vs_equal: Option<TpSplit>,
     cpu_ratio_vs_tcp: f64,
     cores_busy: CoresBusy,
     loadavg: [f64; 2],
@@ -275,6 +356,9 @@ struct ProcessJson {
 struct PhaseJson {
     phase: usize,
     auth: bool,
+    /// A phase of the TP ranks (false: the equal-TP comparison, or no TP).
+    tp: bool,
+    runs_per_page: f64,
     gb: f64,
     gbps: f64,
     rooms_per_sec: f64,
@@ -315,6 +399,8 @@ fn phase_json(i: usize, k: &KvResult) -> PhaseJson {
     PhaseJson {
         phase: i + 1,
         auth: k.auth,
+        tp: k.tp,
+        runs_per_page: k.runs_per_page(),
         gb,
         gbps: k.gbps(),
         rooms_per_sec: k.rooms_per_sec(),
@@ -362,6 +448,11 @@ pub fn json(p: &Params, r: &Report) -> String {
         kvxfer_runs_auth: r.phases.iter().map(|k| k.auth).collect(),
         kvxfer_runs_rooms_per_sec: r.phases.iter().map(KvResult::rooms_per_sec).collect(),
         auth_on_vs_off: auth_split(r),
+        prefill_tp: p.prefill_tp,
+        decode_tp: p.decode_tp,
+        page_order: p.layouts().then(|| p.page_order.name()),
+        decode_page_tokens: p.side_page_tokens(Side::Decode),
+        tp_vs_equal: tp_split(p, r),
         cpu_ratio_vs_tcp: d.cpu_ratio,
         cores_busy: CoresBusy {
             kvxfer: d.kv_cores,
@@ -522,6 +613,14 @@ pub fn human(p: &Params, r: &Report) -> String {
         k.driver.secs() / d.gb,
         k.prefill_driver.secs() / d.gb
     );
+    let mut tp_name = format!("TP {}->{}", p.prefill_tp, p.decode_tp);
+    if p.side_page_tokens(Side::Decode) != p.page_tokens {
+        tp_name += &format!(
+            " pages {}->{}",
+            p.page_tokens,
+            p.side_page_tokens(Side::Decode)
+        );
+    }
     let phase_name = |i: usize, ph: &KvResult| {
         let auth = match (p.auth, ph.auth) {
             (Auth::Both, true) if p.tls => ", auth+tls+encrypt",
@@ -529,7 +628,16 @@ pub fn human(p: &Params, r: &Report) -> String {
             (Auth::Both, false) => ", auth off",
             _ => "",
         };
-        format!("kvxfer, phase {}{auth}", i + 1)
+        let tp = match (p.layouts(), ph.tp) {
+            (false, _) => "",
+            (true, true) => &tp_name,
+            (true, false) => "TP 1->1",
+        };
+        format!(
+            "kvxfer, phase {}{auth}{}{tp}",
+            i + 1,
+            if tp.is_empty() { "" } else { ", " }
+        )
     };
     for (i, ph) in r.phases.iter().enumerate() {
         // On one host only (across hosts the two clocks differ).
@@ -545,14 +653,39 @@ pub fn human(p: &Params, r: &Report) -> String {
         };
         let _ = writeln!(
             o,
-            "  {:<36} {:>8.3} {:>9}   {:.0} rooms/s{first}",
+            "  {:<36} {:>8.3} {:>9}   {:.0} rooms/s, {:.3} runs/page{first}",
             phase_name(i, ph),
             ph.gbps(),
             d.phase_ratios
                 .get(i)
                 .map_or(String::new(), |x| format!("{x:.2}x tcp")),
             ph.rooms_per_sec(),
+            ph.runs_per_page(),
         );
+    }
+    if let Some(t) = tp_split(p, r) {
+        let (lo, hi) = min_max(&t.gbps_ratio_per_pair);
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>8.3} {:>9}   pairs of phases {lo:.3}x..{hi:.3}x; {:.0} / {:.0} rooms/s = \
+             {:.3}x; runs/page {:.3} / {:.3}",
+            format!("kvxfer, {tp_name} / 1->1"),
+            t.tp_gbps,
+            format!("{:.3}x", t.gbps_ratio),
+            t.tp_rooms_per_sec,
+            t.equal_rooms_per_sec,
+            t.rooms_per_sec_ratio,
+            t.tp_runs_per_page,
+            t.equal_runs_per_page
+        );
+        if t.tp_bytes_per_room != t.equal_bytes_per_room {
+            let _ = writeln!(
+                o,
+                "  (the TP phases deliver {:.3}x the bytes per room of the 1->1 phases: heads \
+                 replicated on the decode ranks, or a last decode page of another size)",
+                t.tp_bytes_per_room / t.equal_bytes_per_room
+            );
+        }
     }
     if let Some(a) = auth_split(r) {
         let _ = writeln!(
@@ -759,6 +892,11 @@ mod tests {
         "kvxfer_runs_auth",
         "kvxfer_runs_rooms_per_sec",
         "auth_on_vs_off",
+        "prefill_tp",
+        "decode_tp",
+        "page_order",
+        "decode_page_tokens",
+        "tp_vs_equal",
         "cpu_ratio_vs_tcp",
         "cores_busy",
         "loadavg",
@@ -905,5 +1043,57 @@ mod tests {
         assert!(text.contains("first byte p50 2.000 p99 4.000 ms"), "{text}");
         assert!(text.contains("0.300 / 0.200"), "{text}");
         assert!(text.contains("2000 / 1000"), "{text}");
+    }
+
+    #[test]
+    fn a_tp_run_reports_its_phases_against_the_equal_tp_phases_pair_by_pair() {
+        let (_, p) = Cli::parse_from(["kvxfer-bench", "--prefill-tp", "4", "--decode-tp", "2"])
+            .resolve()
+            .unwrap();
+        let phase = |tp: bool, gbps: u64, runs: u64| KvResult {
+            tp,
+            ok: 10,
+            bytes: gbps * 1_000_000_000,
+            secs: 1.0,
+            runs,
+            buffer_pages: 1000,
+            ..Default::default()
+        };
+        let mut r = Report::default();
+        // The order alternates: TP first, then equal first.
+        for k in [
+            phase(true, 2, 4000),
+            phase(false, 4, 16),
+            phase(false, 5, 16),
+            phase(true, 4, 4000),
+        ] {
+            r.kv.absorb(&k);
+            r.phases.push(k);
+        }
+        let v: serde_json::Value = serde_json::from_str(&json(&p, &r)).unwrap();
+        assert_eq!(
+            (v["prefill_tp"].clone(), v["decode_tp"].clone()),
+            (4.into(), 2.into())
+        );
+        assert_eq!(v["page_order"], "hnd");
+        assert_eq!(v["decode_page_tokens"], 16);
+        let t = &v["tp_vs_equal"];
+        assert_eq!(
+            (t["tp_gbps"].clone(), t["equal_gbps"].clone()),
+            (3.0.into(), 4.5.into())
+        );
+        assert_eq!(t["gbps_ratio_per_pair"], serde_json::json!([0.5, 0.8]));
+        assert_eq!(t["tp_runs_per_page"], 4.0);
+        assert_eq!(t["equal_runs_per_page"], 0.016);
+        assert_eq!(v["phases"][1]["tp"], false);
+        assert_eq!(v["phases"][3]["runs_per_page"], 4.0);
+        let text = human(&p, &r);
+        assert!(text.contains("kvxfer, TP 4->2 / 1->1"), "{text}");
+        assert!(text.contains("pairs of phases 0.500x..0.800x"), "{text}");
+        assert!(text.contains("kvxfer, phase 2, TP 1->1"), "{text}");
+        // Without TP: no comparison, no page order.
+        let (_, plain) = Cli::parse_from(["kvxfer-bench"]).resolve().unwrap();
+        let v: serde_json::Value = serde_json::from_str(&json(&plain, &r)).unwrap();
+        assert!(v["tp_vs_equal"].is_null() && v["page_order"].is_null());
     }
 }

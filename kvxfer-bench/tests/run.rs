@@ -145,3 +145,43 @@ fn across_hosts_no_cross_process_latency_is_computed() {
     );
     assert!(f(&j["phases"][0]["prefill"]["cpu_s_per_gb"]) > 0.0);
 }
+
+#[test]
+fn a_tp_run_alternates_with_equal_tp_and_counts_the_runs_it_needed() {
+    // 2 KV heads of 64 values: each of the 2 prefill ranks holds one, the decode rank
+    // both; a planned abort now and then fails a room on every rank.
+    let (table, j) = run(&[
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "1",
+        "--repeat",
+        "1",
+        "--no-baselines",
+        "--abort-rate",
+        "0.1",
+    ]);
+    assert_eq!(j["unexpected_failures"], 0, "{j}");
+    assert_eq!(j["prefill_unexpected_failures"], 0, "{j}");
+    assert!(j["rooms_ok"].as_u64().unwrap() > 300, "{j}");
+    assert_eq!(
+        (j["prefill_tp"].clone(), j["decode_tp"].clone()),
+        (2.into(), 1.into())
+    );
+    let phases = j["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 2);
+    assert_eq!(
+        (phases[0]["tp"].clone(), phases[1]["tp"].clone()),
+        (true.into(), false.into())
+    );
+    let t = &j["tp_vs_equal"];
+    // A single-page room: one page in each of 4 buffers and an aux row, 5 runs (1.25
+    // per page) at 1 -> 1; TP 2 -> 1 in HND order: as many from each rank (the runs of
+    // aborted rooms count too, their pages do not).
+    let (tp, eq) = (f(&t["tp_runs_per_page"]), f(&t["equal_runs_per_page"]));
+    assert!((1.25..1.6).contains(&eq), "{t}");
+    assert!((1.8..2.3).contains(&(tp / eq)), "{t}");
+    assert_eq!(t["tp_bytes_per_room"], t["equal_bytes_per_room"]);
+    assert!(f(&t["gbps_ratio"]) > 0.0);
+    assert!(table.contains("kvxfer, TP 2->1 / 1->1"), "{table}");
+}

@@ -262,6 +262,7 @@ class Metrics(ctypes.Structure):
         ('rooms_draining', ctypes.c_uint64),
         ('auth_failures', ctypes.c_uint64),
         ('binding_refusals', ctypes.c_uint64),
+        ('data_runs_sent', ctypes.c_uint64),
     ]
 
     FIELD_DOCS = {
@@ -286,6 +287,7 @@ class Metrics(ctypes.Structure):
         'rooms_draining': 'Rooms cleared before they drained (`kvxfer_room_drained`), still draining in the\nbackground; the library releases them once no transport operation can touch\ntheir memory.',
         'auth_failures': 'Connections refused at authentication, on either side (see `auth` and the `tls_*`\nkeys in `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete\nor malformed handshake, too many connections authenticating at once, a failed TLS\nhandshake (a certificate not of the CA, an alert), or TLS on one side only.',
         'binding_refusals': 'Prefill engine: destinations and aborts refused because their room is bound to\nother decode engines (`kvxfer_room_create_for`). Each refused destination is\nanswered with a failure of its decode room; the prefill room is unchanged.',
+        'data_runs_sent': 'Prefill engine: data runs written to decode engines, KV and aux (TCP: data frames;\nRDMA: writes). A byte copy of consecutive pages is one run per buffer (cut at the\nlargest frame); head slices between different layouts are one run per byte\nsegment, so runs per page tell how finely a transfer was cut.',
     }
 
 

@@ -461,6 +461,11 @@ pub struct kvxfer_metrics {
     /// other decode engines (`kvxfer_room_create_for`). Each refused destination is
     /// answered with a failure of its decode room; the prefill room is unchanged.
     pub binding_refusals: u64,
+    /// Prefill engine: data runs written to decode engines, KV and aux (TCP: data frames;
+    /// RDMA: writes). A byte copy of consecutive pages is one run per buffer (cut at the
+    /// largest frame); head slices between different layouts are one run per byte
+    /// segment, so runs per page tell how finely a transfer was cut.
+    pub data_runs_sent: u64,
 }
 
 /// The copy of a snapshot into `kvxfer_metrics`, one field per C field named in the
@@ -651,6 +656,7 @@ mod tests {
             rooms_draining: 3,
             auth_failures: 9,
             binding_refusals: 6,
+            data_runs_sent: 12,
             inflight: 2,
             ..Default::default()
         };
@@ -660,7 +666,7 @@ mod tests {
         let c = kvxfer_metrics::from(&s);
         assert_eq!((c.rooms_created, c.held_destinations), (40, 7));
         assert_eq!((c.rooms_draining, c.auth_failures, c.inflight), (3, 9, 2));
-        assert_eq!(c.binding_refusals, 6);
+        assert_eq!((c.binding_refusals, c.data_runs_sent), (6, 12));
         assert_eq!(c.rooms_failed, 16);
         let mut by_cause = [0; KVXFER_METRICS_CAUSES];
         by_cause[kvxfer_failure_cause::KVXFER_CAUSE_ABORTED as usize] = 5;

@@ -326,6 +326,11 @@ impl PrefillEngine {
             .metrics
             .bytes_sent
             .fetch_add(batch.bytes as u64, Ordering::Relaxed);
+        self.core
+            .node
+            .metrics
+            .data_runs_sent
+            .fetch_add(batch.frames.len() as u64, Ordering::Relaxed);
         lifecycle::progressed(self, room);
         #[cfg(feature = "test-hooks")]
         crate::testing::pause_point("worker.mid_chunk", room.id());
