@@ -235,6 +235,55 @@ TEST(KvLayoutHpp, MlaAgainstMhaIsRefusedAtTheExchangeAndBothRoomsSayWhy) {
     EXPECT_TRUE(contains(prefill.failure(1), want)) << prefill.failure(1);
 }
 
+/// Each refusal of the registration exchange, through the C ABI: the decode room fails
+/// as MISMATCH with a message naming the field and both values (decode's first). The
+/// layouts differ from gqa() in one field each; both sides' buffers fit their own layout.
+TEST(KvLayout, EachExchangeRefusalNamesTheFieldAndBothValues) {
+    struct Case {
+        const char *what;
+        kvxfer_kv_layout decode;
+        bool decode_has_layout;
+        std::string want;
+    };
+    auto with = [](auto change) {
+        kvxfer_kv_layout l = gqa();
+        change(l);
+        return l;
+    };
+    const std::vector<Case> cases = {
+        {"kv_heads", with([](kvxfer_kv_layout &l) { l.kv_heads = 16; l.tp_size = 8; l.tp_rank = 4; }), true,
+         "kv layout kv_heads differs: 16 on decode, 8 on prefill"},
+        {"head_dim", with([](kvxfer_kv_layout &l) { l.head_dim = 32; }), true,
+         "kv layout head_dim differs: 32 on decode, 64 on prefill"},
+        {"dtype_bytes", with([](kvxfer_kv_layout &l) { l.dtype_bytes = 1; }), true,
+         "kv layout dtype_bytes differs: 1 on decode, 2 on prefill"},
+        {"page_tokens", with([](kvxfer_kv_layout &l) { l.page_tokens = 6; }), true,
+         "kv layout page_tokens 6 on decode and 4 on prefill: neither divides the other"},
+        {"no layout", gqa(), false, "decode engine registered no kv layout; prefill did"},
+    };
+    for (const Case &c : cases) {
+        SCOPED_TRACE(c.what);
+        const uint64_t page_bytes = static_cast<uint64_t>(c.decode.page_tokens) *
+                                    (c.decode.kv_heads / c.decode.tp_size) * c.decode.head_dim *
+                                    c.decode.dtype_bytes;
+        Memory pmem(2, 8, 1024), dmem(2, 8, page_bytes);
+        EnginePtr p = engine("prefill"), d = engine("decode");
+        kvxfer_kv_layout pl = gqa();
+        ASSERT_TRUE(ok(kvxfer_register_kv_layout(p.get(), pmem.data(), nullptr, pmem.size(), &pl)));
+        if (c.decode_has_layout) {
+            ASSERT_TRUE(ok(kvxfer_register_kv_layout(d.get(), dmem.data(), nullptr, dmem.size(),
+                                                     &c.decode)));
+        } else {
+            ASSERT_TRUE(ok(kvxfer_register_kv(d.get(), dmem.data(), dmem.size())));
+        }
+        Peers peers({address(p.get())});
+        ASSERT_TRUE(ok(kvxfer_room_create(d.get(), 1, peers.ptrs.data(), 1)));
+        ASSERT_EQ(wait_terminal(d.get(), 1), KVXFER_ROOM_FAILED);
+        EXPECT_EQ(cause_of(d.get(), 1).cause, KVXFER_CAUSE_MISMATCH);
+        EXPECT_TRUE(contains(failure(d.get(), 1), c.want)) << failure(d.get(), 1);
+    }
+}
+
 namespace {
 
 /// The byte at element byte `k` of head `h` of token `t` in buffer `b`: odd, so never
