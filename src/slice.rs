@@ -96,6 +96,10 @@ pub fn chunk_tokens(
     let cap = n_dst * pd;
     let start = src_before * ps;
     let end = (src_before + n_src) * ps;
+    if n_src == 0 && !last {
+        // An empty chunk moves nothing, even after a page that reached past the end.
+        return Ok(start.min(cap)..start.min(cap));
+    }
     if end > cap {
         // Only a chunk's last source page may reach past the destination.
         let past_ok = n_src > 0 && end - ps < cap;
@@ -348,6 +352,10 @@ mod tests {
             .contains("fills 1 of the destination's 2"));
         // An empty last chunk closes a room whose pages all arrived.
         assert_eq!(chunk_tokens(16, 16, 4, 0, 4, true), Ok(64..64));
+        // An empty chunk after a page that reached past the end moves nothing; the room
+        // (2 source pages of 64 into 7 of 16) fits.
+        assert_eq!(chunk_tokens(64, 16, 2, 0, 7, false), Ok(112..112));
+        assert_eq!(chunk_tokens(64, 16, 0, 2, 7, true), Ok(0..112));
     }
 
     #[test]

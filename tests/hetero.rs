@@ -512,3 +512,26 @@ fn layers_sent_one_by_one_from_every_rank_are_counted_on_every_decode_rank() {
     }
     t.assert_delivered();
 }
+
+/// A room closed by an empty last chunk after the page that reaches past the end of the
+/// destination (64-token source pages into 16-token ones, a 100-token prompt).
+#[test]
+fn an_empty_last_chunk_closes_a_room_whose_last_page_reached_past_the_destination() {
+    let t = Deployment::new(
+        GQA8,
+        side(2, 64, Order::Hnd),
+        side(1, 16, Order::Hnd),
+        100,
+        7,
+    );
+    for (e, _) in &t.prefills {
+        e.enqueue_chunk(7, &t.src, false, None).unwrap();
+        e.enqueue_chunk(7, &[], true, None).unwrap();
+    }
+    for (e, _) in t.decodes.iter().chain(&t.prefills) {
+        let state = wait_terminal(e, 7);
+        let why = e.room_failure(7).map(|w| w.to_string()).unwrap_or_default();
+        assert_eq!(state, State::Success, "{why}");
+    }
+    t.assert_delivered();
+}
