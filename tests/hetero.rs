@@ -209,6 +209,33 @@ impl Deployment {
         }
     }
 
+    /// Room `room`, whose first chunk went out, was aborted on one rank: every room on
+    /// every rank of both sides ends FAILED with `reason`; once each decode room drained
+    /// its pages are poisoned again, the prefill ranks' last chunks are refused, and
+    /// nothing more lands.
+    fn assert_failed_everywhere_and_quiet(&self, room: u64, reason: &str) {
+        for (e, _) in self.decodes.iter().chain(&self.prefills) {
+            assert_eq!(wait_terminal(e, room), State::Failed);
+            let why = e.room_failure(room).unwrap();
+            assert!(why.message.contains(reason), "{why}");
+        }
+        for (e, mem) in &self.decodes {
+            common::wait_until("the decode room to drain", || e.room_drained(room).unwrap());
+            for region in mem {
+                for &p in &self.dst {
+                    region.poison(p, POISON);
+                }
+            }
+        }
+        for (e, _) in &self.prefills {
+            assert!(e.enqueue_chunk(room, &self.src[2..], true, None).is_err());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        for (_, mem) in &self.decodes {
+            assert!(mem.iter().all(|r| r.holds_only(POISON)));
+        }
+    }
+
     /// Checks every byte of every decode rank's pool: its heads of every token moved at
     /// their place, POISON everywhere else.
     fn assert_delivered(&self) {
@@ -336,27 +363,7 @@ fn an_abort_on_one_rank_fails_the_room_on_every_rank_and_nothing_lands_after() {
         e.enqueue_chunk(2, &t.src[..2], false, None).unwrap();
     }
     t.prefills[1].0.room_abort(2, "client went away").unwrap();
-    for (e, _) in t.decodes.iter().chain(&t.prefills) {
-        assert_eq!(wait_terminal(e, 2), State::Failed);
-        let why = e.room_failure(2).unwrap();
-        assert!(why.message.contains("client went away"), "{why}");
-    }
-    for (e, mem) in &t.decodes {
-        common::wait_until("the decode room to drain", || e.room_drained(2).unwrap());
-        for region in mem {
-            for &p in &t.dst {
-                region.poison(p, POISON);
-            }
-        }
-    }
-    // The other ranks' last chunks are refused (their rooms failed) and write nothing.
-    for (e, _) in &t.prefills {
-        assert!(e.enqueue_chunk(2, &t.src[2..], true, None).is_err());
-    }
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    for (_, mem) in &t.decodes {
-        assert!(mem.iter().all(|r| r.holds_only(POISON)));
-    }
+    t.assert_failed_everywhere_and_quiet(2, "client went away");
 }
 
 /// An abort on one decode rank fails the room on every rank of both sides, with the
@@ -377,26 +384,7 @@ fn an_abort_on_one_decode_rank_fails_the_room_everywhere() {
         .0
         .room_abort(4, "decode rank preempted")
         .unwrap();
-    for (e, _) in t.decodes.iter().chain(&t.prefills) {
-        assert_eq!(wait_terminal(e, 4), State::Failed);
-        let why = e.room_failure(4).unwrap();
-        assert!(why.message.contains("decode rank preempted"), "{why}");
-    }
-    for (e, mem) in &t.decodes {
-        common::wait_until("the decode room to drain", || e.room_drained(4).unwrap());
-        for region in mem {
-            for &p in &t.dst {
-                region.poison(p, POISON);
-            }
-        }
-    }
-    for (e, _) in &t.prefills {
-        assert!(e.enqueue_chunk(4, &t.src[2..], true, None).is_err());
-    }
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    for (_, mem) in &t.decodes {
-        assert!(mem.iter().all(|r| r.holds_only(POISON)));
-    }
+    t.assert_failed_everywhere_and_quiet(4, "decode rank preempted");
 }
 
 /// A prefill rank lost mid-room fails every decode room, with no partial SUCCESS.
