@@ -53,6 +53,8 @@ pub struct Cli {
     #[command(flatten)]
     traffic: Traffic,
     #[command(flatten)]
+    layerwise: LayerWise,
+    #[command(flatten)]
     engine: EngineArgs,
     #[command(flatten)]
     measure: Measurement,
@@ -145,6 +147,24 @@ struct Traffic {
     /// Room plan seed [1]
     #[arg(long)]
     seed: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Layer by layer (issue 14)")]
+struct LayerWise {
+    /// Simulate a prefill that computes layer by layer (a wait of --compute-us-per-layer
+    /// per model layer of each chunk, on the prefill scheduler thread) and alternate, in
+    /// the same run, phases that enqueue each layer as soon as it is computed
+    /// (enqueue_layers) with phases that enqueue each chunk after its last layer
+    /// (enqueue_chunk); then both again with no compute (bulk GB/s). Reports
+    /// time-to-first-token (first layer computed -> decode SUCCESS) of each. One host
+    /// only (TTFT compares the two processes' CLOCK_MONOTONIC), TP 1 -> 1
+    #[arg(long)]
+    layerwise: bool,
+    /// --layerwise: microseconds of simulated compute per model layer (its K and V
+    /// buffers, or its latent buffer with --layout mla), per chunk
+    #[arg(long, value_name = "N")]
+    compute_us_per_layer: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -416,7 +436,42 @@ pub struct Params {
     pub page_order: Order,
     /// `--decode-page-tokens`, when given.
     pub decode_page_tokens: Option<usize>,
+    /// `--layerwise`: the phases alternate layer-wise and whole-chunk sending, with
+    /// `compute_us_per_layer` of simulated compute per model layer and with none.
+    pub layerwise: bool,
+    pub compute_us_per_layer: u64,
 }
+
+/// How the prefill scheduler feeds a phase's rooms to its engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Feed {
+    /// Simulated compute (`--layerwise` runs): each chunk's layers are computed in turn,
+    /// `compute_us_per_layer` each, one room after another on the scheduler thread.
+    /// Without it, every chunk of a room is enqueued when the room is created.
+    pub simulate: bool,
+    /// Each model layer enqueued as soon as it is computed (`enqueue_layers`), rather
+    /// than each chunk after its last layer (`enqueue_chunk`).
+    pub by_layer: bool,
+    pub compute_us_per_layer: u64,
+}
+
+impl Feed {
+    /// The phase's name in the table.
+    pub fn name(self) -> String {
+        format!(
+            "{}, {} us/layer",
+            if self.by_layer {
+                "layer-wise"
+            } else {
+                "whole-chunk"
+            },
+            self.compute_us_per_layer
+        )
+    }
+}
+
+/// Most microseconds of compute per layer (`--compute-us-per-layer`): one second.
+const MAX_COMPUTE_US: u64 = 1_000_000;
 
 /// Which side of a transfer a layout is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -440,6 +495,10 @@ impl Cli {
         over!(engine: transport, conns, log_level, auth);
         over!(tp: prefill_tp, decode_tp, page_order);
         p.decode_page_tokens = self.tp.decode_page_tokens;
+        p.layerwise = self.layerwise.layerwise;
+        if let Some(n) = self.layerwise.compute_us_per_layer {
+            p.compute_us_per_layer = n;
+        }
         over!(measure: verify, verify_threads, baseline_buf_mib, baseline_write_kib);
         over!(measure: baseline_read_kib, sched, poll_us, max_mem_gib, pool_pages);
         if let Some((a, b)) = self.traffic.prompt {
@@ -459,6 +518,13 @@ impl Cli {
             (Some(Role::Prefill), _, Some(l), None) => Mode::Prefill(Some(l)),
             (Some(Role::Prefill), ..) => {
                 return Err("--role prefill needs --listen HOST:PORT".into())
+            }
+            (Some(Role::Decode), Some(_), ..) if p.layerwise => {
+                return Err(
+                    "--layerwise measures time-to-first-token between the two processes' \
+                     CLOCK_MONOTONIC, which only one host shares: run it locally"
+                        .into(),
+                )
             }
             (Some(Role::Decode), Some(a), ..) => Mode::Decode(a),
             (Some(Role::Decode), None, ..) => {
@@ -517,6 +583,8 @@ impl Params {
             decode_tp: 1,
             page_order: Order::Hnd,
             decode_page_tokens: None,
+            layerwise: false,
+            compute_us_per_layer: 0,
         };
         match name {
             "llama3-8b" => {
@@ -623,7 +691,109 @@ impl Params {
         if self.rooms == 0 && self.duration.is_none() {
             return Err("--rooms must be positive".into());
         }
-        self.validate_tp()
+        self.validate_tp()?;
+        self.validate_layerwise()
+    }
+
+    /// The checks of `--layerwise` and `--compute-us-per-layer`.
+    fn validate_layerwise(&self) -> Result<(), String> {
+        let n = self.compute_us_per_layer;
+        if !self.layerwise {
+            if n != 0 {
+                return Err(format!(
+                    "--compute-us-per-layer {n} applies to --layerwise runs (the simulated \
+                     compute of a prefill that computes layer by layer)"
+                ));
+            }
+            return Ok(());
+        }
+        if n == 0 || n > MAX_COMPUTE_US {
+            return Err(format!(
+                "--layerwise needs --compute-us-per-layer N, 1..={MAX_COMPUTE_US} (microseconds \
+                 of compute per model layer; the run adds phases with no compute itself), \
+                 not {n}"
+            ));
+        }
+        if self.layouts() {
+            return Err(
+                "--layerwise runs TP 1 -> 1 (one engine pair): drop --prefill-tp, --decode-tp \
+                 and --decode-page-tokens"
+                    .into(),
+            );
+        }
+        if self.auth == Auth::Both {
+            return Err(
+                "--auth both and --layerwise each alternate two kinds of phase: run them \
+                 separately (--auth on or off with --layerwise)"
+                    .into(),
+            );
+        }
+        if self.duration.is_some() {
+            return Err(
+                "--layerwise compares phases of the same rooms: use --rooms, not --duration".into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The kv buffers of one model layer (K and V, or the latent): the `layer_count` of
+    /// one `enqueue_layers` call, since the pool registers its buffers without layer ids
+    /// (a layer is a buffer's position).
+    pub fn buffers_per_layer(&self) -> usize {
+        match self.layout {
+            Layout::Kv => 2,
+            Layout::Mla => 1,
+        }
+    }
+
+    /// Chunks of a room of `pages` pages.
+    pub fn chunks_for(&self, pages: usize) -> usize {
+        pages.div_ceil(self.chunk_pages())
+    }
+
+    /// The compute alone of a room of `pages` pages under `feed`, in nanoseconds: every
+    /// layer of every chunk.
+    pub fn compute_ns(&self, feed: Feed, pages: usize) -> u64 {
+        (self.chunks_for(pages) * self.layers) as u64 * feed.compute_us_per_layer * 1000
+    }
+
+    /// The kinds of the kvxfer phases in order, each with the engine set it runs on
+    /// (`sets`: one per --auth pair or per TP kind). `--layerwise`: layer-wise and
+    /// whole-chunk with compute, then both with none, the order of each pair swapped
+    /// every repeat (LW WC lw wc, WC LW wc lw, ...) so neither always runs first. Else
+    /// the sets take turns, --repeat phases of each, in the order 0 1, 1 0, 0 1, ... (two
+    /// sets) so that neither always runs first (the first phase also pays for first
+    /// touches and connection setup) or drifts with the host.
+    pub fn phase_plan(&self, sets: usize) -> Vec<(usize, Feed)> {
+        if self.layerwise {
+            let feed = |by_layer: bool, us: u64| Feed {
+                simulate: true,
+                by_layer,
+                compute_us_per_layer: us,
+            };
+            let n = self.compute_us_per_layer;
+            return (0..self.repeat)
+                .flat_map(|rep| {
+                    let first = rep % 2 == 0;
+                    [
+                        feed(first, n),
+                        feed(!first, n),
+                        feed(first, 0),
+                        feed(!first, 0),
+                    ]
+                })
+                .map(|f| (0, f))
+                .collect();
+        }
+        (0..self.repeat * sets)
+            .map(|phase| {
+                let set = match sets {
+                    2 if (phase / 2) % 2 == 1 => 1 - phase % 2,
+                    n => phase % n,
+                };
+                (set, Feed::default())
+            })
+            .collect()
     }
 
     /// The checks of a run between layouts (`--prefill-tp`, `--decode-tp`,
