@@ -1194,12 +1194,120 @@ mod tests {
     }
 
     #[test]
+    fn layerwise_options_are_checked_with_the_reason() {
+        let p = params("--layerwise --compute-us-per-layer 4000 --chunk-tokens 4096");
+        assert!(p.layerwise);
+        assert_eq!(p.compute_us_per_layer, 4000);
+        assert_eq!((p.buffers_per_layer(), p.chunks_for(256)), (2, 1));
+        let d = params("");
+        assert!(!d.layerwise);
+        assert_eq!(d.compute_us_per_layer, 0);
+        for (bad, why) in [
+            ("--layerwise", "--layerwise needs --compute-us-per-layer N"),
+            (
+                "--layerwise --compute-us-per-layer 0",
+                "--layerwise needs --compute-us-per-layer N, 1..=1000000",
+            ),
+            ("--layerwise --compute-us-per-layer 1000001", "not 1000001"),
+            (
+                "--compute-us-per-layer 5",
+                "--compute-us-per-layer 5 applies to --layerwise runs",
+            ),
+            (
+                "--layerwise --compute-us-per-layer 5 --prefill-tp 2",
+                "--layerwise runs TP 1 -> 1",
+            ),
+            (
+                "--layerwise --compute-us-per-layer 5 --auth both",
+                "--auth both and --layerwise each alternate",
+            ),
+            (
+                "--layerwise --compute-us-per-layer 5 --duration 2",
+                "use --rooms, not --duration",
+            ),
+            (
+                "--role decode --prefill-addr h:1 --layerwise --compute-us-per-layer 5",
+                "which only one host shares",
+            ),
+        ] {
+            let e = parse(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        // The prefill side of a two-host run is handed the plan, not the option.
+        assert_eq!(
+            parse("--role prefill --listen h:1 --layerwise --compute-us-per-layer 5")
+                .unwrap()
+                .0,
+            Mode::Prefill(Some("h:1".into()))
+        );
+    }
+
+    #[test]
+    fn the_compute_alone_of_a_room_is_every_layer_of_every_chunk() {
+        let mut p = params("--layerwise --compute-us-per-layer 1000");
+        let feed = |us| Feed {
+            simulate: true,
+            by_layer: true,
+            compute_us_per_layer: us,
+        };
+        // 4096 tokens in chunks of 2048: 2 chunks x 32 layers x 1 ms.
+        assert_eq!(p.compute_ns(feed(1000), 256), 64_000_000);
+        assert_eq!(p.compute_ns(feed(1000), 129), 64_000_000);
+        assert_eq!(p.compute_ns(feed(1000), 128), 32_000_000);
+        assert_eq!(p.compute_ns(feed(0), 256), 0);
+        p.chunk_tokens = 4096;
+        assert_eq!(p.compute_ns(feed(250), 256), 8_000_000);
+        let m = params("--preset deepseek-mla --layerwise --compute-us-per-layer 10");
+        assert_eq!((m.buffers_per_layer(), m.n_buffers()), (1, 61));
+    }
+
+    #[test]
+    fn phases_alternate_so_that_neither_kind_always_runs_first() {
+        let p = params("--layerwise --compute-us-per-layer 700 --repeat 2");
+        let kinds: Vec<(usize, bool, u64)> = p
+            .phase_plan(1)
+            .into_iter()
+            .map(|(set, f)| {
+                assert!(f.simulate);
+                (set, f.by_layer, f.compute_us_per_layer)
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (0, true, 700),
+                (0, false, 700),
+                (0, true, 0),
+                (0, false, 0),
+                (0, false, 700),
+                (0, true, 700),
+                (0, false, 0),
+                (0, true, 0),
+            ]
+        );
+        let sets = |p: &Params, n| -> Vec<usize> {
+            p.phase_plan(n)
+                .into_iter()
+                .map(|(s, f)| {
+                    assert_eq!(f, Feed::default());
+                    s
+                })
+                .collect()
+        };
+        let both = params("--auth both --repeat 3");
+        assert_eq!(sets(&both, 2), [0, 1, 1, 0, 0, 1]);
+        assert_eq!(sets(&params("--repeat 3"), 1), [0, 0, 0]);
+    }
+
+    #[test]
     fn the_command_lines_of_the_makefiles_and_scripts_parse() {
         // Makefile (bench-smoke), Makefile.bench, scripts/rdma-bench.sh, bench/peers/.
         for ok in [
             "--preset single-page --quick --json",
             "--preset llama3-8b --quick --abort-rate 0.2 --json",
             "--preset llama3-8b --quick --prefill-tp 2 --decode-tp 1 --json",
+            "--preset llama3-8b --quick --layerwise --compute-us-per-layer 1000 --json",
+            "--layerwise --compute-us-per-layer 4000 --chunk-tokens 4096 --verify sample --json",
             "--preset deepseek-mla --json --quick",
             "--preset table --json",
             "--transport rdma --json --preset llama3-8b --prompt 1024 --rooms 6 --concurrency 2 \
@@ -1224,5 +1332,8 @@ mod tests {
         assert_eq!(p, q);
         assert!(text.contains(r#""pool_pages":"4k""#), "{text}");
         assert!(text.contains(r#""auth":"on""#), "{text}");
+        let l = params("--layerwise --compute-us-per-layer 9");
+        let text = serde_json::to_string(&l).unwrap();
+        assert_eq!(serde_json::from_str::<Params>(&text).unwrap(), l);
     }
 }

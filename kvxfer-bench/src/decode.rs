@@ -56,7 +56,7 @@ pub struct KvResult {
     /// comparison (a sum: whether any was).
     pub tp: bool,
     /// How the prefill side fed the phase's rooms (`--layerwise`: simulated compute,
-    /// layer-wise or whole-chunk; a sum: the first phase's).
+    /// layer-wise or whole-chunk; not added up: a sum keeps its own).
     pub feed: Feed,
     /// Nanoseconds, successful rooms of a phase with simulated compute, one host only:
     /// time-to-first-token, the first layer's compute (prefill) to decode SUCCESS.
@@ -969,4 +969,70 @@ fn kvxfer_loop<'s>(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ctl::Computed;
+
+    fn prefill_room(compute: Option<Computed>) -> PrefillRoom {
+        PrefillRoom {
+            t_enq: 1_500,
+            t_term: 9_000,
+            outcome: Outcome::Ok,
+            compute,
+        }
+    }
+
+    #[test]
+    fn ttft_runs_from_the_first_layers_compute_to_decode_success_on_one_host_only() {
+        let computed = Computed {
+            start: 1_000,
+            end: 5_200,
+            late_ns: vec![100, 200],
+        };
+        let rec = Rec {
+            t_dest: 400,
+            t_done: 7_000,
+            ok: true,
+            ..Default::default()
+        };
+        let pr = prefill_room(Some(computed.clone()));
+        // From the compute's start, not from the first enqueue (1_500).
+        assert_eq!(ttft(&pr, &rec, true), Some(6_000));
+        // Across hosts the clocks differ; a room not delivered whole has no TTFT; a
+        // phase without simulated compute neither.
+        assert_eq!(ttft(&pr, &rec, false), None);
+        let lost = Rec {
+            ok: false,
+            ..rec.clone()
+        };
+        assert_eq!(ttft(&pr, &lost, true), None);
+        assert_eq!(ttft(&prefill_room(None), &rec, true), None);
+        // A SUCCESS stamped before the compute began (it cannot be) is not negative.
+        assert_eq!(computed.ttft_ns(500), 0);
+    }
+
+    #[test]
+    fn results_added_up_keep_every_rooms_ttft_compute_and_lateness() {
+        let feed = Feed {
+            simulate: true,
+            by_layer: true,
+            compute_us_per_layer: 10,
+        };
+        let a = KvResult {
+            feed,
+            ttft: vec![3, 4],
+            compute: vec![2, 2],
+            late: vec![7],
+            ..Default::default()
+        };
+        let mut t = KvResult::default();
+        t.absorb(&a);
+        t.absorb(&a);
+        assert_eq!(t.ttft, [3, 4, 3, 4]);
+        assert_eq!(t.compute.len(), 4);
+        assert_eq!(t.late, [7, 7]);
+    }
 }

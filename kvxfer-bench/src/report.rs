@@ -1083,7 +1083,7 @@ pub fn human(p: &Params, r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::args::Cli;
+    use crate::args::{Cli, Feed};
     use clap::Parser;
 
     /// The top-level keys of the `--json` line (docs/BENCHMARKS.md lists them;
@@ -1313,5 +1313,102 @@ mod tests {
         let (_, plain) = Cli::parse_from(["kvxfer-bench"]).resolve().unwrap();
         let v: serde_json::Value = serde_json::from_str(&json(&plain, &r)).unwrap();
         assert!(v["tp_vs_equal"].is_null() && v["page_order"].is_null());
+    }
+
+    #[test]
+    fn a_layerwise_run_reports_ttft_against_compute_and_whole_chunk_pair_by_pair() {
+        let (_, p) = Cli::parse_from([
+            "kvxfer-bench",
+            "--layerwise",
+            "--compute-us-per-layer",
+            "1000",
+            "--chunk-tokens",
+            "4096",
+        ])
+        .resolve()
+        .unwrap();
+        let ms = |v: &[u64]| v.iter().map(|x| x * 1_000_000).collect::<Vec<_>>();
+        // Compute alone: 32 layers x 1 ms = 32 ms a room.
+        let phase = |by_layer: bool, us: u64, ttft: &[u64], gbps: u64| KvResult {
+            feed: Feed {
+                simulate: true,
+                by_layer,
+                compute_us_per_layer: us,
+            },
+            ok: ttft.len() as u64,
+            bytes: gbps * 1_000_000_000,
+            secs: 1.0,
+            ttft: ms(ttft),
+            compute: vec![us * 32_000; ttft.len()],
+            late: vec![50_000, 150_000],
+            ..Default::default()
+        };
+        let mut r = Report::default();
+        for k in [
+            phase(true, 1000, &[32, 34, 40], 1),
+            phase(false, 1000, &[64, 64, 80], 1),
+            phase(true, 0, &[20], 4),
+            phase(false, 0, &[20], 5),
+            phase(false, 1000, &[48, 48, 48], 1),
+            phase(true, 1000, &[36, 36, 36], 1),
+            phase(false, 0, &[20], 4),
+            phase(true, 0, &[20], 4),
+        ] {
+            r.kv.absorb(&k);
+            r.phases.push(k);
+        }
+        let v: serde_json::Value = serde_json::from_str(&json(&p, &r)).unwrap();
+        let l = &v["layerwise"];
+        assert_eq!(l["compute_us_per_layer"], 1000);
+        assert_eq!(l["compute_ms"], 32.0);
+        // Layer-wise 32 34 36 36 36 40, whole-chunk 48 48 48 64 64 80.
+        assert_eq!(l["layerwise_ttft_ms"]["p50"], 36.0);
+        assert_eq!(l["layerwise_ttft_ms"]["n"], 6);
+        assert_eq!(l["whole_chunk_ttft_ms"]["p50"], 48.0);
+        assert_eq!(l["whole_chunk_ttft_ms"]["p99"], 80.0);
+        assert_eq!(l["layerwise_over_compute_p50"], 36.0 / 32.0);
+        assert_eq!(l["layerwise_over_compute_p99"], 40.0 / 32.0);
+        assert_eq!(l["whole_chunk_over_compute_p50"], 1.5);
+        assert_eq!(l["reduction_p50"], 0.25);
+        assert_eq!(l["reduction_p99"], 0.5);
+        // Pair 1: 34 against 64; pair 2: 36 against 48.
+        assert_eq!(
+            l["reduction_p50_per_pair"],
+            serde_json::json!([1.0 - 34.0 / 64.0, 0.25])
+        );
+        assert_eq!(
+            l["layerwise_over_compute_p50_per_pair"],
+            serde_json::json!([34.0 / 32.0, 36.0 / 32.0])
+        );
+        // Bulk: layer-wise 4 + 4 against whole-chunk 5 + 4 GB in 2 s each.
+        assert_eq!(l["bulk_layerwise_gbps"], 4.0);
+        assert_eq!(l["bulk_whole_chunk_gbps"], 4.5);
+        assert_eq!(l["bulk_gbps_ratio_per_pair"], serde_json::json!([0.8, 1.0]));
+        assert_eq!(l["compute_late_us"]["p50"], 50.0);
+        assert_eq!(l["compute_late_us"]["max"], 150.0);
+        assert_eq!(l["compute_late_us"]["n"], 8);
+        let ph = &v["phases"];
+        assert_eq!(ph[1]["layerwise"], false);
+        assert_eq!(ph[2]["compute_us_per_layer"], 0);
+        assert_eq!(ph[0]["ttft_ms"]["p50"], 34.0);
+        let text = human(&p, &r);
+        for row in [
+            "kvxfer, phase 1, layer-wise, 1000 us/layer",
+            "kvxfer, phase 8, layer-wise, 0 us/layer",
+            "1000 us x 32 layers x 1 chunk(s) = 32.000 ms of compute per room",
+            "1.125x / 1.250x the compute alone",
+            "p50     25.0%  p99     50.0%",
+            "pairs of phases: 25.0%..46.9% lower",
+            "pairs of phases 0.800x..1.000x",
+        ] {
+            assert!(text.contains(row), "{row}: {text}");
+        }
+        // Without --layerwise: no comparison, no phase kinds.
+        let (_, plain) = Cli::parse_from(["kvxfer-bench"]).resolve().unwrap();
+        let mut r = Report::default();
+        r.phases.push(KvResult::default());
+        let v: serde_json::Value = serde_json::from_str(&json(&plain, &r)).unwrap();
+        assert!(v["layerwise"].is_null());
+        assert!(v["phases"][0]["layerwise"].is_null());
     }
 }
