@@ -67,6 +67,9 @@ pub struct KvResult {
     /// Every layer computed in the phase: how late the prefill scheduler woke after the
     /// layer's end (its sleep's overshoot).
     pub late: Vec<u64>,
+    /// The rooms of `ttft`: how late the scheduler woke after the last layer's end, so
+    /// that TTFT = compute + this + what came after the last enqueue.
+    pub last_late: Vec<u64>,
     /// Data runs the prefill engines wrote (`data_runs_sent`: TCP frames, RDMA writes).
     pub runs: u64,
     /// Pages of one buffer at the prefill's page size (every head of `page_tokens`
@@ -145,6 +148,7 @@ impl KvResult {
         self.ttft.extend(&o.ttft);
         self.compute.extend(&o.compute);
         self.late.extend(&o.late);
+        self.last_late.extend(&o.last_late);
         self.runs += o.runs;
         self.buffer_pages += o.buffer_pages;
         self.rooms += o.rooms;
@@ -934,6 +938,8 @@ fn kvxfer_loop<'s>(
             out.ttft.push(t);
             let pages = room_plan(p, start + idx as u64).pages;
             out.compute.push(p.compute_ns(feed, pages));
+            let last = pr.compute.as_ref().and_then(|c| c.late_ns.last());
+            out.last_late.push(last.copied().unwrap_or(0));
         }
         match &pr.outcome {
             Outcome::Ok => {
@@ -1026,6 +1032,7 @@ mod tests {
             ttft: vec![3, 4],
             compute: vec![2, 2],
             late: vec![7],
+            last_late: vec![1, 2],
             ..Default::default()
         };
         let mut t = KvResult::default();
@@ -1034,5 +1041,6 @@ mod tests {
         assert_eq!(t.ttft, [3, 4, 3, 4]);
         assert_eq!(t.compute.len(), 4);
         assert_eq!(t.late, [7, 7]);
+        assert_eq!(t.last_late, [1, 2, 1, 2]);
     }
 }

@@ -204,6 +204,33 @@ pub struct LayerwiseSplit {
     /// How late the prefill scheduler woke after each layer's end (its sleep's overshoot,
     /// plus whatever else held the thread), over the phases with compute.
     compute_late_us: LateUs,
+    /// Where a layer-wise room's time goes past its compute: TTFT = compute + the
+    /// scheduler's late wake after the last layer + the rest (the last layer's transfer,
+    /// whatever earlier layers still had to move, SUCCESS reaching the decode poll); ms,
+    /// median and p99 room of each part.
+    layerwise_last_wake_ms: [f64; 2],
+    layerwise_after_last_enqueue_ms: [f64; 2],
+    whole_chunk_last_wake_ms: [f64; 2],
+    whole_chunk_after_last_enqueue_ms: [f64; 2],
+}
+
+/// The parts of TTFT past the compute ([`LayerwiseSplit`]): the last wake's lateness and
+/// the rest, ns per room.
+fn tail(k: &KvResult) -> (Vec<u64>, Vec<u64>) {
+    let rest = k
+        .ttft
+        .iter()
+        .zip(&k.compute)
+        .zip(&k.last_late)
+        .map(|((&t, &c), &l)| t.saturating_sub(c + l))
+        .collect();
+    (k.last_late.clone(), rest)
+}
+
+/// Median and p99 of nanoseconds, in ms.
+fn p50_p99(ns: &[u64]) -> [f64; 2] {
+    let v = sorted(ns);
+    [pct_ms(&v, 0.5), pct_ms(&v, 0.99)]
 }
 
 /// Each room's TTFT over its compute alone, sorted.
@@ -254,6 +281,8 @@ pub fn layerwise_split(p: &Params, r: &Report) -> Option<LayerwiseSplit> {
     let (lw_over, wc_over) = (over_compute(&lw), over_compute(&wc));
     let late = sorted(&lw.late.iter().chain(&wc.late).copied().collect::<Vec<_>>());
     let late_us = |q: f64| pct_ms(&late, q) * 1e3;
+    let (lw_wake, lw_rest) = tail(&lw);
+    let (wc_wake, wc_rest) = tail(&wc);
     Some(LayerwiseSplit {
         compute_us_per_layer: p.compute_us_per_layer,
         compute_ms: pct_ms(
@@ -286,6 +315,10 @@ pub fn layerwise_split(p: &Params, r: &Report) -> Option<LayerwiseSplit> {
             max: late_us(1.0),
             n: late.len(),
         },
+        layerwise_last_wake_ms: p50_p99(&lw_wake),
+        layerwise_after_last_enqueue_ms: p50_p99(&lw_rest),
+        whole_chunk_last_wake_ms: p50_p99(&wc_wake),
+        whole_chunk_after_last_enqueue_ms: p50_p99(&wc_rest),
     })
 }
 
@@ -741,6 +774,16 @@ fn layerwise_rows(p: &Params, l: &LayerwiseSplit) -> String {
         l.bulk_layerwise_gbps,
         format!("{:.3}x", l.bulk_gbps_ratio),
         l.bulk_whole_chunk_gbps
+    );
+    let part = |x: [f64; 2]| format!("{:.3} / {:.3}", x[0], x[1]);
+    let _ = writeln!(
+        o,
+        "  TTFT past the compute, p50 / p99 ms: layer-wise: last wake late {}, after the last \
+         enqueue {}; whole-chunk: {}, {}",
+        part(l.layerwise_last_wake_ms),
+        part(l.layerwise_after_last_enqueue_ms),
+        part(l.whole_chunk_last_wake_ms),
+        part(l.whole_chunk_after_last_enqueue_ms)
     );
     let c = &l.compute_late_us;
     let _ = writeln!(
@@ -1341,6 +1384,7 @@ mod tests {
             ttft: ms(ttft),
             compute: vec![us * 32_000; ttft.len()],
             late: vec![50_000, 150_000],
+            last_late: vec![1_000_000; ttft.len()],
             ..Default::default()
         };
         let mut r = Report::default();
@@ -1387,6 +1431,10 @@ mod tests {
         assert_eq!(l["compute_late_us"]["p50"], 50.0);
         assert_eq!(l["compute_late_us"]["max"], 150.0);
         assert_eq!(l["compute_late_us"]["n"], 8);
+        // Layer-wise 36 ms = 32 of compute + 1 of late wake + 3 after the last enqueue.
+        assert_eq!(l["layerwise_last_wake_ms"], serde_json::json!([1.0, 1.0]));
+        assert_eq!(l["layerwise_after_last_enqueue_ms"][0], 3.0);
+        assert_eq!(l["whole_chunk_after_last_enqueue_ms"][1], 47.0);
         let ph = &v["phases"];
         assert_eq!(ph[1]["layerwise"], false);
         assert_eq!(ph[2]["compute_us_per_layer"], 0);
