@@ -106,7 +106,7 @@ pub struct Computed {
     pub start: u64,
     /// The scheduler woke after its last layer's compute (the last layer's end on the
     /// compute timeline is `start` plus the compute alone; this is later by that wake's
-    /// overshoot).
+    /// overshoot); 0 when the room ended before its compute did.
     pub end: u64,
     /// Per layer computed: how late the scheduler woke after the layer's end (the
     /// sleep's overshoot, plus whatever else held the thread).

@@ -381,8 +381,9 @@ impl Forwards {
                 None
             };
             if r.is_some() && !f.enqueued {
+                // The room's first enqueue (`t_enq`): as the thread woke to make it.
                 f.enqueued = true;
-                recs[f.idx].t_enq = mono_ns();
+                recs[f.idx].t_enq = now;
             }
             let failed = match r {
                 Some(Err(e)) => {
@@ -411,16 +412,15 @@ impl Forwards {
     }
 
     /// Room `id` ended before its compute did: the rest of its compute is dropped, as a
-    /// server drops a finished request (the timeline is free from now, or from the end
-    /// of the layer it was computing).
+    /// server drops a finished request (the layer it was computing still runs to its
+    /// end, and the timeline is free from there).
     fn drop_room(&mut self, id: u64, recs: &mut [PrefillRoom]) {
         let Some(i) = self.queue.iter().position(|f| f.id == id) else {
             return;
         };
         let f = self.queue.remove(i).expect("found");
         if f.start != 0 {
-            self.free_at = mono_ns()
-                .min(f.start + (f.done as u64 + 1) * self.feed.compute_us_per_layer * 1000);
+            self.free_at = f.start + (f.done as u64 + 1) * self.feed.compute_us_per_layer * 1000;
             recs[f.idx].compute = Some(Computed {
                 start: f.start,
                 end: 0,
