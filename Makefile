@@ -80,6 +80,8 @@ bench-smoke: bench-build
 	$(BENCH_BIN) --preset llama3-8b --quick --abort-rate 0.2 --json | tail -n 1
 	# Prefill TP 2 -> decode TP 1 (head slices), alternating with TP 1 -> 1 (issue 13).
 	$(BENCH_BIN) --preset llama3-8b --quick --prefill-tp 2 --decode-tp 1 --json | tail -n 1
+	# Layer by layer with 1 ms of simulated compute per layer, against whole chunks (issue 14).
+	$(BENCH_BIN) --preset llama3-8b --quick --layerwise --compute-us-per-layer 1000 --json | tail -n 1
 
 demo: build
 	rm -rf "$(DEMO_PREFIX)" build/demo-example

@@ -53,6 +53,8 @@ pub struct Cli {
     #[command(flatten)]
     traffic: Traffic,
     #[command(flatten)]
+    layerwise: LayerWise,
+    #[command(flatten)]
     engine: EngineArgs,
     #[command(flatten)]
     measure: Measurement,
@@ -145,6 +147,24 @@ struct Traffic {
     /// Room plan seed [1]
     #[arg(long)]
     seed: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Layer by layer (issue 14)")]
+struct LayerWise {
+    /// Simulate a prefill that computes layer by layer (a wait of --compute-us-per-layer
+    /// per model layer of each chunk, on the prefill scheduler thread) and alternate, in
+    /// the same run, phases that enqueue each layer as soon as it is computed
+    /// (enqueue_layers) with phases that enqueue each chunk after its last layer
+    /// (enqueue_chunk); then both again with no compute (bulk GB/s). Reports
+    /// time-to-first-token (first layer computed -> decode SUCCESS) of each. One host
+    /// only (TTFT compares the two processes' CLOCK_MONOTONIC), TP 1 -> 1
+    #[arg(long)]
+    layerwise: bool,
+    /// --layerwise: microseconds of simulated compute per model layer (its K and V
+    /// buffers, or its latent buffer with --layout mla), per chunk
+    #[arg(long, value_name = "N")]
+    compute_us_per_layer: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -416,7 +436,42 @@ pub struct Params {
     pub page_order: Order,
     /// `--decode-page-tokens`, when given.
     pub decode_page_tokens: Option<usize>,
+    /// `--layerwise`: the phases alternate layer-wise and whole-chunk sending, with
+    /// `compute_us_per_layer` of simulated compute per model layer and with none.
+    pub layerwise: bool,
+    pub compute_us_per_layer: u64,
 }
+
+/// How the prefill scheduler feeds a phase's rooms to its engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Feed {
+    /// Simulated compute (`--layerwise` runs): each chunk's layers are computed in turn,
+    /// `compute_us_per_layer` each, one room after another on the scheduler thread.
+    /// Without it, every chunk of a room is enqueued when the room is created.
+    pub simulate: bool,
+    /// Each model layer enqueued as soon as it is computed (`enqueue_layers`), rather
+    /// than each chunk after its last layer (`enqueue_chunk`).
+    pub by_layer: bool,
+    pub compute_us_per_layer: u64,
+}
+
+impl Feed {
+    /// The phase's name in the table.
+    pub fn name(self) -> String {
+        format!(
+            "{}, {} us/layer",
+            if self.by_layer {
+                "layer-wise"
+            } else {
+                "whole-chunk"
+            },
+            self.compute_us_per_layer
+        )
+    }
+}
+
+/// Most microseconds of compute per layer (`--compute-us-per-layer`): one second.
+const MAX_COMPUTE_US: u64 = 1_000_000;
 
 /// Which side of a transfer a layout is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -440,6 +495,10 @@ impl Cli {
         over!(engine: transport, conns, log_level, auth);
         over!(tp: prefill_tp, decode_tp, page_order);
         p.decode_page_tokens = self.tp.decode_page_tokens;
+        p.layerwise = self.layerwise.layerwise;
+        if let Some(n) = self.layerwise.compute_us_per_layer {
+            p.compute_us_per_layer = n;
+        }
         over!(measure: verify, verify_threads, baseline_buf_mib, baseline_write_kib);
         over!(measure: baseline_read_kib, sched, poll_us, max_mem_gib, pool_pages);
         if let Some((a, b)) = self.traffic.prompt {
@@ -459,6 +518,13 @@ impl Cli {
             (Some(Role::Prefill), _, Some(l), None) => Mode::Prefill(Some(l)),
             (Some(Role::Prefill), ..) => {
                 return Err("--role prefill needs --listen HOST:PORT".into())
+            }
+            (Some(Role::Decode), Some(_), ..) if p.layerwise => {
+                return Err(
+                    "--layerwise measures time-to-first-token between the two processes' \
+                     CLOCK_MONOTONIC, which only one host shares: run it locally"
+                        .into(),
+                )
             }
             (Some(Role::Decode), Some(a), ..) => Mode::Decode(a),
             (Some(Role::Decode), None, ..) => {
@@ -517,6 +583,8 @@ impl Params {
             decode_tp: 1,
             page_order: Order::Hnd,
             decode_page_tokens: None,
+            layerwise: false,
+            compute_us_per_layer: 0,
         };
         match name {
             "llama3-8b" => {
@@ -623,7 +691,109 @@ impl Params {
         if self.rooms == 0 && self.duration.is_none() {
             return Err("--rooms must be positive".into());
         }
-        self.validate_tp()
+        self.validate_tp()?;
+        self.validate_layerwise()
+    }
+
+    /// The checks of `--layerwise` and `--compute-us-per-layer`.
+    fn validate_layerwise(&self) -> Result<(), String> {
+        let n = self.compute_us_per_layer;
+        if !self.layerwise {
+            if n != 0 {
+                return Err(format!(
+                    "--compute-us-per-layer {n} applies to --layerwise runs (the simulated \
+                     compute of a prefill that computes layer by layer)"
+                ));
+            }
+            return Ok(());
+        }
+        if n == 0 || n > MAX_COMPUTE_US {
+            return Err(format!(
+                "--layerwise needs --compute-us-per-layer N, 1..={MAX_COMPUTE_US} (microseconds \
+                 of compute per model layer; the run adds phases with no compute itself), \
+                 not {n}"
+            ));
+        }
+        if self.layouts() {
+            return Err(
+                "--layerwise runs TP 1 -> 1 (one engine pair): drop --prefill-tp, --decode-tp \
+                 and --decode-page-tokens"
+                    .into(),
+            );
+        }
+        if self.auth == Auth::Both {
+            return Err(
+                "--auth both and --layerwise each alternate two kinds of phase: run them \
+                 separately (--auth on or off with --layerwise)"
+                    .into(),
+            );
+        }
+        if self.duration.is_some() {
+            return Err(
+                "--layerwise compares phases of the same rooms: use --rooms, not --duration".into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The kv buffers of one model layer (K and V, or the latent): the `layer_count` of
+    /// one `enqueue_layers` call, since the pool registers its buffers without layer ids
+    /// (a layer is a buffer's position).
+    pub fn buffers_per_layer(&self) -> usize {
+        match self.layout {
+            Layout::Kv => 2,
+            Layout::Mla => 1,
+        }
+    }
+
+    /// Chunks of a room of `pages` pages.
+    pub fn chunks_for(&self, pages: usize) -> usize {
+        pages.div_ceil(self.chunk_pages())
+    }
+
+    /// The compute alone of a room of `pages` pages under `feed`, in nanoseconds: every
+    /// layer of every chunk.
+    pub fn compute_ns(&self, feed: Feed, pages: usize) -> u64 {
+        (self.chunks_for(pages) * self.layers) as u64 * feed.compute_us_per_layer * 1000
+    }
+
+    /// The kinds of the kvxfer phases in order, each with the engine set it runs on
+    /// (`sets`: one per --auth pair or per TP kind). `--layerwise`: layer-wise and
+    /// whole-chunk with compute, then both with none, the order of each pair swapped
+    /// every repeat (LW WC lw wc, WC LW wc lw, ...) so neither always runs first. Else
+    /// the sets take turns, --repeat phases of each, in the order 0 1, 1 0, 0 1, ... (two
+    /// sets) so that neither always runs first (the first phase also pays for first
+    /// touches and connection setup) or drifts with the host.
+    pub fn phase_plan(&self, sets: usize) -> Vec<(usize, Feed)> {
+        if self.layerwise {
+            let feed = |by_layer: bool, us: u64| Feed {
+                simulate: true,
+                by_layer,
+                compute_us_per_layer: us,
+            };
+            let n = self.compute_us_per_layer;
+            return (0..self.repeat)
+                .flat_map(|rep| {
+                    let first = rep % 2 == 0;
+                    [
+                        feed(first, n),
+                        feed(!first, n),
+                        feed(first, 0),
+                        feed(!first, 0),
+                    ]
+                })
+                .map(|f| (0, f))
+                .collect();
+        }
+        (0..self.repeat * sets)
+            .map(|phase| {
+                let set = match sets {
+                    2 if (phase / 2) % 2 == 1 => 1 - phase % 2,
+                    n => phase % n,
+                };
+                (set, Feed::default())
+            })
+            .collect()
     }
 
     /// The checks of a run between layouts (`--prefill-tp`, `--decode-tp`,
@@ -1024,12 +1194,120 @@ mod tests {
     }
 
     #[test]
+    fn layerwise_options_are_checked_with_the_reason() {
+        let p = params("--layerwise --compute-us-per-layer 4000 --chunk-tokens 4096");
+        assert!(p.layerwise);
+        assert_eq!(p.compute_us_per_layer, 4000);
+        assert_eq!((p.buffers_per_layer(), p.chunks_for(256)), (2, 1));
+        let d = params("");
+        assert!(!d.layerwise);
+        assert_eq!(d.compute_us_per_layer, 0);
+        for (bad, why) in [
+            ("--layerwise", "--layerwise needs --compute-us-per-layer N"),
+            (
+                "--layerwise --compute-us-per-layer 0",
+                "--layerwise needs --compute-us-per-layer N, 1..=1000000",
+            ),
+            ("--layerwise --compute-us-per-layer 1000001", "not 1000001"),
+            (
+                "--compute-us-per-layer 5",
+                "--compute-us-per-layer 5 applies to --layerwise runs",
+            ),
+            (
+                "--layerwise --compute-us-per-layer 5 --prefill-tp 2",
+                "--layerwise runs TP 1 -> 1",
+            ),
+            (
+                "--layerwise --compute-us-per-layer 5 --auth both",
+                "--auth both and --layerwise each alternate",
+            ),
+            (
+                "--layerwise --compute-us-per-layer 5 --duration 2",
+                "use --rooms, not --duration",
+            ),
+            (
+                "--role decode --prefill-addr h:1 --layerwise --compute-us-per-layer 5",
+                "which only one host shares",
+            ),
+        ] {
+            let e = parse(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        // The prefill side of a two-host run is handed the plan, not the option.
+        assert_eq!(
+            parse("--role prefill --listen h:1 --layerwise --compute-us-per-layer 5")
+                .unwrap()
+                .0,
+            Mode::Prefill(Some("h:1".into()))
+        );
+    }
+
+    #[test]
+    fn the_compute_alone_of_a_room_is_every_layer_of_every_chunk() {
+        let mut p = params("--layerwise --compute-us-per-layer 1000");
+        let feed = |us| Feed {
+            simulate: true,
+            by_layer: true,
+            compute_us_per_layer: us,
+        };
+        // 4096 tokens in chunks of 2048: 2 chunks x 32 layers x 1 ms.
+        assert_eq!(p.compute_ns(feed(1000), 256), 64_000_000);
+        assert_eq!(p.compute_ns(feed(1000), 129), 64_000_000);
+        assert_eq!(p.compute_ns(feed(1000), 128), 32_000_000);
+        assert_eq!(p.compute_ns(feed(0), 256), 0);
+        p.chunk_tokens = 4096;
+        assert_eq!(p.compute_ns(feed(250), 256), 8_000_000);
+        let m = params("--preset deepseek-mla --layerwise --compute-us-per-layer 10");
+        assert_eq!((m.buffers_per_layer(), m.n_buffers()), (1, 61));
+    }
+
+    #[test]
+    fn phases_alternate_so_that_neither_kind_always_runs_first() {
+        let p = params("--layerwise --compute-us-per-layer 700 --repeat 2");
+        let kinds: Vec<(usize, bool, u64)> = p
+            .phase_plan(1)
+            .into_iter()
+            .map(|(set, f)| {
+                assert!(f.simulate);
+                (set, f.by_layer, f.compute_us_per_layer)
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (0, true, 700),
+                (0, false, 700),
+                (0, true, 0),
+                (0, false, 0),
+                (0, false, 700),
+                (0, true, 700),
+                (0, false, 0),
+                (0, true, 0),
+            ]
+        );
+        let sets = |p: &Params, n| -> Vec<usize> {
+            p.phase_plan(n)
+                .into_iter()
+                .map(|(s, f)| {
+                    assert_eq!(f, Feed::default());
+                    s
+                })
+                .collect()
+        };
+        let both = params("--auth both --repeat 3");
+        assert_eq!(sets(&both, 2), [0, 1, 1, 0, 0, 1]);
+        assert_eq!(sets(&params("--repeat 3"), 1), [0, 0, 0]);
+    }
+
+    #[test]
     fn the_command_lines_of_the_makefiles_and_scripts_parse() {
         // Makefile (bench-smoke), Makefile.bench, scripts/rdma-bench.sh, bench/peers/.
         for ok in [
             "--preset single-page --quick --json",
             "--preset llama3-8b --quick --abort-rate 0.2 --json",
             "--preset llama3-8b --quick --prefill-tp 2 --decode-tp 1 --json",
+            "--preset llama3-8b --quick --layerwise --compute-us-per-layer 1000 --json",
+            "--layerwise --compute-us-per-layer 4000 --chunk-tokens 4096 --verify sample --json",
             "--preset deepseek-mla --json --quick",
             "--preset table --json",
             "--transport rdma --json --preset llama3-8b --prompt 1024 --rooms 6 --concurrency 2 \
@@ -1054,5 +1332,8 @@ mod tests {
         assert_eq!(p, q);
         assert!(text.contains(r#""pool_pages":"4k""#), "{text}");
         assert!(text.contains(r#""auth":"on""#), "{text}");
+        let l = params("--layerwise --compute-us-per-layer 9");
+        let text = serde_json::to_string(&l).unwrap();
+        assert_eq!(serde_json::from_str::<Params>(&text).unwrap(), l);
     }
 }

@@ -14,7 +14,7 @@ use std::io::{self, BufRead, BufReader, Write};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::args::Params;
+use crate::args::{Feed, Params};
 use crate::pattern::mix;
 use crate::sys::Usage;
 
@@ -32,10 +32,11 @@ pub enum ToPrefill {
         secs: f64,
     },
     /// A kvxfer phase on the prefill engines of set `engine` (one engine per rank), its
-    /// rooms counted from `start`.
+    /// rooms counted from `start`, fed to the engines as `feed` says.
     Run {
         start: u64,
         engine: usize,
+        feed: Feed,
     },
     /// The rooms below this index have their destination.
     Upto(u64),
@@ -94,6 +95,30 @@ pub struct PrefillRoom {
     /// When the scheduler saw the room terminal.
     pub t_term: u64,
     pub outcome: Outcome,
+    /// A phase with simulated compute (`--layerwise`): the room's forward pass.
+    pub compute: Option<Computed>,
+}
+
+/// A room's simulated forward pass on the prefill scheduler thread (CLOCK_MONOTONIC ns).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Computed {
+    /// Its first layer's compute began: where time-to-first-token starts.
+    pub start: u64,
+    /// The scheduler woke after its last layer's compute (the last layer's end on the
+    /// compute timeline is `start` plus the compute alone; this is later by that wake's
+    /// overshoot); 0 when the room ended before its compute did.
+    pub end: u64,
+    /// Per layer computed: how late the scheduler woke after the layer's end (the
+    /// sleep's overshoot, plus whatever else held the thread).
+    pub late_ns: Vec<u64>,
+}
+
+impl Computed {
+    /// Time-to-first-token: from the first layer's compute to the decode side's SUCCESS
+    /// at `t_done`, both on this host's CLOCK_MONOTONIC.
+    pub fn ttft_ns(&self, t_done: u64) -> u64 {
+        t_done.saturating_sub(self.start)
+    }
 }
 
 /// How a room ended on the prefill side.
@@ -145,6 +170,8 @@ impl PrefillRoom {
                 .or_else(|| failed().next())
                 .cloned()
                 .unwrap_or(Outcome::Ok),
+            // --layerwise runs TP 1 -> 1: one rank computes.
+            compute: ranks.first().and_then(|r| r.compute.clone()),
         }
     }
 }

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{Engine, RoomPeers, State};
 
-use crate::args::{Auth, Params, Side};
+use crate::args::{Auth, Feed, Params, Side};
 use crate::baseline::{self, Measured};
-use crate::ctl::{room_id, room_plan, AbortAt, Ctl, Outcome, ToDecode, ToPrefill};
+use crate::ctl::{room_id, room_plan, AbortAt, Ctl, Outcome, PrefillRoom, ToDecode, ToPrefill};
 use crate::pool::Pool;
 use crate::sys::{mono_ns, Usage};
 use crate::{make_engine, prefill};
@@ -55,6 +55,21 @@ pub struct KvResult {
     /// A phase of the TP ranks (`--prefill-tp`, `--decode-tp`), not of the equal-TP
     /// comparison (a sum: whether any was).
     pub tp: bool,
+    /// How the prefill side fed the phase's rooms (`--layerwise`: simulated compute,
+    /// layer-wise or whole-chunk; not added up: a sum keeps its own).
+    pub feed: Feed,
+    /// Nanoseconds, successful rooms of a phase with simulated compute, one host only:
+    /// time-to-first-token, the first layer's compute (prefill) to decode SUCCESS.
+    pub ttft: Vec<u64>,
+    /// The same rooms' compute alone: every layer of every chunk at
+    /// `--compute-us-per-layer`.
+    pub compute: Vec<u64>,
+    /// Every layer computed in the phase: how late the prefill scheduler woke after the
+    /// layer's end (its sleep's overshoot).
+    pub late: Vec<u64>,
+    /// The rooms of `ttft`: how late the scheduler woke after the last layer's end, so
+    /// that TTFT = compute + this + what came after the last enqueue.
+    pub last_late: Vec<u64>,
     /// Data runs the prefill engines wrote (`data_runs_sent`: TCP frames, RDMA writes).
     pub runs: u64,
     /// Pages of one buffer at the prefill's page size (every head of `page_tokens`
@@ -130,6 +145,10 @@ impl KvResult {
     pub fn absorb(&mut self, o: &KvResult) {
         self.auth |= o.auth;
         self.tp |= o.tp;
+        self.ttft.extend(&o.ttft);
+        self.compute.extend(&o.compute);
+        self.late.extend(&o.late);
+        self.last_late.extend(&o.last_late);
         self.runs += o.runs;
         self.buffer_pages += o.buffer_pages;
         self.rooms += o.rooms;
@@ -334,15 +353,14 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
     let secs = p.duration.unwrap_or(0.0);
     let mut start = 0u64;
     // With --auth both, the pairs take turns, --repeat phases of each, in the order
-    // off on, on off, off on, ... so that neither setting always runs first (the first
-    // phase also pays for first touches and connection setup) or drifts with the host.
-    // Between layouts, the TP ranks and the equal-TP comparison take turns the same way.
-    let phases = p.repeat * sets.len();
-    let pair_of = |phase: usize| match sets.len() {
-        2 if (phase / 2) % 2 == 1 => 1 - phase % 2,
-        n => phase % n,
-    };
-    for rep in 0..=phases {
+    // off on, on off, off on, ...; between layouts, the TP ranks and the equal-TP
+    // comparison the same way; with --layerwise, the ways of feeding the rooms (see
+    // Params::phase_plan).
+    let plan = p.phase_plan(sets.len());
+    let phases = plan.len();
+    // A round of baselines before each phase and after the last (`None`).
+    let steps = plan.iter().copied().map(Some).chain([None]);
+    for (rep, step) in steps.enumerate() {
         if p.baselines {
             progress_note(p, "baseline tcp");
             let (m, send) = tcp_baseline(&mut ctl, &base_addr, p, volume, secs)?;
@@ -353,10 +371,9 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
                 .memcpy
                 .push(baseline::memcpy(volume, secs, p.pool_pages));
         }
-        if rep == phases {
+        let Some((which, feed)) = step else {
             break;
-        }
-        let which = pair_of(rep);
+        };
         let set = &sets[which];
         progress_note(
             p,
@@ -369,6 +386,7 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
                     (false, _) => "off",
                 },
                 match (p.layouts(), set.tp) {
+                    (false, _) if feed.simulate => format!(", {}", feed.name()),
                     (false, _) => String::new(),
                     (true, true) => format!(", TP {} -> {}", p.prefill_tp, p.decode_tp),
                     (true, false) => ", TP 1 -> 1 (equal-TP comparison)".into(),
@@ -382,7 +400,7 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
             &mut ctl,
             (&engine_addrs[which], which),
             local,
-            start,
+            (start, feed),
         )?;
         kv.auth = set.auth;
         kv.tp = set.tp;
@@ -459,6 +477,14 @@ struct Rec {
     planned_abort: bool,
 }
 
+/// Time-to-first-token of a room with simulated compute: its first layer's compute
+/// (prefill) to decode SUCCESS, when the decode side took it whole and the two
+/// timestamps share a clock (one host).
+fn ttft(pr: &PrefillRoom, rec: &Rec, same_host: bool) -> Option<u64> {
+    let c = pr.compute.as_ref()?;
+    (same_host && rec.ok).then(|| c.ttft_ns(rec.t_done))
+}
+
 struct Job {
     idx: usize,
     id: u64,
@@ -495,7 +521,7 @@ fn kvxfer_phase(
     ctl: &mut Ctl,
     prefill: (&[String], usize),
     same_host: bool,
-    start: u64,
+    start: (u64, Feed),
 ) -> Result<KvResult, String> {
     let ranks: Vec<Rank<'_>> = set.ranks.iter().map(|(e, i)| (e, &pools[*i])).collect();
     let ranks = &ranks;
@@ -558,10 +584,13 @@ fn kvxfer_loop<'s>(
     ctl: &mut Ctl,
     (prefill_addrs, prefill_set): (&[String], usize),
     same_host: bool,
-    start: u64,
+    (start, feed): (u64, Feed),
     scope: &'s std::thread::Scope<'s, '_>,
 ) -> Result<KvResult, String> {
-    let mut out = KvResult::default();
+    let mut out = KvResult {
+        feed,
+        ..Default::default()
+    };
     let (job_tx, job_rx) = mpsc::channel::<Job>();
     let (ret_tx, ret_rx) = mpsc::channel::<Checked>();
     let job_rx = Arc::new(Mutex::new(job_rx));
@@ -622,6 +651,7 @@ fn kvxfer_loop<'s>(
     ctl.send(&ToPrefill::Run {
         start,
         engine: prefill_set,
+        feed,
     })?;
     let (u0, driver0) = (Usage::now(), Usage::thread());
     let t0 = Instant::now();
@@ -901,6 +931,16 @@ fn kvxfer_loop<'s>(
     out.prefill_driver = driver;
     out.runs = runs;
     for (idx, (pr, rec)) in prooms.iter().zip(&recs).enumerate() {
+        if let Some(c) = &pr.compute {
+            out.late.extend(&c.late_ns);
+        }
+        if let (Some(t), true) = (ttft(pr, rec, same_host), pr.outcome == Outcome::Ok) {
+            out.ttft.push(t);
+            let pages = room_plan(p, start + idx as u64).pages;
+            out.compute.push(p.compute_ns(feed, pages));
+            let last = pr.compute.as_ref().and_then(|c| c.late_ns.last());
+            out.last_late.push(last.copied().unwrap_or(0));
+        }
         match &pr.outcome {
             Outcome::Ok => {
                 if !rec.ok {
@@ -935,4 +975,72 @@ fn kvxfer_loop<'s>(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ctl::Computed;
+
+    fn prefill_room(compute: Option<Computed>) -> PrefillRoom {
+        PrefillRoom {
+            t_enq: 1_500,
+            t_term: 9_000,
+            outcome: Outcome::Ok,
+            compute,
+        }
+    }
+
+    #[test]
+    fn ttft_runs_from_the_first_layers_compute_to_decode_success_on_one_host_only() {
+        let computed = Computed {
+            start: 1_000,
+            end: 5_200,
+            late_ns: vec![100, 200],
+        };
+        let rec = Rec {
+            t_dest: 400,
+            t_done: 7_000,
+            ok: true,
+            ..Default::default()
+        };
+        let pr = prefill_room(Some(computed.clone()));
+        // From the compute's start, not from the first enqueue (1_500).
+        assert_eq!(ttft(&pr, &rec, true), Some(6_000));
+        // Across hosts the clocks differ; a room not delivered whole has no TTFT; a
+        // phase without simulated compute neither.
+        assert_eq!(ttft(&pr, &rec, false), None);
+        let lost = Rec {
+            ok: false,
+            ..rec.clone()
+        };
+        assert_eq!(ttft(&pr, &lost, true), None);
+        assert_eq!(ttft(&prefill_room(None), &rec, true), None);
+        // A SUCCESS stamped before the compute began (it cannot be) is not negative.
+        assert_eq!(computed.ttft_ns(500), 0);
+    }
+
+    #[test]
+    fn results_added_up_keep_every_rooms_ttft_compute_and_lateness() {
+        let feed = Feed {
+            simulate: true,
+            by_layer: true,
+            compute_us_per_layer: 10,
+        };
+        let a = KvResult {
+            feed,
+            ttft: vec![3, 4],
+            compute: vec![2, 2],
+            late: vec![7],
+            last_late: vec![1, 2],
+            ..Default::default()
+        };
+        let mut t = KvResult::default();
+        t.absorb(&a);
+        t.absorb(&a);
+        assert_eq!(t.ttft, [3, 4, 3, 4]);
+        assert_eq!(t.compute.len(), 4);
+        assert_eq!(t.late, [7, 7]);
+        assert_eq!(t.last_late, [1, 2, 1, 2]);
+    }
 }

@@ -6,6 +6,7 @@
 //! its own pool, with its own scheduler loop (a thread per rank during a phase), and the
 //! equal-TP comparison is one more engine over a pool of the TP 1 layout.
 
+use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -13,12 +14,12 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{Cause, Engine, RoomPeers, State};
 
-use crate::args::{DstOrder, Params, Side};
+use crate::args::{DstOrder, Feed, Params, Side};
 use crate::ctl::{
-    self, room_id, room_plan, AbortAt, Ctl, Outcome, PrefillRoom, ToDecode, ToPrefill,
+    self, room_id, room_plan, AbortAt, Computed, Ctl, Outcome, PrefillRoom, ToDecode, ToPrefill,
 };
 use crate::pool::Pool;
-use crate::sys::{mono_ns, Usage};
+use crate::sys::{mono_ns, precise_sleeps, sleep_until_ns, Usage};
 use crate::{baseline, make_engine};
 
 /// Serves one run: over stdin/stdout (`listen` None, the child of a local run) or for
@@ -192,7 +193,11 @@ pub fn serve(listen: Option<&str>) -> Result<(), String> {
                     },
                 )?;
             }
-            ToPrefill::Run { start, engine } => {
+            ToPrefill::Run {
+                start,
+                engine,
+                feed,
+            } => {
                 let set = engines
                     .get(engine)
                     .ok_or_else(|| format!("run: no engine {engine}"))?;
@@ -203,7 +208,7 @@ pub fn serve(listen: Option<&str>) -> Result<(), String> {
                         .sum()
                 };
                 let (u0, runs0) = (Usage::now(), runs());
-                let (rooms, driver) = run_ranks(&p, set, &pools, start, &upto, &end)?;
+                let (rooms, driver) = run_ranks(&p, set, &pools, (start, feed), &upto, &end)?;
                 let usage = Usage::now().since(u0);
                 ctl::send(
                     &mut w,
@@ -237,7 +242,7 @@ fn run_ranks(
     p: &Params,
     set: &Set,
     pools: &[Pool],
-    start: u64,
+    (start, feed): (u64, Feed),
     upto: &AtomicU64,
     end: &AtomicU64,
 ) -> Result<(Vec<PrefillRoom>, Usage), String> {
@@ -252,8 +257,15 @@ fn run_ranks(
                     let u0 = Usage::thread();
                     // A planned prefill abort comes from rank 0; the engines fail the
                     // room on every other rank.
-                    let rooms =
-                        run_rooms(p, engine, pool, start, upto, end, (set.decoders, rank == 0))?;
+                    let rooms = run_rooms(
+                        p,
+                        engine,
+                        pool,
+                        (start, feed),
+                        upto,
+                        end,
+                        (set.decoders, rank == 0),
+                    )?;
                     Ok((rooms, Usage::thread().since(u0)))
                 })
             })
@@ -293,13 +305,138 @@ struct Live {
     aborted: bool,
 }
 
+/// A room waiting for, or in, its simulated forward pass.
+struct Forward {
+    idx: usize,
+    id: u64,
+    chunks: Vec<Vec<u32>>,
+    aux: Option<u32>,
+    /// When it was created (it can start no earlier).
+    queued: u64,
+    /// When its first layer's compute began (0: not yet).
+    start: u64,
+    /// Layers computed, over every chunk.
+    done: usize,
+    /// Whether one of its calls reached the engine.
+    enqueued: bool,
+    late: Vec<u64>,
+}
+
+/// The simulated prefill compute of a phase (`--layerwise`): one room at a time, each
+/// chunk's layers in turn, `compute_us_per_layer` each, on a compute timeline of
+/// absolute deadlines (a layer ends `compute_us_per_layer` after the previous one ended,
+/// as on a GPU that runs the queued layers back to back; the scheduler thread sleeps
+/// until that end and learns of it when it wakes). After each layer: layer-wise, its
+/// buffers are enqueued at once (`enqueue_layers`); whole-chunk, after a chunk's last
+/// layer, the chunk (`enqueue_chunk`).
+struct Forwards {
+    feed: Feed,
+    layers: usize,
+    per_layer: usize,
+    queue: VecDeque<Forward>,
+    /// Where the compute timeline is free: the end of the last layer computed.
+    free_at: u64,
+}
+
+impl Forwards {
+    fn new(p: &Params, feed: Feed) -> Forwards {
+        Forwards {
+            feed,
+            layers: p.layers,
+            per_layer: p.buffers_per_layer(),
+            queue: VecDeque::new(),
+            free_at: 0,
+        }
+    }
+
+    /// Finishes every layer whose compute has ended: enqueues what it completes, and
+    /// retires the room whose last layer it was (its record gets the compute). Returns
+    /// whether anything happened, and the end of the layer being computed, if one is.
+    fn step(&mut self, engine: &Engine, recs: &mut [PrefillRoom]) -> (bool, Option<u64>) {
+        let per_layer_ns = self.feed.compute_us_per_layer * 1000;
+        let mut progress = false;
+        while let Some(f) = self.queue.front_mut() {
+            if f.start == 0 {
+                f.start = self.free_at.max(f.queued);
+                progress = true;
+            }
+            let due = f.start + (f.done as u64 + 1) * per_layer_ns;
+            let now = mono_ns();
+            if now < due {
+                return (progress, Some(due));
+            }
+            progress = true;
+            f.late.push(now - due);
+            let (chunk, layer) = (f.done / self.layers, f.done % self.layers);
+            f.done += 1;
+            let last = f.done == f.chunks.len() * self.layers;
+            let aux = if last { f.aux } else { None };
+            let pages = &f.chunks[chunk];
+            let r = if self.feed.by_layer {
+                let n = self.per_layer as u32;
+                Some(engine.enqueue_layers(f.id, pages, layer as u32 * n, n, last, aux))
+            } else if layer + 1 == self.layers {
+                Some(engine.enqueue_chunk(f.id, pages, chunk + 1 == f.chunks.len(), aux))
+            } else {
+                None
+            };
+            if r.is_some() && !f.enqueued {
+                // The room's first enqueue (`t_enq`): as the thread woke to make it.
+                f.enqueued = true;
+                recs[f.idx].t_enq = now;
+            }
+            let failed = match r {
+                Some(Err(e)) => {
+                    // The room failed (an abort) or the call was refused: the request is
+                    // gone, its compute stops. A refusal fails the room with the reason;
+                    // an error that did not, fails it here.
+                    if engine.room_poll(f.id).ok() != Some(State::Failed) {
+                        eprintln!("kvxfer-bench prefill: room {}: {e}", f.id);
+                        let _ = engine.room_abort(f.id, &format!("bench: enqueue failed: {e}"));
+                    }
+                    true
+                }
+                _ => false,
+            };
+            if last || failed {
+                self.free_at = due;
+                let f = self.queue.pop_front().expect("the front");
+                recs[f.idx].compute = Some(Computed {
+                    start: f.start,
+                    end: now,
+                    late_ns: f.late,
+                });
+            }
+        }
+        (progress, None)
+    }
+
+    /// Room `id` ended before its compute did: the rest of its compute is dropped, as a
+    /// server drops a finished request (the layer it was computing still runs to its
+    /// end, and the timeline is free from there).
+    fn drop_room(&mut self, id: u64, recs: &mut [PrefillRoom]) {
+        let Some(i) = self.queue.iter().position(|f| f.id == id) else {
+            return;
+        };
+        let f = self.queue.remove(i).expect("found");
+        if f.start != 0 {
+            self.free_at = f.start + (f.done as u64 + 1) * self.feed.compute_us_per_layer * 1000;
+            recs[f.idx].compute = Some(Computed {
+                start: f.start,
+                end: 0,
+                late_ns: f.late,
+            });
+        }
+    }
+}
+
 /// The prefill scheduler loop of one rank over one phase; `aborts`: this rank makes the
 /// planned prefill aborts.
 fn run_rooms(
     p: &Params,
     engine: &Engine,
     pool: &Pool,
-    start: u64,
+    (start, feed): (u64, Feed),
     upto: &AtomicU64,
     end: &AtomicU64,
     (decoders, aborts): (usize, bool),
@@ -308,9 +445,22 @@ fn run_rooms(
     let mut live: Vec<Live> = Vec::with_capacity(pool.slots);
     let mut recs: Vec<PrefillRoom> = Vec::new();
     let chunk = p.chunk_pages();
+    let mut forwards = feed.simulate.then(|| Forwards::new(p, feed));
+    if forwards.is_some() {
+        // The layers' ends are sleeps of this thread: let them end on time.
+        precise_sleeps();
+    }
     loop {
         let mut progress = false;
         let seen = engine.changes();
+        // The compute first, so that a layer is enqueued as soon as the thread wakes at
+        // its end.
+        let mut next_layer_end = None;
+        if let Some(fw) = forwards.as_mut() {
+            let (p, next) = fw.step(engine, &mut recs);
+            progress |= p;
+            next_layer_end = next;
+        }
         let limit = upto
             .load(Ordering::Acquire)
             .min(end.load(Ordering::Acquire));
@@ -325,6 +475,22 @@ fn run_rooms(
             let r = engine
                 .room_create(id, RoomPeers::Decoders(decoders))
                 .and_then(|()| {
+                    if let Some(fw) = forwards.as_mut() {
+                        // Enqueued as its layers are computed.
+                        let pages = pool.pages(slot, plan.pages);
+                        fw.queue.push_back(Forward {
+                            idx,
+                            id,
+                            chunks: pages.chunks(chunk).map(<[u32]>::to_vec).collect(),
+                            aux: pool.aux.is_some().then_some(slot as u32),
+                            queued: t_enq,
+                            start: 0,
+                            done: 0,
+                            enqueued: false,
+                            late: Vec::new(),
+                        });
+                        return Ok(());
+                    }
                     let pages = pool.pages(slot, plan.pages);
                     let parts: Vec<&[u32]> = pages.chunks(chunk).collect();
                     for (i, part) in parts.iter().enumerate() {
@@ -338,6 +504,7 @@ fn run_rooms(
                 t_enq,
                 t_term: 0,
                 outcome: Outcome::local("unknown"),
+                compute: None,
             });
             // A room the decode side aborted before it was created here is failed at
             // creation (the early abort was held for it): enqueueing into it is refused
@@ -391,6 +558,9 @@ fn run_rooms(
                     // from it; those bytes belong to a failed room, which the decode side
                     // refuses, so the new room's stamps cannot reach a checked page.
                     let _ = engine.room_clear(r.id);
+                    if let Some(fw) = forwards.as_mut() {
+                        fw.drop_room(r.id, &mut recs);
+                    }
                     free.push(r.slot);
                     recs[r.idx].t_term = now;
                     recs[r.idx].outcome = outcome;
@@ -411,9 +581,14 @@ fn run_rooms(
             return Ok(recs);
         }
         if !progress {
-            // Everything that gives this loop work wakes the wait: a room's change of
-            // state, an announcement. The bound is a safety net, not a poll.
-            ctl::idle(p, engine, seen, Duration::from_millis(100));
+            match next_layer_end {
+                // Computing: the thread sleeps until the layer's end (what happens
+                // meanwhile waits for the next layer's end).
+                Some(t) => sleep_until_ns(t),
+                // Everything that gives this loop work wakes the wait: a room's change
+                // of state, an announcement. The bound is a safety net, not a poll.
+                None => ctl::idle(p, engine, seen, Duration::from_millis(100)),
+            }
         }
     }
 }

@@ -155,6 +155,173 @@ pub fn tp_split(p: &Params, r: &Report) -> Option<TpSplit> {
     })
 }
 
+/// Nearest-rank percentile of sorted values (NaN when empty).
+fn pct(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// Percentiles of how late the prefill scheduler woke after a layer's end, in µs.
+#[derive(Serialize)]
+pub struct LateUs {
+    p50: f64,
+    p99: f64,
+    max: f64,
+    n: usize,
+}
+
+/// `--layerwise`: time-to-first-token (first layer's compute -> decode SUCCESS) of the
+/// layer-wise phases against the whole-chunk phases, both with simulated compute, and
+/// the bulk GB/s of both with none; measured in turn in the same run.
+#[derive(Serialize)]
+pub struct LayerwiseSplit {
+    compute_us_per_layer: u64,
+    /// The compute alone of a room (every layer of every chunk), ms: the median room.
+    compute_ms: f64,
+    layerwise_ttft_ms: Latency,
+    whole_chunk_ttft_ms: Latency,
+    /// Each room's TTFT over its compute alone: the median and the 99th percentile room.
+    layerwise_over_compute_p50: f64,
+    layerwise_over_compute_p99: f64,
+    whole_chunk_over_compute_p50: f64,
+    whole_chunk_over_compute_p99: f64,
+    /// 1 - layer-wise TTFT / whole-chunk TTFT, at the median and at p99.
+    reduction_p50: f64,
+    reduction_p99: f64,
+    /// For each pair of adjacent phases with compute (one of each), in order: the
+    /// layer-wise phase's median TTFT over compute, and the reduction at the median.
+    layerwise_over_compute_p50_per_pair: Vec<f64>,
+    reduction_p50_per_pair: Vec<f64>,
+    /// The phases without compute: GB/s delivered layer-wise and whole-chunk, their
+    /// ratio all phases together and pair by pair.
+    bulk_layerwise_gbps: f64,
+    bulk_whole_chunk_gbps: f64,
+    bulk_gbps_ratio: f64,
+    bulk_gbps_ratio_per_pair: Vec<f64>,
+    /// How late the prefill scheduler woke after each layer's end (its sleep's overshoot,
+    /// plus whatever else held the thread), over the phases with compute.
+    compute_late_us: LateUs,
+    /// Where a layer-wise room's time goes past its compute: TTFT = compute + the
+    /// scheduler's late wake after the last layer + the rest (the last layer's transfer,
+    /// whatever earlier layers still had to move, SUCCESS reaching the decode poll); ms,
+    /// median and p99 room of each part.
+    layerwise_last_wake_ms: [f64; 2],
+    layerwise_after_last_enqueue_ms: [f64; 2],
+    whole_chunk_last_wake_ms: [f64; 2],
+    whole_chunk_after_last_enqueue_ms: [f64; 2],
+}
+
+/// The parts of TTFT past the compute ([`LayerwiseSplit`]): the last wake's lateness and
+/// the rest, ns per room.
+fn tail(k: &KvResult) -> (Vec<u64>, Vec<u64>) {
+    let rest = k
+        .ttft
+        .iter()
+        .zip(&k.compute)
+        .zip(&k.last_late)
+        .map(|((&t, &c), &l)| t.saturating_sub(c + l))
+        .collect();
+    (k.last_late.clone(), rest)
+}
+
+/// Median and p99 of nanoseconds, in ms.
+fn p50_p99(ns: &[u64]) -> [f64; 2] {
+    let v = sorted(ns);
+    [pct_ms(&v, 0.5), pct_ms(&v, 0.99)]
+}
+
+/// Each room's TTFT over its compute alone, sorted.
+fn over_compute(k: &KvResult) -> Vec<f64> {
+    let mut v: Vec<f64> = k
+        .ttft
+        .iter()
+        .zip(&k.compute)
+        .map(|(&t, &c)| t as f64 / c as f64)
+        .collect();
+    v.sort_unstable_by(f64::total_cmp);
+    v
+}
+
+pub fn layerwise_split(p: &Params, r: &Report) -> Option<LayerwiseSplit> {
+    if !p.layerwise {
+        return None;
+    }
+    let total = |computing: bool, by_layer: bool| {
+        let mut t = KvResult::default();
+        r.phases
+            .iter()
+            .filter(|k| {
+                (k.feed.compute_us_per_layer > 0) == computing && k.feed.by_layer == by_layer
+            })
+            .for_each(|k| t.absorb(k));
+        t
+    };
+    let (lw, wc) = (total(true, true), total(true, false));
+    let (bulk_lw, bulk_wc) = (total(false, true), total(false, false));
+    // Adjacent phases of one kind (with or without compute), one of each way of sending.
+    let per_pair = |computing: bool, f: &dyn Fn(&KvResult, &KvResult) -> f64| -> Vec<f64> {
+        r.phases
+            .chunks_exact(2)
+            .filter(|w| (w[0].feed.compute_us_per_layer > 0) == computing)
+            .filter_map(|w| {
+                let (l, c) = if w[0].feed.by_layer {
+                    (&w[0], &w[1])
+                } else {
+                    (&w[1], &w[0])
+                };
+                (l.feed.by_layer && !c.feed.by_layer).then(|| f(l, c))
+            })
+            .collect()
+    };
+    let p50 = |k: &KvResult| pct_ms(&sorted(&k.ttft), 0.5);
+    let p99 = |k: &KvResult| pct_ms(&sorted(&k.ttft), 0.99);
+    let (lw_over, wc_over) = (over_compute(&lw), over_compute(&wc));
+    let late = sorted(&lw.late.iter().chain(&wc.late).copied().collect::<Vec<_>>());
+    let late_us = |q: f64| pct_ms(&late, q) * 1e3;
+    let (lw_wake, lw_rest) = tail(&lw);
+    let (wc_wake, wc_rest) = tail(&wc);
+    Some(LayerwiseSplit {
+        compute_us_per_layer: p.compute_us_per_layer,
+        compute_ms: pct_ms(
+            &sorted(
+                &lw.compute
+                    .iter()
+                    .chain(&wc.compute)
+                    .copied()
+                    .collect::<Vec<_>>(),
+            ),
+            0.5,
+        ),
+        layerwise_ttft_ms: Latency::of(&lw.ttft),
+        whole_chunk_ttft_ms: Latency::of(&wc.ttft),
+        layerwise_over_compute_p50: pct(&lw_over, 0.5),
+        layerwise_over_compute_p99: pct(&lw_over, 0.99),
+        whole_chunk_over_compute_p50: pct(&wc_over, 0.5),
+        whole_chunk_over_compute_p99: pct(&wc_over, 0.99),
+        reduction_p50: 1.0 - p50(&lw) / p50(&wc),
+        reduction_p99: 1.0 - p99(&lw) / p99(&wc),
+        layerwise_over_compute_p50_per_pair: per_pair(true, &|l, _| pct(&over_compute(l), 0.5)),
+        reduction_p50_per_pair: per_pair(true, &|l, c| 1.0 - p50(l) / p50(c)),
+        bulk_layerwise_gbps: bulk_lw.gbps(),
+        bulk_whole_chunk_gbps: bulk_wc.gbps(),
+        bulk_gbps_ratio: bulk_lw.gbps() / bulk_wc.gbps(),
+        bulk_gbps_ratio_per_pair: per_pair(false, &|l, c| l.gbps() / c.gbps()),
+        compute_late_us: LateUs {
+            p50: late_us(0.5),
+            p99: late_us(0.99),
+            max: late_us(1.0),
+            n: late.len(),
+        },
+        layerwise_last_wake_ms: p50_p99(&lw_wake),
+        layerwise_after_last_enqueue_ms: p50_p99(&lw_rest),
+        whole_chunk_last_wake_ms: p50_p99(&wc_wake),
+        whole_chunk_after_last_enqueue_ms: p50_p99(&wc_rest),
+    })
+}
+
 fn min_max(v: &[f64]) -> (f64, f64) {
     v.iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
@@ -248,6 +415,7 @@ struct Json<'a> {
     page_order: Option<&'static str>,
     decode_page_tokens: usize,
     tp_vs_equal: Option<TpSplit>,
+    layerwise: Option<LayerwiseSplit>,
     cpu_ratio_vs_tcp: f64,
     cores_busy: CoresBusy,
     loadavg: [f64; 2],
@@ -358,6 +526,11 @@ struct PhaseJson {
     auth: bool,
     /// A phase of the TP ranks (false: the equal-TP comparison, or no TP).
     tp: bool,
+    /// `--layerwise`: whether the phase enqueued layer by layer, its compute per layer
+    /// (0: a bulk phase), and its rooms' time-to-first-token (null otherwise).
+    layerwise: Option<bool>,
+    compute_us_per_layer: Option<u64>,
+    ttft_ms: Latency,
     runs_per_page: f64,
     gb: f64,
     gbps: f64,
@@ -400,6 +573,9 @@ fn phase_json(i: usize, k: &KvResult) -> PhaseJson {
         phase: i + 1,
         auth: k.auth,
         tp: k.tp,
+        layerwise: k.feed.simulate.then_some(k.feed.by_layer),
+        compute_us_per_layer: k.feed.simulate.then_some(k.feed.compute_us_per_layer),
+        ttft_ms: Latency::of(&k.ttft),
         runs_per_page: k.runs_per_page(),
         gb,
         gbps: k.gbps(),
@@ -453,6 +629,7 @@ pub fn json(p: &Params, r: &Report) -> String {
         page_order: p.layouts().then(|| p.page_order.name()),
         decode_page_tokens: p.side_page_tokens(Side::Decode),
         tp_vs_equal: tp_split(p, r),
+        layerwise: layerwise_split(p, r),
         cpu_ratio_vs_tcp: d.cpu_ratio,
         cores_busy: CoresBusy {
             kvxfer: d.kv_cores,
@@ -548,6 +725,76 @@ pub fn json(p: &Params, r: &Report) -> String {
     serde_json::to_string(&j).expect("a report is plain data")
 }
 
+/// The rows of the `--layerwise` comparison.
+fn layerwise_rows(p: &Params, l: &LayerwiseSplit) -> String {
+    let mut o = String::new();
+    let chunks = p.chunks_for(p.pages_for(p.prompt_max));
+    let _ = writeln!(
+        o,
+        "  layer by layer: {} us x {} layers x {} chunk(s) = {:.3} ms of compute per room \
+         (median room)",
+        l.compute_us_per_layer, p.layers, chunks, l.compute_ms
+    );
+    let ttft = |name: &str, t: &Latency, r50: f64, r99: f64| {
+        format!(
+            "  {name:<36} p50 {:>9.3}  p99 {:>9.3} ms   {r50:.3}x / {r99:.3}x the compute alone \
+             (median / p99 room)\n",
+            t.p50, t.p99
+        )
+    };
+    o.push_str(&ttft(
+        "TTFT, layer-wise",
+        &l.layerwise_ttft_ms,
+        l.layerwise_over_compute_p50,
+        l.layerwise_over_compute_p99,
+    ));
+    o.push_str(&ttft(
+        "TTFT, whole-chunk",
+        &l.whole_chunk_ttft_ms,
+        l.whole_chunk_over_compute_p50,
+        l.whole_chunk_over_compute_p99,
+    ));
+    let (lo, hi) = min_max(&l.reduction_p50_per_pair);
+    let (clo, chi) = min_max(&l.layerwise_over_compute_p50_per_pair);
+    let _ = writeln!(
+        o,
+        "  {:<36} p50 {:>8.1}%  p99 {:>8.1}%      pairs of phases: {:.1}%..{:.1}% lower, \
+         layer-wise {clo:.3}x..{chi:.3}x the compute",
+        "TTFT, layer-wise lower by",
+        l.reduction_p50 * 100.0,
+        l.reduction_p99 * 100.0,
+        lo * 100.0,
+        hi * 100.0
+    );
+    let (blo, bhi) = min_max(&l.bulk_gbps_ratio_per_pair);
+    let _ = writeln!(
+        o,
+        "  {:<36} {:>8.3} {:>9}   whole-chunk {:.3} GB/s; pairs of phases {blo:.3}x..{bhi:.3}x",
+        "kvxfer, no compute, layer-wise / whole",
+        l.bulk_layerwise_gbps,
+        format!("{:.3}x", l.bulk_gbps_ratio),
+        l.bulk_whole_chunk_gbps
+    );
+    let part = |x: [f64; 2]| format!("{:.3} / {:.3}", x[0], x[1]);
+    let _ = writeln!(
+        o,
+        "  TTFT past the compute, p50 / p99 ms: layer-wise: last wake late {}, after the last \
+         enqueue {}; whole-chunk: {}, {}",
+        part(l.layerwise_last_wake_ms),
+        part(l.layerwise_after_last_enqueue_ms),
+        part(l.whole_chunk_last_wake_ms),
+        part(l.whole_chunk_after_last_enqueue_ms)
+    );
+    let c = &l.compute_late_us;
+    let _ = writeln!(
+        o,
+        "  compute sleeps (clock_nanosleep to each layer's end, 1 ns timer slack) woke late by \
+         p50 {:.1} p99 {:.1} max {:.1} us over {} layers",
+        c.p50, c.p99, c.max, c.n
+    );
+    o
+}
+
 fn ratio(x: f64, base: f64) -> String {
     if base.is_finite() && base > 0.0 {
         format!("{:.2}x", x / base)
@@ -628,7 +875,9 @@ pub fn human(p: &Params, r: &Report) -> String {
             (Auth::Both, false) => ", auth off",
             _ => "",
         };
+        let feed = ph.feed.name();
         let tp = match (p.layouts(), ph.tp) {
+            (false, _) if ph.feed.simulate => &feed,
             (false, _) => "",
             (true, true) => &tp_name,
             (true, false) => "TP 1->1",
@@ -642,7 +891,7 @@ pub fn human(p: &Params, r: &Report) -> String {
     for (i, ph) in r.phases.iter().enumerate() {
         // On one host only (across hosts the two clocks differ).
         let first = sorted(&ph.lat_first);
-        let first = if first.is_empty() {
+        let mut first = if first.is_empty() {
             String::new()
         } else {
             format!(
@@ -651,6 +900,14 @@ pub fn human(p: &Params, r: &Report) -> String {
                 pct_ms(&first, 0.99)
             )
         };
+        if !ph.ttft.is_empty() && ph.feed.compute_us_per_layer > 0 {
+            let t = sorted(&ph.ttft);
+            first += &format!(
+                "; TTFT p50 {:.3} p99 {:.3} ms",
+                pct_ms(&t, 0.5),
+                pct_ms(&t, 0.99)
+            );
+        }
         let _ = writeln!(
             o,
             "  {:<36} {:>8.3} {:>9}   {:.0} rooms/s, {:.3} runs/page{first}",
@@ -686,6 +943,9 @@ pub fn human(p: &Params, r: &Report) -> String {
                 t.tp_bytes_per_room / t.equal_bytes_per_room
             );
         }
+    }
+    if let Some(l) = layerwise_split(p, r) {
+        o.push_str(&layerwise_rows(p, &l));
     }
     if let Some(a) = auth_split(r) {
         let _ = writeln!(
@@ -866,7 +1126,7 @@ pub fn human(p: &Params, r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::args::Cli;
+    use crate::args::{Cli, Feed};
     use clap::Parser;
 
     /// The top-level keys of the `--json` line (docs/BENCHMARKS.md lists them;
@@ -897,6 +1157,7 @@ mod tests {
         "page_order",
         "decode_page_tokens",
         "tp_vs_equal",
+        "layerwise",
         "cpu_ratio_vs_tcp",
         "cores_busy",
         "loadavg",
@@ -1095,5 +1356,107 @@ mod tests {
         let (_, plain) = Cli::parse_from(["kvxfer-bench"]).resolve().unwrap();
         let v: serde_json::Value = serde_json::from_str(&json(&plain, &r)).unwrap();
         assert!(v["tp_vs_equal"].is_null() && v["page_order"].is_null());
+    }
+
+    #[test]
+    fn a_layerwise_run_reports_ttft_against_compute_and_whole_chunk_pair_by_pair() {
+        let (_, p) = Cli::parse_from([
+            "kvxfer-bench",
+            "--layerwise",
+            "--compute-us-per-layer",
+            "1000",
+            "--chunk-tokens",
+            "4096",
+        ])
+        .resolve()
+        .unwrap();
+        let ms = |v: &[u64]| v.iter().map(|x| x * 1_000_000).collect::<Vec<_>>();
+        // Compute alone: 32 layers x 1 ms = 32 ms a room.
+        let phase = |by_layer: bool, us: u64, ttft: &[u64], gbps: u64| KvResult {
+            feed: Feed {
+                simulate: true,
+                by_layer,
+                compute_us_per_layer: us,
+            },
+            ok: ttft.len() as u64,
+            bytes: gbps * 1_000_000_000,
+            secs: 1.0,
+            ttft: ms(ttft),
+            compute: vec![us * 32_000; ttft.len()],
+            late: vec![50_000, 150_000],
+            last_late: vec![1_000_000; ttft.len()],
+            ..Default::default()
+        };
+        let mut r = Report::default();
+        for k in [
+            phase(true, 1000, &[32, 34, 40], 1),
+            phase(false, 1000, &[64, 64, 80], 1),
+            phase(true, 0, &[20], 4),
+            phase(false, 0, &[20], 5),
+            phase(false, 1000, &[48, 48, 48], 1),
+            phase(true, 1000, &[36, 36, 36], 1),
+            phase(false, 0, &[20], 4),
+            phase(true, 0, &[20], 4),
+        ] {
+            r.kv.absorb(&k);
+            r.phases.push(k);
+        }
+        let v: serde_json::Value = serde_json::from_str(&json(&p, &r)).unwrap();
+        let l = &v["layerwise"];
+        assert_eq!(l["compute_us_per_layer"], 1000);
+        assert_eq!(l["compute_ms"], 32.0);
+        // Layer-wise 32 34 36 36 36 40, whole-chunk 48 48 48 64 64 80.
+        assert_eq!(l["layerwise_ttft_ms"]["p50"], 36.0);
+        assert_eq!(l["layerwise_ttft_ms"]["n"], 6);
+        assert_eq!(l["whole_chunk_ttft_ms"]["p50"], 48.0);
+        assert_eq!(l["whole_chunk_ttft_ms"]["p99"], 80.0);
+        assert_eq!(l["layerwise_over_compute_p50"], 36.0 / 32.0);
+        assert_eq!(l["layerwise_over_compute_p99"], 40.0 / 32.0);
+        assert_eq!(l["whole_chunk_over_compute_p50"], 1.5);
+        assert_eq!(l["reduction_p50"], 0.25);
+        assert_eq!(l["reduction_p99"], 0.5);
+        // Pair 1: 34 against 64; pair 2: 36 against 48.
+        assert_eq!(
+            l["reduction_p50_per_pair"],
+            serde_json::json!([1.0 - 34.0 / 64.0, 0.25])
+        );
+        assert_eq!(
+            l["layerwise_over_compute_p50_per_pair"],
+            serde_json::json!([34.0 / 32.0, 36.0 / 32.0])
+        );
+        // Bulk: layer-wise 4 + 4 against whole-chunk 5 + 4 GB in 2 s each.
+        assert_eq!(l["bulk_layerwise_gbps"], 4.0);
+        assert_eq!(l["bulk_whole_chunk_gbps"], 4.5);
+        assert_eq!(l["bulk_gbps_ratio_per_pair"], serde_json::json!([0.8, 1.0]));
+        assert_eq!(l["compute_late_us"]["p50"], 50.0);
+        assert_eq!(l["compute_late_us"]["max"], 150.0);
+        assert_eq!(l["compute_late_us"]["n"], 8);
+        // Layer-wise 36 ms = 32 of compute + 1 of late wake + 3 after the last enqueue.
+        assert_eq!(l["layerwise_last_wake_ms"], serde_json::json!([1.0, 1.0]));
+        assert_eq!(l["layerwise_after_last_enqueue_ms"][0], 3.0);
+        assert_eq!(l["whole_chunk_after_last_enqueue_ms"][1], 47.0);
+        let ph = &v["phases"];
+        assert_eq!(ph[1]["layerwise"], false);
+        assert_eq!(ph[2]["compute_us_per_layer"], 0);
+        assert_eq!(ph[0]["ttft_ms"]["p50"], 34.0);
+        let text = human(&p, &r);
+        for row in [
+            "kvxfer, phase 1, layer-wise, 1000 us/layer",
+            "kvxfer, phase 8, layer-wise, 0 us/layer",
+            "1000 us x 32 layers x 1 chunk(s) = 32.000 ms of compute per room",
+            "1.125x / 1.250x the compute alone",
+            "p50     25.0%  p99     50.0%",
+            "pairs of phases: 25.0%..46.9% lower",
+            "pairs of phases 0.800x..1.000x",
+        ] {
+            assert!(text.contains(row), "{row}: {text}");
+        }
+        // Without --layerwise: no comparison, no phase kinds.
+        let (_, plain) = Cli::parse_from(["kvxfer-bench"]).resolve().unwrap();
+        let mut r = Report::default();
+        r.phases.push(KvResult::default());
+        let v: serde_json::Value = serde_json::from_str(&json(&plain, &r)).unwrap();
+        assert!(v["layerwise"].is_null());
+        assert!(v["phases"][0]["layerwise"].is_null());
     }
 }

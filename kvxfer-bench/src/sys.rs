@@ -299,6 +299,41 @@ pub fn huge_bytes() -> Option<u64> {
     Some(kib << 10)
 }
 
+/// Sleeps until CLOCK_MONOTONIC reads `deadline_ns` (at once if it has passed): an
+/// absolute deadline, so that an overshoot does not add up over successive sleeps.
+pub fn sleep_until_ns(deadline_ns: u64) {
+    let ts = libc::timespec {
+        tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
+    };
+    loop {
+        // SAFETY: `ts` is a valid timespec; with TIMER_ABSTIME the remainder pointer may
+        // be null.
+        let rc = unsafe {
+            libc::clock_nanosleep(
+                libc::CLOCK_MONOTONIC,
+                libc::TIMER_ABSTIME,
+                &ts,
+                std::ptr::null_mut(),
+            )
+        };
+        // Interrupted by a signal: sleep again to the same deadline.
+        if rc != libc::EINTR {
+            return;
+        }
+    }
+}
+
+/// Sets the calling thread's timer slack (how late the kernel may end its sleeps, to
+/// merge wakeups; 50 µs by default) to 1 ns, for a sleep that should end on time. The
+/// slack belongs to this thread alone.
+pub fn precise_sleeps() {
+    // SAFETY: PR_SET_TIMERSLACK takes an integer and touches no memory of ours.
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -185,3 +185,55 @@ fn a_tp_run_alternates_with_equal_tp_and_counts_the_runs_it_needed() {
     assert!(f(&t["gbps_ratio"]) > 0.0);
     assert!(table.contains("kvxfer, TP 2->1 / 1->1"), "{table}");
 }
+
+#[test]
+fn a_layerwise_run_alternates_both_ways_of_sending_with_and_without_compute() {
+    // single-page: 2 layers, K and V, one page a room; 100 us of compute per layer.
+    let (table, j) = run(&[
+        "--layerwise",
+        "--compute-us-per-layer",
+        "100",
+        "--repeat",
+        "1",
+        "--no-baselines",
+        "--abort-rate",
+        "0.05",
+    ]);
+    assert_eq!(j["unexpected_failures"], 0, "{j}");
+    assert_eq!(j["prefill_unexpected_failures"], 0, "{j}");
+    let phases = j["phases"].as_array().unwrap();
+    let kinds: Vec<(bool, u64)> = phases
+        .iter()
+        .map(|p| {
+            (
+                p["layerwise"].as_bool().unwrap(),
+                p["compute_us_per_layer"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(kinds, [(true, 100), (false, 100), (true, 0), (false, 0)]);
+    let l = &j["layerwise"];
+    assert_eq!(l["compute_ms"], 0.2);
+    // Every room delivered whole in a phase with compute has a TTFT, and none comes
+    // before its compute ended.
+    let ok = |i: usize| {
+        let rooms_per_sec = f(&phases[i]["rooms_per_sec"]);
+        assert!(rooms_per_sec > 0.0);
+        phases[i]["ttft_ms"]["n"].as_u64().unwrap()
+    };
+    assert!(ok(0) > 150 && ok(1) > 150, "{j}");
+    assert_eq!(l["layerwise_ttft_ms"]["n"].as_u64(), Some(ok(0)));
+    assert!(f(&l["layerwise_over_compute_p50"]) >= 1.0, "{l}");
+    assert!(f(&l["whole_chunk_over_compute_p50"]) >= 1.0, "{l}");
+    assert_eq!(l["reduction_p50_per_pair"].as_array().unwrap().len(), 1);
+    assert!(f(&l["bulk_gbps_ratio"]) > 0.0, "{l}");
+    // Every layer computed woke the scheduler once: 2 per room of the compute phases
+    // (fewer for the rooms an abort ended early).
+    let n = l["compute_late_us"]["n"].as_u64().unwrap();
+    assert!(n > 2 * 300 && n <= 2 * 400, "{l}");
+    assert!(table.contains("TTFT, layer-wise"), "{table}");
+    assert!(
+        table.contains("kvxfer, phase 2, whole-chunk, 100 us/layer"),
+        "{table}"
+    );
+}
