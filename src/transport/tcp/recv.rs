@@ -8,6 +8,7 @@
 
 use std::io::{self, BufRead, IoSliceMut, Read};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 
 use super::TICK;
 use crate::proto::{self, DataHeader, Kind, Limits, Message, ReadError, DATA_FRAME_PREFIX_LEN};
@@ -22,6 +23,17 @@ pub const READ_BUFFER: usize = 64 * 1024;
 /// buffer, then ours out of it into pages that are not in cache). Below it, the frames
 /// are small enough that reading several per `recv` through the buffer costs less.
 pub const DIRECT_MIN: usize = 16 * 1024;
+
+/// A read straight into one run with at least this much left to come waits in the
+/// kernel until the rest (up to [`LOWAT_MAX`]) is there, not for the first segment
+/// (`SO_RCVLOWAT`): large pages then come in a few large `recv`s and as many wakeups,
+/// where the receiver otherwise drains the socket faster than one sender fills it and
+/// is woken for every few segments. Runs that share a `DataRuns` frame (small pages)
+/// are read as they come: waiting for a whole frame of them measured slower.
+pub const LOWAT_RUN: usize = 256 * 1024;
+
+/// The most a read waits to find in the socket at once (`SO_RCVLOWAT`).
+pub const LOWAT_MAX: usize = 1 << 20;
 
 /// A data connection as the receiver reads it: the socket and its read buffer.
 ///
@@ -46,6 +58,9 @@ pub struct DataStream {
     /// prefix after a large payload (the next frame is likely large too, and its payload
     /// is better read straight into its pages than through the buffer).
     fill: usize,
+    /// The socket's `SO_RCVLOWAT` as last set (1, the kernel's default, except around
+    /// a read straight into one large run).
+    lowat: usize,
 }
 
 impl DataStream {
@@ -57,6 +72,7 @@ impl DataStream {
             end: 0,
             ticking: false,
             fill: READ_BUFFER,
+            lowat: 1,
         }
     }
 
@@ -71,6 +87,49 @@ impl DataStream {
             self.ticking = true;
         }
         Ok(())
+    }
+
+    /// Sets the socket's `SO_RCVLOWAT` to `n`, if it is not. A failure leaves it as it
+    /// was, which only costs wakeups.
+    fn set_lowat(&mut self, n: usize) {
+        if n == self.lowat {
+            return;
+        }
+        let v = libc::c_int::try_from(n).unwrap_or(libc::c_int::MAX);
+        // SAFETY: the socket is open while `self` lives; the option is a c_int.
+        let r = unsafe {
+            libc::setsockopt(
+                self.sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            self.lowat = n;
+        }
+    }
+
+    /// Bytes waiting in the socket's receive queue (0 if the kernel does not say).
+    fn queued(&self) -> usize {
+        let mut n: libc::c_int = 0;
+        // SAFETY: the socket is open while `self` lives; FIONREAD writes one c_int.
+        let r = unsafe { libc::ioctl(self.sock.as_raw_fd(), libc::FIONREAD, &mut n) };
+        if r == 0 {
+            usize::try_from(n).unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// Before a read that may stop short of what it asks (a frame header, a small
+    /// payload): the kernel's default again, which wakes the read at the first byte.
+    /// Tcp wakes a waiting reader only once `SO_RCVLOWAT` bytes are queued, whatever the
+    /// read asked for, so a header read under a large mark would wait for bytes that
+    /// may never come.
+    fn any_bytes(&mut self) {
+        self.set_lowat(1);
     }
 
     /// A read from the socket that is to wait as long as it takes failed with `e`: if it
@@ -102,6 +161,16 @@ impl DataStream {
                 .map(|d| IoSliceMut::new(d)),
         );
         let asked: usize = into.iter().map(|d| d.len()).sum();
+        // One large run: wake when its rest (up to LOWAT_MAX) is here. The mark counts
+        // bytes beyond those queued now, which the read takes first: the kernel wakes the
+        // read by the bytes queued after it began, so a mark of the whole rest would wait
+        // past the run's end (for the next frame, or the tick) once part of it was queued.
+        let lowat = if into.len() == 1 && asked >= LOWAT_RUN {
+            asked.min(LOWAT_MAX).saturating_sub(self.queued()).max(1)
+        } else {
+            1
+        };
+        self.set_lowat(lowat);
         into.push(IoSliceMut::new(&mut self.buf[..DATA_FRAME_PREFIX_LEN]));
         let n = self.sock.read_vectored(&mut into)?;
         let mine = n.min(asked);
@@ -127,6 +196,7 @@ const MAX_IOV: usize = 1024;
 impl Read for DataStream {
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
         if self.is_empty() && out.len() >= self.buf.len() {
+            self.any_bytes();
             loop {
                 match self.sock.read(out) {
                     Ok(n) => return Ok(n),
@@ -144,6 +214,9 @@ impl Read for DataStream {
 
 impl BufRead for DataStream {
     fn fill_buf(&mut self) -> io::Result<&[u8]> {
+        if self.is_empty() {
+            self.any_bytes();
+        }
         while self.is_empty() {
             match self.sock.read(&mut self.buf[..self.fill]) {
                 Ok(n) => {
@@ -548,5 +621,52 @@ mod tests {
         assert!(dst == bytes);
         assert_eq!(room.io_in_flight(), 0);
         writer.join().unwrap();
+    }
+
+    /// A large run is read under a low-water mark (one wakeup for its rest), and the
+    /// mark is off again for what follows: a few bytes sent after a pause (a Done frame
+    /// at a room's end) are read at once. Left at the run's mark, the header read would
+    /// wait for a mark's worth of bytes that never come: tcp wakes a reader only once
+    /// `SO_RCVLOWAT` bytes are queued, whatever the read asked for.
+    #[test]
+    fn a_few_bytes_after_a_large_run_are_read_without_waiting_for_more() {
+        let n = LOWAT_MAX;
+        let tail = 30;
+        let (bytes, mut s, writer) = stream_of(n + tail, move |mut c, send| {
+            // A little first, so that the run's read begins with most of it to come.
+            c.write_all(&send[..1000]).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            c.write_all(&send[1000..n]).unwrap();
+            // Longer than a tick: the reader's timeout comes off, and it waits for
+            // the socket alone.
+            std::thread::sleep(TICK * 5);
+            c.write_all(&send[n..]).unwrap();
+            std::thread::sleep(Duration::from_secs(30));
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let room = crate::room::Room::new(1, 1, crate::Role::Decode, 0, ());
+            let mut dst = vec![0u8; n];
+            let live = || Some(room.begin_io());
+            let got = read_payload(&mut s, &mut dst, &live).unwrap();
+            let run_ok = got == n && dst == bytes[..n];
+            let marked = s.lowat > 1;
+            let mut rest = Vec::new();
+            while rest.len() < tail {
+                let have = s.fill_buf().unwrap();
+                assert!(!have.is_empty(), "the stream ended");
+                rest.extend_from_slice(have);
+                let k = have.len();
+                s.consume(k);
+            }
+            let _ = tx.send((run_ok, marked, rest == bytes[n..]));
+        });
+        let (run_ok, marked, rest_ok) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the bytes after the large run were not read within 10 s");
+        assert!(run_ok, "the large run arrived whole and in order");
+        assert!(marked, "the large run was read under a low-water mark");
+        assert!(rest_ok);
+        drop(writer);
     }
 }
