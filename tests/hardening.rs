@@ -463,3 +463,38 @@ fn buffers_cannot_be_registered_once_a_room_exists_or_a_peer_connected() {
     let e = d.register_aux(vec![aux.desc()]).unwrap_err();
     assert_eq!(e.kind(), kvxfer::ErrorKind::WrongState, "{e}");
 }
+
+/// A decode room created while the setup of its prefill engine is being refused
+/// (different cluster keys) attaches to the engine after the loss, and failed as
+/// PEER_LOST where every room the loss itself failed says MISMATCH: the cause depended on
+/// which came first (CI saw it once in `auth.rs`, whose test expects MISMATCH). A room
+/// that attaches after the loss now fails with the loss's own cause.
+#[test]
+fn a_room_that_attaches_after_a_refused_setup_fails_with_the_refusal_s_cause() {
+    const ATTACH: &str = "decode.attach";
+    const KEY_A: &str = "a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4b5b6b7b8b9babbbcbdbebfc0";
+    const KEY_B: &str = "0102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f20";
+    let (pmem, dmem) = (source(), poisoned());
+    let p = engine("prefill", &pmem, &[TCP, ("auth_key", KEY_A)]);
+    let d = engine("decode", &dmem, &[TCP, ("auth_key", KEY_B)]);
+    let room = 41;
+    let addr = p.address().to_string();
+    testing::pause_at(ATTACH, room);
+    std::thread::scope(|s| {
+        let creating = s.spawn(|| d.room_create(room, RoomPeers::Prefills(vec![addr.clone()])));
+        assert!(testing::wait_paused(ATTACH, room, PARK));
+        // The connection the room asked for is refused meanwhile, and the engine lost.
+        wait_until("the refused engine to be lost", || {
+            d.metrics().peers_lost == 1
+        });
+        testing::release(ATTACH, room);
+        creating.join().unwrap().unwrap();
+    });
+    assert_eq!(
+        terminal_within(&d, room, Duration::from_secs(5)),
+        State::Failed
+    );
+    let why = d.room_failure(room).unwrap();
+    assert_eq!(why.cause, kvxfer::Cause::Mismatch, "{why}");
+    assert!(why.message.contains("authentication"), "{why}");
+}

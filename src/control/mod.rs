@@ -171,7 +171,7 @@ impl Control {
 
     /// As [`Control::lose`], with the cause its rooms fail with.
     pub fn lose_with(&self, peer: &Arc<Peer>, cause: Cause, why: String) {
-        if !peer.mark_lost(&why) {
+        if !peer.mark_lost(cause, &why) {
             return;
         }
         self.node.metrics.peers_lost.fetch_add(1, Ordering::Relaxed);

@@ -11,6 +11,7 @@ use parking_lot::{Mutex, RwLock};
 use super::pairing::{Layouts, Pairing};
 use crate::log::Logger;
 use crate::proto::Message;
+use crate::room::Cause;
 use crate::transport::rdma::link::RdmaLink;
 use crate::transport::rdma::peer::Inbound;
 use crate::transport::DataLink;
@@ -30,8 +31,9 @@ pub(crate) struct Peer {
     /// setup) / Acquire (in `is_ready`): whoever sees it set sees what the setup
     /// published before it (`kv_map`, `kv_layouts`, `aux_count`, the links).
     ready: AtomicBool,
-    /// Why it was lost, set once: the first loss wins.
-    lost: OnceLock<String>,
+    /// Why it was lost and the cause its rooms fail with, set once: the first loss
+    /// wins.
+    lost: OnceLock<(Cause, String)>,
     /// Control frames to send. Created with the peer, so that messages queued before the
     /// connection is up (an abort right after room creation) go out once it is.
     pub(super) ctrl: CtrlQueue,
@@ -145,7 +147,7 @@ impl Peer {
     /// "lost NAME: WHY", the reason a room fails with when this peer is lost.
     pub fn loss(&self) -> String {
         match self.lost.get() {
-            Some(why) => format!("lost {}: {why}", self.name),
+            Some((_, why)) => format!("lost {}: {why}", self.name),
             None => format!("lost {}", self.name),
         }
     }
@@ -201,10 +203,17 @@ impl Peer {
         }
     }
 
-    /// Marks the peer lost with `why`; false if it was lost before (the first loss
-    /// wins, and only it tears the peer down).
-    pub(super) fn mark_lost(&self, why: &str) -> bool {
-        self.lost.set(why.to_string()).is_ok()
+    /// The cause a room fails with when this peer is lost: the loss's own (a refused
+    /// setup is a `Mismatch`, a broken one `PeerLost`), so that a room that attaches
+    /// after the loss fails as the rooms failed by it did.
+    pub fn loss_cause(&self) -> Cause {
+        self.lost.get().map_or(Cause::PeerLost, |(c, _)| *c)
+    }
+
+    /// Marks the peer lost with `cause` and `why`; false if it was lost before (the
+    /// first loss wins, and only it tears the peer down).
+    pub(super) fn mark_lost(&self, cause: Cause, why: &str) -> bool {
+        self.lost.set((cause, why.to_string())).is_ok()
     }
 
     /// Tears down everything set up for the peer, RDMA writes into our memory first:

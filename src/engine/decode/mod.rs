@@ -76,6 +76,8 @@ impl DecodeEngine {
             .rooms
             .create(id, node.role, deadline, DecodeRoom::new(peers.clone()))?;
         lifecycle::created(self, &room, format_args!("from {addrs:?}"));
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("decode.attach", id);
         for p in &peers {
             p.rooms.lock().insert((id, room.generation()));
             if p.is_lost() {
@@ -83,7 +85,7 @@ impl DecodeEngine {
                 lifecycle::fail(
                     self,
                     &room,
-                    FailureReason::local(Cause::PeerLost, p.loss()),
+                    FailureReason::local(p.loss_cause(), p.loss()),
                     None,
                 );
             }

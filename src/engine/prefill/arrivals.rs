@@ -201,7 +201,7 @@ impl PrefillEngine {
             lifecycle::fail(
                 self,
                 room,
-                FailureReason::local(Cause::PeerLost, peer.loss()),
+                FailureReason::local(peer.loss_cause(), peer.loss()),
                 None,
             );
             return;
