@@ -21,30 +21,30 @@ pub(super) struct Receiver<'a> {
     pub peer: &'a Arc<Peer>,
 }
 
-/// The granted pages of one data frame.
+/// One admitted run: its header, the memory it fills and our buffer in it.
+type Run<'m> = (DataHeader, &'m Memory, u32);
+
+/// The granted pages of one data frame's runs.
 pub(super) struct Pages<'a> {
     engine: &'a DecodeEngine,
     peer: &'a Arc<Peer>,
     room: Arc<DRoom>,
-    mem: &'a Memory,
-    /// Our buffer the frame fills.
-    buffer: u32,
     /// The peer's position in the room.
     idx: usize,
-    h: DataHeader,
+    runs: Vec<Run<'a>>,
 }
 
 impl Grant for Pages<'_> {
-    fn pages(&self) -> &mut [u8] {
+    fn pages(&self, i: usize) -> &mut [u8] {
         // Checked in `admit`: the pages lie in a registered buffer and are granted to
         // this live room, whose frames one reader at a time writes; the bytes lie within
         // them.
-        let pages = self
-            .mem
-            .pages_mut(self.buffer as usize, self.h.first_page, self.h.n_pages)
+        let (h, mem, buffer) = &self.runs[i];
+        let pages = mem
+            .pages_mut(*buffer as usize, h.first_page, h.n_pages)
             .expect("admitted pages lie inside a registered buffer");
-        let off = self.h.page_off as usize;
-        &mut pages[off..off + self.h.byte_len as usize]
+        let off = h.page_off as usize;
+        &mut pages[off..off + h.byte_len as usize]
     }
 
     fn enter(&self) -> Option<IoGuard<'_>> {
@@ -54,18 +54,31 @@ impl Grant for Pages<'_> {
         (!self.room.state().is_terminal()).then_some(io)
     }
 
-    fn finish(self, complete: bool) {
+    fn finish(self, complete: &[bool]) {
         let node = &self.engine.core.node;
+        let bytes: u64 = self
+            .runs
+            .iter()
+            .map(|(h, _, _)| u64::from(h.byte_len))
+            .sum();
         node.metrics
             .bytes_received
-            .fetch_add(self.h.byte_len as u64, Ordering::Relaxed);
-        if complete {
-            let kv = [(self.buffer, self.h.byte_len as u64)];
-            let (kv, rows) = match self.h.target {
-                Target::Kv => (&kv[..], 0),
-                Target::Aux => (&[][..], 1),
-            };
-            self.engine.count(self.peer, &self.room, self.idx, kv, rows);
+            .fetch_add(bytes, Ordering::Relaxed);
+        // What landed whole, per our KV buffer, and the aux rows: counted once a frame.
+        let mut kv: Vec<(u32, u64)> = Vec::new();
+        let mut rows = 0;
+        for ((h, _, buffer), _) in self.runs.iter().zip(complete).filter(|(_, &c)| c) {
+            match h.target {
+                Target::Kv => match kv.iter_mut().find(|(b, _)| b == buffer) {
+                    Some((_, n)) => *n += u64::from(h.byte_len),
+                    None => kv.push((*buffer, u64::from(h.byte_len))),
+                },
+                Target::Aux => rows += 1,
+            }
+        }
+        if !kv.is_empty() || rows > 0 {
+            self.engine
+                .count(self.peer, &self.room, self.idx, &kv, rows);
         }
     }
 }
@@ -82,26 +95,26 @@ impl<'a> FrameSink for Receiver<'a> {
             .store(self.engine.core.node.now_ms(), Ordering::Relaxed);
     }
 
-    fn admit(&self, h: &DataHeader) -> Admit<Pages<'_>> {
+    fn admit(&self, runs: &[DataHeader]) -> Admit<Pages<'_>> {
+        // The codec gives at least one run, all of one room and generation.
+        let h = &runs[0];
         #[cfg(feature = "test-hooks")]
         if crate::testing::take_fault("recv.panic", h.room) {
             panic!("injected fault recv.panic");
         }
         let engine = self.engine;
         let Some(room) = engine.core.rooms.get_generation(h.room, h.generation) else {
-            return self.discard();
+            return self.discard(runs.len());
         };
-        match engine.check_data(self.peer, &room, h) {
-            Ok((mem, buffer, idx)) => Admit::Write(Pages {
+        match engine.check_data(self.peer, &room, runs) {
+            Ok((idx, runs)) => Admit::Write(Pages {
                 engine,
                 peer: self.peer,
                 room,
-                mem,
-                buffer,
                 idx,
-                h: *h,
+                runs,
             }),
-            Err(Refuse::Discard) => self.discard(),
+            Err(Refuse::Discard) => self.discard(runs.len()),
             Err(Refuse::Protocol(why)) => {
                 lifecycle::fail(
                     engine,
@@ -130,13 +143,14 @@ impl<'a> FrameSink for Receiver<'a> {
 }
 
 impl Receiver<'_> {
-    fn discard(&self) -> Admit<Pages<'_>> {
+    /// Drops the `n` runs of a frame (counted as frames dropped, one per run).
+    fn discard(&self, n: usize) -> Admit<Pages<'_>> {
         self.engine
             .core
             .node
             .metrics
             .dropped_frames
-            .fetch_add(1, Ordering::Relaxed);
+            .fetch_add(n as u64, Ordering::Relaxed);
         Admit::Discard
     }
 }
@@ -149,17 +163,19 @@ pub(super) enum Refuse {
 }
 
 impl DecodeEngine {
-    /// Checks a data frame: the room pulls from this peer, is live, has a destination,
-    /// and the frame's pages are granted to it, in registered buffers, with the right
-    /// length. Returns the memory, our buffer the frame fills, and the peer's position.
-    fn check_data(
-        &self,
+    /// Checks a data frame's runs: the room pulls from this peer, is live, has a
+    /// destination, and each run's pages are granted to it, in registered buffers, with
+    /// the right length (the grants under one lock for the whole frame). Returns the
+    /// peer's position and, for each run, the memory and our buffer it fills.
+    fn check_data<'m>(
+        &'m self,
         peer: &Arc<Peer>,
         room: &Arc<DRoom>,
-        h: &DataHeader,
-    ) -> Result<(&Memory, u32, usize), Refuse> {
+        runs: &[DataHeader],
+    ) -> Result<(usize, Vec<Run<'m>>), Refuse> {
+        let id = runs[0].room;
         let proto_err =
-            |why: String| Refuse::Protocol(format!("a bad data frame for room {}: {why}", h.room));
+            |why: String| Refuse::Protocol(format!("a bad data frame for room {id}: {why}"));
         let d = &room.ext;
         let Some(idx) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) else {
             return Err(proto_err("the room does not pull from this engine".into()));
@@ -168,58 +184,72 @@ impl DecodeEngine {
             return Err(Refuse::Discard);
         }
         let memory = &self.core.node.memory;
-        let (mem, what, local) = match h.target {
-            Target::Kv => (
-                memory.kv.get(),
-                "kv",
-                peer.kv_map
-                    .get()
-                    .and_then(|m| m.get(h.buffer as usize).copied()),
-            ),
-            Target::Aux => (memory.aux.get(), "aux", Some(h.buffer)),
-        };
-        let (mem, local, item_len) = local
-            .and_then(|b| mem.and_then(|m| m.item_len(b as usize).map(|len| (m, b, len))))
-            .ok_or_else(|| proto_err(format!("{what} buffer {} is not registered", h.buffer)))?;
-        let slicing = match h.target {
-            Target::Kv => peer.slicing.get(),
-            Target::Aux => None,
-        };
-        match slicing {
-            None if h.page_off != 0 || h.byte_len as u64 != h.n_pages as u64 * item_len as u64 => {
-                return Err(proto_err(format!(
-                    "{} bytes at offset {} for {} pages of {item_len}",
-                    h.byte_len, h.page_off, h.n_pages
-                )));
-            }
-            None => {}
-            Some(s) => {
-                let (off, len) = (u64::from(h.page_off), u64::from(h.byte_len));
-                if h.n_pages != 1 || off + len > item_len as u64 || !s.allows(off, len) {
+        let mut out = Vec::with_capacity(runs.len());
+        for h in runs {
+            let (mem, what, local) = match h.target {
+                Target::Kv => (
+                    memory.kv.get(),
+                    "kv",
+                    peer.kv_map
+                        .get()
+                        .and_then(|m| m.get(h.buffer as usize).copied()),
+                ),
+                Target::Aux => (memory.aux.get(), "aux", Some(h.buffer)),
+            };
+            let (mem, local, item_len) = local
+                .and_then(|b| mem.and_then(|m| m.item_len(b as usize).map(|len| (m, b, len))))
+                .ok_or_else(|| {
+                    proto_err(format!("{what} buffer {} is not registered", h.buffer))
+                })?;
+            let slicing = match h.target {
+                Target::Kv => peer.slicing.get(),
+                Target::Aux => None,
+            };
+            match slicing {
+                None if h.page_off != 0
+                    || h.byte_len as u64 != h.n_pages as u64 * item_len as u64 =>
+                {
                     return Err(proto_err(format!(
-                        "bytes {off}..{} of page {} (of {item_len} bytes; {} pages), which are \
-                         not among the heads {:?} it sends",
-                        off + len,
-                        h.first_page,
-                        h.n_pages,
-                        s.heads()
+                        "{} bytes at offset {} for {} pages of {item_len}",
+                        h.byte_len, h.page_off, h.n_pages
                     )));
                 }
+                None => {}
+                Some(s) => {
+                    let (off, len) = (u64::from(h.page_off), u64::from(h.byte_len));
+                    if h.n_pages != 1 || off + len > item_len as u64 || !s.allows(off, len) {
+                        return Err(proto_err(format!(
+                            "bytes {off}..{} of page {} (of {item_len} bytes; {} pages), which \
+                             are not among the heads {:?} it sends",
+                            off + len,
+                            h.first_page,
+                            h.n_pages,
+                            s.heads()
+                        )));
+                    }
+                }
             }
+            out.push((*h, mem, local));
         }
-        d.check_grant(h).map_err(proto_err)?;
-        if mem
-            .check_range(local as usize, h.first_page, h.n_pages)
-            .is_err()
-        {
-            return Err(proto_err(format!(
-                "pages {}..{} are outside {what} buffer {local}",
-                h.first_page,
-                h.first_page as u64 + h.n_pages as u64
-            )));
+        d.check_grants(runs).map_err(proto_err)?;
+        for (h, mem, local) in &out {
+            if mem
+                .check_range(*local as usize, h.first_page, h.n_pages)
+                .is_err()
+            {
+                let what = match h.target {
+                    Target::Kv => "kv",
+                    Target::Aux => "aux",
+                };
+                return Err(proto_err(format!(
+                    "pages {}..{} are outside {what} buffer {local}",
+                    h.first_page,
+                    h.first_page as u64 + h.n_pages as u64
+                )));
+            }
         }
         // Progress: TRANSFERRING (or staying in it), with a fresh deadline.
         let _ = lifecycle::start(self, room);
-        Ok((mem, local, idx))
+        Ok((idx, out))
     }
 }

@@ -147,37 +147,40 @@ impl DecodeRoom {
         self.inner.lock().sent
     }
 
-    /// Checks that frame `h`'s pages (or aux slot) were granted to the room; why not.
-    pub fn check_grant(&self, h: &DataHeader) -> Result<(), String> {
+    /// Checks that the pages (or aux slot) of every run of a frame were granted to the
+    /// room, under one lock; why not, for the first that was not.
+    pub fn check_grants(&self, runs: &[DataHeader]) -> Result<(), String> {
         let st = self.inner.lock();
         let dest = st
             .dest
             .as_ref()
             .ok_or_else(|| "no destination was sent".to_string())?;
-        match h.target {
-            Target::Kv => {
-                let pos = *dest
-                    .pos
-                    .get(&h.first_page)
-                    .ok_or_else(|| format!("page {} was not granted", h.first_page))?
-                    as usize;
-                let end = pos + h.n_pages as usize;
-                let granted = end <= dest.pages.len()
-                    && dest.pages[pos..end]
-                        .iter()
-                        .enumerate()
-                        .all(|(i, &p)| p as u64 == h.first_page as u64 + i as u64);
-                if !granted {
-                    return Err(format!(
-                        "pages {}..{} were not granted",
-                        h.first_page,
-                        h.first_page as u64 + h.n_pages as u64
-                    ));
+        for h in runs {
+            match h.target {
+                Target::Kv => {
+                    let pos = *dest
+                        .pos
+                        .get(&h.first_page)
+                        .ok_or_else(|| format!("page {} was not granted", h.first_page))?
+                        as usize;
+                    let end = pos + h.n_pages as usize;
+                    let granted = end <= dest.pages.len()
+                        && dest.pages[pos..end]
+                            .iter()
+                            .enumerate()
+                            .all(|(i, &p)| p as u64 == h.first_page as u64 + i as u64);
+                    if !granted {
+                        return Err(format!(
+                            "pages {}..{} were not granted",
+                            h.first_page,
+                            h.first_page as u64 + h.n_pages as u64
+                        ));
+                    }
                 }
-            }
-            Target::Aux => {
-                if dest.aux != Some(h.first_page) || h.n_pages != 1 {
-                    return Err(format!("aux slot {} was not granted", h.first_page));
+                Target::Aux => {
+                    if dest.aux != Some(h.first_page) || h.n_pages != 1 {
+                        return Err(format!("aux slot {} was not granted", h.first_page));
+                    }
                 }
             }
         }

@@ -247,20 +247,21 @@ pub enum Admit<G> {
     Refuse(String),
 }
 
-/// The pages a data frame was admitted to.
+/// The pages the runs of one data frame were admitted to (one room's, every run of the
+/// frame: a frame is admitted or refused whole).
 pub trait Grant {
-    /// The bytes the frame's payload fills, exactly. Written only while a guard from
+    /// The bytes run `i` of the frame fills, exactly. Written only while a guard from
     /// [`Grant::enter`] is held.
     #[allow(clippy::mut_from_ref)]
-    fn pages(&self) -> &mut [u8];
+    fn pages(&self, i: usize) -> &mut [u8];
 
     /// Counts one write into the pages in (until the guard drops) and says whether the
     /// room is still live; `None`: it ended, write nothing more.
     fn enter(&self) -> Option<IoGuard<'_>>;
 
-    /// The payload has been read: into the pages whole (`complete`), or only in part
-    /// before the room ended (the rest was dropped).
-    fn finish(self, complete: bool);
+    /// The payloads have been read: `complete[i]`, run `i` whole into its pages, or
+    /// only in part before the room ended (the rest was dropped).
+    fn finish(self, complete: &[bool]);
 }
 
 /// What a data connection's frames are for: the decode engine, for one peer.
@@ -272,8 +273,9 @@ pub trait FrameSink {
     /// A frame's header arrived: the peer is alive.
     fn heard(&self);
 
-    /// Where a data frame's payload goes.
-    fn admit(&self, h: &DataHeader) -> Admit<Self::Grant<'_>>;
+    /// Where the payloads of a data frame's runs go (`runs`: one for `Data`, one room's
+    /// for `DataRuns`), all of them checked before any byte is read.
+    fn admit(&self, runs: &[DataHeader]) -> Admit<Self::Grant<'_>>;
 
     /// A Done frame: the peer sent every frame of the room (on this or another
     /// connection).
@@ -334,52 +336,40 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
 }
 
 /// The runs of one data frame (one run for `Data`; one room's runs for `DataRuns`)
-/// whose headers were read: each admitted before any byte is read, then their payloads
-/// into the granted pages (consecutive granted runs with one `recv` where they can), or
-/// dropped.
+/// whose headers were read: admitted together before any byte is read, then their
+/// payloads into the granted pages with as few `recv`s as they allow, or dropped.
 fn data<S: FrameSink>(s: &mut DataStream, sink: &S, runs: &[DataHeader]) -> Result<(), String> {
-    let mut grants = Vec::with_capacity(runs.len());
-    for h in runs {
-        grants.push(match sink.admit(h) {
-            Admit::Write(g) => Some(g),
-            Admit::Discard => None,
-            Admit::Refuse(why) => return Err(why),
-        });
-    }
-    let mut i = 0;
-    while i < runs.len() {
-        let Some(first) = &grants[i] else {
-            discard(s, runs[i].byte_len as u64)?;
-            i += 1;
-            continue;
-        };
-        let end = i + grants[i..].iter().take_while(|g| g.is_some()).count();
-        let mut dst: Vec<&mut [u8]> = grants[i..end]
-            .iter()
-            .map(|g| g.as_ref().expect("granted").pages())
-            .collect();
-        debug_assert!(
-            dst.iter()
-                .zip(&runs[i..end])
-                .all(|(d, h)| d.len() == h.byte_len as usize),
-            "a grant is the run's bytes"
-        );
-        // The runs of a frame are one room's: its io count covers them all.
-        let mut read = read_payloads(s, &mut dst, &|| first.enter())
-            .map_err(|e| format!("data read failed: {e}"))?;
-        drop(dst);
-        for (g, h) in grants[i..end].iter_mut().zip(&runs[i..end]) {
-            let len = h.byte_len as usize;
-            let got = read.min(len);
-            read -= got;
-            if got < len {
-                // The room ended: the rest of the run goes nowhere.
-                discard(s, (len - got) as u64)?;
-            }
-            g.take().expect("granted").finish(got == len);
+    let grant = match sink.admit(runs) {
+        Admit::Write(g) => g,
+        Admit::Discard => {
+            let bytes: u64 = runs.iter().map(|h| u64::from(h.byte_len)).sum();
+            return discard(s, bytes);
         }
-        i = end;
+        Admit::Refuse(why) => return Err(why),
+    };
+    let mut dst: Vec<&mut [u8]> = (0..runs.len()).map(|i| grant.pages(i)).collect();
+    debug_assert!(
+        dst.iter()
+            .zip(runs)
+            .all(|(d, h)| d.len() == h.byte_len as usize),
+        "a grant is the run's bytes"
+    );
+    // The runs of a frame are one room's: its io count covers them all.
+    let mut read = read_payloads(s, &mut dst, &|| grant.enter())
+        .map_err(|e| format!("data read failed: {e}"))?;
+    drop(dst);
+    let mut complete = Vec::with_capacity(runs.len());
+    for h in runs {
+        let len = h.byte_len as usize;
+        let got = read.min(len);
+        read -= got;
+        if got < len {
+            // The room ended: the rest of the run goes nowhere.
+            discard(s, (len - got) as u64)?;
+        }
+        complete.push(got == len);
     }
+    grant.finish(&complete);
     Ok(())
 }
 

@@ -266,19 +266,19 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits, open: Opener
 
 /// An opened payload into the pages its frame was admitted to, if any.
 fn deliver<S: FrameSink>(sink: &S, h: &DataHeader, plain: &[u8]) -> Result<(), String> {
-    let grant = match sink.admit(h) {
+    let grant = match sink.admit(std::slice::from_ref(h)) {
         Admit::Write(g) => g,
         Admit::Discard => return Ok(()),
         Admit::Refuse(why) => return Err(why),
     };
     let complete = match grant.enter() {
         Some(_io) => {
-            grant.pages().copy_from_slice(plain);
+            grant.pages(0).copy_from_slice(plain);
             true
         }
         None => false,
     };
-    grant.finish(complete);
+    grant.finish(&[complete]);
     Ok(())
 }
 
