@@ -26,6 +26,9 @@
 //!   engine's destination for the room in hand and has not looked at anything yet.
 //! - `"prefill.attach_lost"` (same file, `attach`): the destination was added to the
 //!   room and its engine found lost; the room is not failed yet.
+//! - `"decode.attach"` (src/engine/decode/mod.rs, `create`): a decode room was created
+//!   and its prefill engines looked up (their connections may be under way), and it is
+//!   not yet attached to them.
 //!
 //! Faults are one-shot, per room: a test injects one ([`inject_fault`]) and the engine
 //! takes it at the named place. Faults in the engine:
