@@ -433,13 +433,7 @@ fn a_peer_that_stops_reading_its_control_connection_is_lost() {
         let _ = d.room_set_destination(r, &all, None);
     }
     for &r in &rooms {
-        assert_eq!(
-            terminal_within(&d, r, Duration::from_secs(5)),
-            State::Failed
-        );
-        let why = d.room_failure(r).unwrap();
-        assert_eq!(why.cause, kvxfer::Cause::PeerLost, "{why}");
-        assert!(why.message.contains("control write"), "{why}");
+        assert_fails_with(&d, r, kvxfer::Cause::PeerLost, "control write");
     }
     drop(alive);
 }
@@ -490,11 +484,16 @@ fn a_room_that_attaches_after_a_refused_setup_fails_with_the_refusal_s_cause() {
         testing::release(ATTACH, room);
         creating.join().unwrap().unwrap();
     });
+    assert_fails_with(&d, room, kvxfer::Cause::Mismatch, "authentication");
+}
+
+/// Room `room` of `e` ends FAILED within 5 s, with `cause` and a reason naming `text`.
+fn assert_fails_with(e: &kvxfer::Engine, room: u64, cause: kvxfer::Cause, text: &str) {
     assert_eq!(
-        terminal_within(&d, room, Duration::from_secs(5)),
+        terminal_within(e, room, Duration::from_secs(5)),
         State::Failed
     );
-    let why = d.room_failure(room).unwrap();
-    assert_eq!(why.cause, kvxfer::Cause::Mismatch, "{why}");
-    assert!(why.message.contains("authentication"), "{why}");
+    let why = e.room_failure(room).unwrap();
+    assert_eq!(why.cause, cause, "{why}");
+    assert!(why.message.contains(text), "{why}");
 }
