@@ -4,6 +4,7 @@
 //! pages) and RDMA device.
 
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
@@ -43,6 +44,10 @@ pub(crate) struct Node {
     stopping: AtomicBool,
     /// Wakes the watchdog's sleep when the engine stops.
     wake: (Mutex<()>, Condvar),
+    /// A pipe whose read end turns readable when the engine stops, for threads that
+    /// wait on sockets with `poll(2)` (the acceptor): they sleep until there is work or
+    /// the engine stops, with no timer.
+    stop_pipe: (OwnedFd, OwnedFd),
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -82,6 +87,7 @@ impl Node {
             clock: Instant::now(),
             stopping: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
+            stop_pipe: pipe()?,
             threads: Mutex::new(Vec::new()),
         };
         Ok((Arc::new(node), listener))
@@ -96,9 +102,14 @@ impl Node {
         self.stopping.load(Ordering::Acquire)
     }
 
-    /// Marks the engine stopping and wakes the watchdog.
+    /// Marks the engine stopping and wakes the watchdog and every thread waiting in
+    /// [`Node::wait_readable`].
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::Release);
+        // The read end stays readable from here on (nothing reads it): a wait that
+        // begins later returns at once too. A full pipe (EAGAIN) is readable already.
+        // SAFETY: the write end is open while `self` lives; one byte from a local.
+        let _ = unsafe { libc::write(self.stop_pipe.1.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
         let _g = self.wake.0.lock();
         self.wake.1.notify_all();
     }
@@ -111,6 +122,26 @@ impl Node {
         }
         self.wake.1.wait_for(&mut g, interval);
         self.is_stopping()
+    }
+
+    /// Waits until `fd` is readable (for a listener: a connection is waiting) or the
+    /// engine stops. Returns at once if either is already so; an interrupted wait
+    /// returns too (the caller looks again).
+    pub fn wait_readable(&self, fd: RawFd) {
+        let mut fds = [
+            libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.stop_pipe.0.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfd entries; both descriptors are open for the call.
+        let _ = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
     }
 
     /// Starts a library thread that is joined when the engine stops. A thread that cannot
@@ -407,4 +438,19 @@ fn check_layout(bufs: &[BufferDesc], layout: &KvLayout) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A pipe (read end, write end), both ends close-on-exec and non-blocking.
+fn pipe() -> Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [-1 as libc::c_int; 2];
+    // SAFETY: pipe2 writes two descriptors into the array it is given.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+        return Err(err!(
+            Io,
+            "cannot create the engine's stop pipe: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: both descriptors were just created and are owned by nothing else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }

@@ -2,6 +2,7 @@
 //! own: authentication first, then the control connection's setup or a data connection.
 
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use crate::transport::tcp::SendConn;
 use crate::transport::DataLink;
 
 impl Control {
-    /// Accepts connections until the engine stops.
+    /// Accepts connections until the engine stops, asleep while none is waiting.
     pub fn accept_loop(self: &Arc<Self>, listener: TcpListener) {
         let node = &self.node;
         if let Err(e) = listener.set_nonblocking(true) {
@@ -57,12 +58,15 @@ impl Control {
                         crate::log!(node.log, Error, "connection from {from} dropped: {e}");
                     }
                 }
+                // Nothing waiting: sleep until a connection is (or the engine stops).
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(5))
+                    node.wait_readable(listener.as_raw_fd())
                 }
                 Err(e) => {
                     crate::log!(node.log, Warn, "accept failed: {e}");
-                    std::thread::sleep(Duration::from_millis(50))
+                    // Out of descriptors, say: the listener stays readable, so wait a
+                    // little instead of spinning on it.
+                    node.sleep(Duration::from_millis(50));
                 }
             }
         }
