@@ -119,13 +119,15 @@ def test_every_error_status_raises_its_class_with_the_librarys_message():
         d.register_kv([(kv.ctypes.data, kv.nbytes, 256)])
         _raises(kvxfer.WrongStateError, None, d.register_kv, [(kv.ctypes.data, kv.nbytes, 256)])
         seen.add(_raises(kvxfer.NotFoundError, "room 9", d.room_poll, 9).status)
+        # The prefill registers first: a prefill without buffers refuses the decode's
+        # connection, and room 9 would fail (and so no longer be "not FAILED" below).
+        p.register_kv([(kv.ctypes.data, kv.nbytes, 256)])
         d.room_create(9, [p.address])
         seen.add(_raises(kvxfer.AlreadyExistsError, "9", d.room_create, 9, [p.address]).status)
         seen.add(_raises(kvxfer.WrongRoleError, "prefill", d.enqueue_chunk, 9, [0], True).status)
         _raises(kvxfer.InvalidArgumentError, "8", d.room_set_destination, 9, [8])  # page 8 of 0..7
         _raises(kvxfer.WrongStateError, None, d.room_failure, 9)  # not FAILED
         _raises(kvxfer.InvalidArgumentError, "room id", d.room_poll, -1)
-        p.register_kv([(kv.ctypes.data, kv.nbytes, 256)])
         _raises(kvxfer.WrongRoleError, "decode", p.room_set_destination, 1, [0])
     # The statuses the high-level API never lets happen, raised by the same path:
     # NULL pointers and short output buffers straight through the C functions.
