@@ -192,6 +192,9 @@ def test_pages_reach_the_library_as_given():
     stale or truncated copy)."""
     with kvxfer.Engine(role="prefill") as p, kvxfer.Engine(role="decode") as d:
         kv = bytearray(8 * 64)
+        # A prefill without buffers would refuse the connection and fail the rooms,
+        # and a FAILED room refuses its destination for that reason instead.
+        p.register_kv([kvxfer.Buffer.of(bytearray(8 * 64), 64)])
         d.register_kv([kvxfer.Buffer.of(kv, 64)])
         d.room_create(1, [p.address])
         d.room_set_destination(1, np.array([5, 6, 7], dtype=np.uint32)[1:])
