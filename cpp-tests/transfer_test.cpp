@@ -328,7 +328,12 @@ class TransferDeadlines : public Transfer {
 TEST_F(TransferDeadlines, AConnectedRoomWithoutDataFailsItsWaitingDeadline) {
     create(1);
     std::vector<uint32_t> dst = {0};
-    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 1, dst.data(), dst.size(), -1)));
+    // Its waiting deadline may already have failed the room (a stall of 150 ms here):
+    // then the call is refused for the room's state, which is checked next.
+    const kvxfer_status set =
+        kvxfer_room_set_destination(d_.get(), 1, dst.data(), dst.size(), -1);
+    EXPECT_TRUE(set == KVXFER_OK || set == KVXFER_ERR_WRONG_STATE)
+        << kvxfer_status_str(set) << ": " << last_error();
     // The prefill scheduler never enqueues a chunk.
     ASSERT_EQ(wait_terminal(d_.get(), 1), KVXFER_ROOM_FAILED);
     Cause c = cause_of(d_.get(), 1);

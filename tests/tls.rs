@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use common::fake::{self, encode, frames, read_until_closed};
 use common::pki::{refs, Pki};
-use common::{wait_terminal, wait_until, Pair, POISON};
+use common::{unless_failed, wait_terminal, wait_until, Pair, POISON};
 use kvxfer::log::Level;
 use kvxfer::proto::{AuthRefusal, ConnKind, Kind, Message, Role, FRAME_MAGIC};
 use kvxfer::{Cause, Config, Engine, ErrorKind, RoomPeers, State};
@@ -207,10 +207,10 @@ fn control_frames_larger_than_a_tls_record_cross_whole() {
 /// reasons name TLS; no page is written; both engines count the refusal.
 fn assert_refused_both_sides(t: &Pair, parts: &[&str]) {
     t.p.room_create(1, RoomPeers::Decoders(1)).unwrap();
-    t.p.enqueue_chunk(1, &[1, 2], true, None).unwrap();
+    unless_failed(t.p.enqueue_chunk(1, &[1, 2], true, None));
     t.d.room_create(1, RoomPeers::Prefills(vec![t.p.address().into()]))
         .unwrap();
-    t.d.room_set_destination(1, &[3, 4], None).unwrap();
+    unless_failed(t.d.room_set_destination(1, &[3, 4], None));
     assert_eq!(wait_terminal(&t.d, 1), State::Failed);
     let why = t.d.room_failure(1).unwrap();
     assert_eq!(why.cause, Cause::Mismatch, "{why}");
@@ -422,10 +422,10 @@ fn engines_that_differ_in_encrypt_data_fail_naming_it_and_write_nothing() {
         let d = with(&pki.keys("decode"), &[("encrypt_data", d_seal)]);
         let t = pair(&refs(&p), &refs(&d));
         t.p.room_create(1, RoomPeers::Decoders(1)).unwrap();
-        t.p.enqueue_chunk(1, &[1, 2], true, None).unwrap();
+        unless_failed(t.p.enqueue_chunk(1, &[1, 2], true, None));
         t.d.room_create(1, RoomPeers::Prefills(vec![t.p.address().into()]))
             .unwrap();
-        t.d.room_set_destination(1, &[3, 4], None).unwrap();
+        unless_failed(t.d.room_set_destination(1, &[3, 4], None));
         assert_eq!(wait_terminal(&t.d, 1), State::Failed);
         let why = t.d.room_failure(1).unwrap();
         assert_eq!(why.cause, Cause::Mismatch, "{why}");

@@ -150,7 +150,8 @@ def test_a_request_moves_its_blocks_byte_for_byte(pair):
 
 
 def test_prefill_keeps_the_blocks_until_the_room_ends_without_a_decode(pair, caplog):
-    p, _ = pair(prefill_keys={"bootstrap_timeout_ms": 600})
+    # Long enough that the first step below always sees the room alive.
+    p, _ = pair(prefill_keys={"bootstrap_timeout_ms": 1500})
     caplog.set_level(logging.INFO, logger="vllm.kvxfer")
     params = prefill_request(p, "cmpl-lonely", [1, 2], 20)
     t0 = time.monotonic()

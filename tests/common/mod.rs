@@ -30,4 +30,6 @@ pub use pair::{Pair, PairBuilder};
 #[allow(unused_imports)]
 pub use rng::Rng;
 #[allow(unused_imports)]
-pub use wait::{terminal_within, wait_state, wait_terminal, wait_until, wait_until_within, LIMIT};
+pub use wait::{
+    terminal_within, unless_failed, wait_state, wait_terminal, wait_until, wait_until_within, LIMIT,
+};
