@@ -208,6 +208,12 @@ struct Measurement {
     /// Decode-side checker threads [1]
     #[arg(long)]
     verify_threads: Option<usize>,
+    /// The checker threads' scheduling: `idle` (SCHED_IDLE) runs a check only on a core
+    /// that nothing else wants, so checking never takes a core from the engines'
+    /// threads; every check is still done and its CPU counted. `normal` as every other
+    /// thread [idle]
+    #[arg(long)]
+    verify_priority: Option<VerifyPriority>,
     /// Skip the TCP stream and memcpy baselines
     #[arg(long)]
     no_baselines: bool,
@@ -319,6 +325,25 @@ pub enum Verify {
     None,
 }
 
+/// How the decode side's checker threads are scheduled (`--verify-priority`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VerifyPriority {
+    /// `SCHED_IDLE`: on a core only when nothing else wants it.
+    Idle,
+    /// The default policy, like every other thread.
+    Normal,
+}
+
+impl VerifyPriority {
+    pub fn name(self) -> &'static str {
+        match self {
+            VerifyPriority::Idle => "idle",
+            VerifyPriority::Normal => "normal",
+        }
+    }
+}
+
 impl Verify {
     pub fn name(self) -> &'static str {
         match self {
@@ -419,6 +444,7 @@ pub struct Params {
     pub tls_pem: Option<crate::tls::TlsPem>,
     pub verify: Verify,
     pub verify_threads: usize,
+    pub verify_priority: VerifyPriority,
     pub baselines: bool,
     pub baseline_buf_mib: usize,
     /// Pages backing the pools and the baselines' buffers.
@@ -499,7 +525,8 @@ impl Cli {
         if let Some(n) = self.layerwise.compute_us_per_layer {
             p.compute_us_per_layer = n;
         }
-        over!(measure: verify, verify_threads, baseline_buf_mib, baseline_write_kib);
+        over!(measure: verify, verify_threads, verify_priority, baseline_buf_mib);
+        over!(measure: baseline_write_kib);
         over!(measure: baseline_read_kib, sched, poll_us, max_mem_gib, pool_pages);
         if let Some((a, b)) = self.traffic.prompt {
             (p.prompt_min, p.prompt_max) = (a, b);
@@ -569,6 +596,7 @@ impl Params {
             tls_pem: None,
             verify: Verify::Full,
             verify_threads: 1,
+            verify_priority: VerifyPriority::Idle,
             baselines: true,
             baseline_buf_mib: 64,
             pool_pages: Pages::Huge,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{Engine, RoomPeers, State};
 
-use crate::args::{Auth, Feed, Params, Side};
+use crate::args::{Auth, Feed, Params, Side, VerifyPriority};
 use crate::baseline::{self, Measured};
 use crate::ctl::{room_id, room_plan, AbortAt, Ctl, Outcome, PrefillRoom, ToDecode, ToPrefill};
 use crate::pool::Pool;
@@ -602,6 +602,9 @@ fn kvxfer_loop<'s>(
         .map(|_| {
             let (rx, tx) = (job_rx.clone(), ret_tx.clone());
             scope.spawn(move || {
+                if p.verify_priority == VerifyPriority::Idle {
+                    crate::sys::sched_idle();
+                }
                 let u0 = Usage::thread();
                 loop {
                     let job = match rx.lock().expect("job queue").recv() {

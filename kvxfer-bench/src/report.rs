@@ -391,6 +391,7 @@ struct Json<'a> {
     preset: &'a str,
     transport: &'a str,
     verify: &'static str,
+    verify_priority: &'static str,
     bytes: u64,
     bytes_checked: u64,
     seconds: f64,
@@ -607,6 +608,7 @@ pub fn json(p: &Params, r: &Report) -> String {
         preset: &p.preset,
         transport: &p.transport,
         verify: p.verify.name(),
+        verify_priority: p.verify_priority.name(),
         bytes: k.bytes,
         bytes_checked: k.bytes_checked,
         seconds: k.secs,
@@ -814,11 +816,12 @@ pub fn human(p: &Params, r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "\nkvxfer-bench {}  (transport {}, verify {}, {} connection(s) per peer, workers {}, \
-         auth {}{})",
+        "\nkvxfer-bench {}  (transport {}, verify {} at {} priority, {} connection(s) per peer, \
+         workers {}, auth {}{})",
         p.preset,
         p.transport,
         p.verify.name(),
+        p.verify_priority.name(),
         p.conns,
         p.workers.map_or("default".to_string(), |w| w.to_string()),
         p.auth.name(),
@@ -1135,6 +1138,7 @@ mod tests {
         "preset",
         "transport",
         "verify",
+        "verify_priority",
         "bytes",
         "bytes_checked",
         "seconds",

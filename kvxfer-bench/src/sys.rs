@@ -334,9 +334,30 @@ pub fn precise_sleeps() {
     }
 }
 
+/// Puts the calling thread under `SCHED_IDLE`: it runs only on a core that no other
+/// thread wants. For the checkers, so that checking never takes a core from the engines.
+/// Whether the kernel took it (it leaves the thread as it was otherwise).
+pub fn sched_idle() -> bool {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: pid 0 is the calling thread; the kernel only reads `param`.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) == 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sched_idle_changes_the_calling_thread_only() {
+        // SAFETY: queries of the calling thread's policy.
+        let policy = || unsafe { libc::sched_getscheduler(0) };
+        let before = policy();
+        let inside = std::thread::spawn(move || (sched_idle(), policy()))
+            .join()
+            .unwrap();
+        assert_eq!(inside, (true, libc::SCHED_IDLE));
+        assert_eq!(policy(), before);
+    }
 
     #[test]
     fn usage_counts_a_threads_sleeps_as_voluntary_switches_and_its_work_as_cpu() {
