@@ -14,6 +14,7 @@ use crate::proto::Message;
 use crate::room::Cause;
 use crate::transport::rdma::link::RdmaLink;
 use crate::transport::rdma::peer::Inbound;
+use crate::transport::tcp::SendConn;
 use crate::transport::DataLink;
 
 /// A remote engine.
@@ -63,7 +64,9 @@ pub(crate) struct Peer {
     /// Engine-clock ms of the last frame received. Relaxed: read only by the watchdog to
     /// compare with a generous bound.
     pub last_recv_ms: AtomicU64,
-    /// Engine-clock ms of the last control frame written. Relaxed, as `last_recv_ms`.
+    /// Engine-clock ms of the last control frame the writer thread wrote (frames a
+    /// pushing thread writes itself do not count: a heartbeat may go out beside them).
+    /// Relaxed, as `last_recv_ms`.
     pub(super) last_sent_ms: AtomicU64,
     /// The next heartbeat's sequence number. Relaxed: only its uniqueness matters (one
     /// thread, the watchdog, sends heartbeats).
@@ -243,16 +246,26 @@ const CTRL_QUEUE_BYTES: usize = 64 << 20;
 /// make us hold more; the push that would pass the bound dooms the peer instead (its
 /// frames are dropped from then on, and the watchdog loses it with the reason), since a
 /// control frame is never dropped for a peer that is kept.
+///
+/// Once the connection is up (plain TCP), a frame pushed while nothing is queued or
+/// being written goes out from the pushing thread, as far as the socket takes it without
+/// waiting; only the rest, if any, is left to the writer. A room's turnaround then costs
+/// no wakeup of the writer thread (and no core switch) for its Destination or Done.
 #[derive(Default)]
 pub(super) struct CtrlQueue {
     inner: Mutex<CtrlInner>,
     ready: parking_lot::Condvar,
+    /// The connection's writing half, for frames written by the pushing thread.
+    direct: OnceLock<Arc<SendConn>>,
 }
 
 #[derive(Default)]
 struct CtrlInner {
     frames: VecDeque<Vec<u8>>,
     bytes: usize,
+    /// A frame is being written (by the writer, or by a pushing thread): the next one
+    /// waits for it, so that frames go out whole and in order.
+    writing: bool,
     closed: bool,
     overflow: Option<String>,
 }
@@ -280,25 +293,60 @@ impl CtrlQueue {
             self.ready.notify_all();
             return false;
         }
-        q.bytes += frame.len();
-        q.frames.push_back(frame);
-        self.ready.notify_one();
+        let direct = match self.direct.get() {
+            Some(conn) if q.frames.is_empty() && !q.writing => conn,
+            _ => {
+                q.bytes += frame.len();
+                q.frames.push_back(frame);
+                self.ready.notify_one();
+                return true;
+            }
+        };
+        q.writing = true;
+        drop(q);
+        let sent = direct.try_send_frame(&frame);
+        let mut q = self.inner.lock();
+        q.writing = false;
+        if sent < frame.len() && !q.closed && q.overflow.is_none() {
+            // The rest goes first: frames pushed meanwhile were queued behind it.
+            let rest = frame[sent..].to_vec();
+            q.bytes += rest.len();
+            q.frames.push_front(rest);
+        }
+        if !q.frames.is_empty() {
+            self.ready.notify_one();
+        }
         true
     }
 
-    /// The next frame to write, waiting for one; `None` once closed or overflowed.
+    /// From now on a frame pushed while nothing is queued or being written is written
+    /// by the pushing thread on `conn` (see the type).
+    pub(super) fn write_directly(&self, conn: Arc<SendConn>) {
+        let _ = self.direct.set(conn);
+    }
+
+    /// The next frame to write, waiting for one; `None` once closed or overflowed. The
+    /// writer calls [`CtrlQueue::written`] once it has written it.
     pub(super) fn pop(&self) -> Option<Vec<u8>> {
         let mut q = self.inner.lock();
         loop {
             if q.closed || q.overflow.is_some() {
                 return None;
             }
-            if let Some(f) = q.frames.pop_front() {
-                q.bytes -= f.len();
-                return Some(f);
+            if !q.writing {
+                if let Some(f) = q.frames.pop_front() {
+                    q.bytes -= f.len();
+                    q.writing = true;
+                    return Some(f);
+                }
             }
             self.ready.wait(&mut q);
         }
+    }
+
+    /// The frame [`CtrlQueue::pop`] returned is written.
+    pub(super) fn written(&self) {
+        self.inner.lock().writing = false;
     }
 
     /// No more frames: the writer ends and pushes are refused.
@@ -357,7 +405,9 @@ mod tests {
         assert!(q.push(vec![1]));
         assert!(q.push(vec![2, 2]));
         assert_eq!(q.pop(), Some(vec![1]));
+        q.written();
         assert_eq!(q.pop(), Some(vec![2, 2]));
+        q.written();
         q.close();
         assert!(!q.push(vec![3]));
         assert_eq!(q.pop(), None);
@@ -379,6 +429,108 @@ mod tests {
         assert!(why.contains("2 frames (100 bytes)"), "{why}");
         assert!(!q.push_within(vec![0; 1], 100), "nothing more is queued");
         assert_eq!(q.pop(), None, "the writer ends");
+    }
+
+    /// A connected pair over loopback: our writing half (with a small send buffer, so
+    /// that a large frame does not fit at once) and the peer's reading end.
+    fn direct_pair() -> (Arc<SendConn>, TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (theirs, _) = l.accept().unwrap();
+        let small: libc::c_int = 4096;
+        // SAFETY: a valid socket and a c_int option.
+        unsafe {
+            use std::os::fd::AsRawFd;
+            libc::setsockopt(
+                ours.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&small as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+        let conn = SendConn::with_stall(ours, Duration::from_secs(5)).unwrap();
+        (Arc::new(conn), theirs)
+    }
+
+    fn read_exactly(s: &mut TcpStream, n: usize) -> Vec<u8> {
+        use std::io::Read;
+        let mut b = vec![0; n];
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.read_exact(&mut b).unwrap();
+        b
+    }
+
+    /// With the connection up, a frame pushed onto an idle queue is on the wire when
+    /// the push returns: no writer thread runs here, and none is woken.
+    #[test]
+    fn a_frame_pushed_on_an_idle_queue_is_written_by_the_pushing_thread() {
+        let (conn, mut theirs) = direct_pair();
+        let q = CtrlQueue::default();
+        q.write_directly(conn);
+        assert!(q.push(vec![1, 2, 3]));
+        assert!(q.push(vec![4]));
+        assert_eq!(
+            q.inner.lock().frames.len(),
+            0,
+            "nothing left for the writer"
+        );
+        assert_eq!(read_exactly(&mut theirs, 4), vec![1, 2, 3, 4]);
+    }
+
+    /// While the writer has a frame in hand, pushes queue behind it (never overtake it),
+    /// and the writer takes them in order once it is done.
+    #[test]
+    fn frames_pushed_while_the_writer_writes_wait_their_turn() {
+        let (conn, mut theirs) = direct_pair();
+        let q = CtrlQueue::default();
+        q.write_directly(conn.clone());
+        q.push_within(vec![9; 8], usize::MAX);
+        // Queue one frame behind a frame the writer holds (as if it were mid-write).
+        q.inner.lock().writing = true;
+        assert!(q.push(vec![1]));
+        q.inner.lock().writing = false;
+        assert!(q.push(vec![2]), "queued: frames are waiting");
+        assert_eq!(q.inner.lock().frames.len(), 2);
+        for want in [vec![1], vec![2]] {
+            let f = q.pop().unwrap();
+            assert_eq!(f, want);
+            conn.send_frame(&f).unwrap();
+            q.written();
+        }
+        assert_eq!(
+            read_exactly(&mut theirs, 10),
+            vec![9, 9, 9, 9, 9, 9, 9, 9, 1, 2]
+        );
+    }
+
+    /// A frame larger than the socket takes at once goes out partly from the pushing
+    /// thread; its rest is queued first, ahead of frames pushed after it, so the peer
+    /// reads both whole and in order.
+    #[test]
+    fn the_rest_of_a_frame_the_socket_did_not_take_goes_first() {
+        let (conn, mut theirs) = direct_pair();
+        let q = Arc::new(CtrlQueue::default());
+        q.write_directly(conn.clone());
+        let big: Vec<u8> = (0..2u32 << 20).map(|i| (i % 251) as u8).collect();
+        assert!(q.push(big.clone()));
+        let rest = q.inner.lock().frames.front().map(Vec::len).expect("a rest");
+        assert!(rest > 0 && rest < big.len(), "written partly: {rest} left");
+        assert!(q.push(vec![7, 7]));
+        let writer = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                while let Some(f) = q.pop() {
+                    conn.send_frame(&f).unwrap();
+                    q.written();
+                }
+            })
+        };
+        let got = read_exactly(&mut theirs, big.len() + 2);
+        assert!(got[..big.len()] == big[..], "the large frame arrives whole");
+        assert_eq!(&got[big.len()..], &[7, 7]);
+        q.close();
+        writer.join().unwrap();
     }
 
     #[test]

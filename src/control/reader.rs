@@ -14,7 +14,7 @@ use crate::Role;
 
 /// The writing half of a control connection.
 enum CtrlWriter {
-    Plain(SendConn),
+    Plain(Arc<SendConn>),
     Tls(crate::tls::Writer),
 }
 
@@ -44,7 +44,9 @@ impl Control {
         let (conn, reader) = match ctrl.split().map_err(|e| e.to_string())? {
             Split::Plain(s) => {
                 let writer = s.try_clone().map_err(|e| e.to_string())?;
-                let conn = SendConn::with_stall(writer, stall).map_err(|e| e.to_string())?;
+                let conn =
+                    Arc::new(SendConn::with_stall(writer, stall).map_err(|e| e.to_string())?);
+                peer.ctrl.write_directly(conn.clone());
                 (CtrlWriter::Plain(conn), Box::new(s) as Box<dyn Read + Send>)
             }
             Split::Tls(reader, writer) => {
@@ -58,7 +60,9 @@ impl Control {
         let (control, p) = (self.clone(), peer.clone());
         self.spawn_for_peer("kvxfer-ctrl-tx", peer, move || {
             while let Some(frame) = p.ctrl.pop() {
-                if let Err(e) = conn.send_frame(&frame) {
+                let r = conn.send_frame(&frame);
+                p.ctrl.written();
+                if let Err(e) = r {
                     control.lose(
                         &p,
                         format!(

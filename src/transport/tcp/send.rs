@@ -105,6 +105,38 @@ impl SendConn {
         }
     }
 
+    /// Writes as much of `frame` as the socket takes now, without waiting for the
+    /// connection or for buffer space (`MSG_DONTWAIT`); returns how many bytes went out.
+    /// Nothing (0) when another thread holds the connection, the socket is full or a
+    /// write fails: the caller queues the rest for the writer, which meets the failure.
+    pub fn try_send_frame(&self, frame: &[u8]) -> usize {
+        if self.broken.load(Ordering::Relaxed) {
+            return 0;
+        }
+        let Some(s) = self.stream.try_lock() else {
+            return 0;
+        };
+        let mut sent = 0;
+        while sent < frame.len() {
+            let rest = &frame[sent..];
+            // SAFETY: the socket is open while the lock is held; `rest` is live.
+            let n = unsafe {
+                libc::send(
+                    s.as_raw_fd(),
+                    rest.as_ptr().cast(),
+                    rest.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            match n {
+                n if n > 0 => sent += n as usize,
+                n if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+                _ => break,
+            }
+        }
+        sent
+    }
+
     /// Writes an encoded control frame.
     pub fn send_frame(&self, frame: &[u8]) -> io::Result<()> {
         let mut s = self.stream.lock();
