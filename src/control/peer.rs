@@ -250,7 +250,7 @@ const CTRL_QUEUE_BYTES: usize = 64 << 20;
 /// Once the connection is up (plain TCP), a frame pushed while nothing is queued or
 /// being written goes out from the pushing thread, as far as the socket takes it without
 /// waiting; only the rest, if any, is left to the writer. A room's turnaround then costs
-/// no wakeup of the writer thread (and no core switch) for its Destination or Done.
+/// no wakeup of the writer thread (and no core switch) for its Destination.
 #[derive(Default)]
 pub(super) struct CtrlQueue {
     inner: Mutex<CtrlInner>,
