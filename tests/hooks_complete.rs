@@ -1,7 +1,9 @@
-//! The prefill worker claims completion before it sends Done, so a prefill-side abort
-//! that races the last chunk leaves both sides agreeing (found by kvxfer-bench's
-//! checker). Deterministic through the `worker.before_complete` pause point; needs
-//! `--features test-hooks`.
+//! Completion and chunk order on the prefill side. The worker claims completion before
+//! it sends Done, so a prefill-side abort that races the last chunk leaves both sides
+//! agreeing (found by kvxfer-bench's checker); a room's chunks are planned in order,
+//! whether by the enqueueing thread or by the room's worker. Deterministic through the
+//! `worker.before_complete` and `prefill.plan_here` pause points; needs `--features
+//! test-hooks`.
 #![cfg(feature = "test-hooks")]
 
 mod common;
@@ -41,6 +43,59 @@ fn an_abort_just_before_the_completion_claim_fails_both_sides() {
             std::thread::sleep(Duration::from_millis(50));
             assert_eq!(p.room_poll(room).unwrap(), State::Success);
             assert_eq!(d.room_poll(room).unwrap(), State::Success);
+        }
+    }
+}
+
+/// A small chunk of a ready room is planned by the thread that enqueues it (no worker
+/// wakeup on the room's critical path); a chunk enqueued meanwhile waits for it, so the
+/// room is sealed only after both are planned and its pages land in order.
+#[test]
+fn a_chunk_enqueued_while_the_caller_plans_the_one_before_waits_for_it() {
+    const HERE: &str = "prefill.plan_here";
+    let t = std::sync::Arc::new(Pair::builder().build());
+    let room = 3;
+    t.ready(room, &[10, 11]);
+    testing::pause_at(HERE, room);
+    let first = {
+        let t = t.clone();
+        std::thread::spawn(move || t.p.enqueue_chunk(room, &[1], false, None))
+    };
+    assert!(testing::wait_paused(HERE, room, LIMIT));
+    assert!(
+        !first.is_finished(),
+        "the enqueueing thread plans the chunk itself"
+    );
+    // The last chunk comes while the first is being planned: it must not be planned (and
+    // the room sealed) before it.
+    t.p.enqueue_chunk(room, &[2], true, None).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_ne!(t.p.room_poll(room).unwrap(), State::Success);
+    testing::release(HERE, room);
+    first.join().unwrap().unwrap();
+    assert_eq!(wait_terminal(&t.p, room), State::Success);
+    assert_eq!(wait_terminal(&t.d, room), State::Success);
+    t.assert_pages(&[1, 2], &[10, 11]);
+}
+
+/// A chunk too large to plan on the caller's thread goes to the room's worker; a small
+/// last chunk enqueued right after it goes there too, behind it, not past it.
+#[test]
+fn a_small_chunk_after_one_left_to_the_worker_is_planned_after_it() {
+    let t = Pair::builder().pages(2048).item(256).build();
+    let src: Vec<u32> = (0..1001).collect();
+    let dst: Vec<u32> = (1000..2001).collect();
+    for room in 10..14u64 {
+        t.repoison(&dst);
+        t.ready(room, &dst);
+        // 1,000 pages x 2 buffers: more than a caller plans itself.
+        t.p.enqueue_chunk(room, &src[..1000], false, None).unwrap();
+        t.p.enqueue_chunk(room, &src[1000..], true, None).unwrap();
+        assert_eq!(wait_terminal(&t.p, room), State::Success, "room {room}");
+        assert_eq!(wait_terminal(&t.d, room), State::Success, "room {room}");
+        t.assert_pages(&src, &dst);
+        for e in [&t.p, &t.d] {
+            e.room_clear(room).unwrap();
         }
     }
 }

@@ -126,7 +126,10 @@ pub unsafe extern "C" fn kvxfer_room_set_destination(
 /// Prefill engine only: queues the next chunk of room `room`: `n_pages` source page
 /// indices (may be 0), written to the next unused destination pages in order.
 /// `is_last` closes the room; `aux_slot` (>= 0) names the source aux slot and is allowed
-/// only with `is_last`. Never blocks on the network.
+/// only with `is_last`. Never blocks on the network. Once the room has its
+/// destinations, a small chunk (at most 1,024 pages x KV buffers x destinations) is
+/// planned into frames by the calling thread, which takes microseconds and spares a
+/// worker's wakeup; a larger one is planned by a worker.
 ///
 /// Chunks enqueued before every destination arrived are held and sent, in order, when
 /// it does. The source pages must not change until the room is terminal. A chunk with

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::holding::{Full, Grave};
-use super::{ext, Dest, Job, PRoom, PrefillEngine};
+use super::{ext, Dest, Handed, Job, PRoom, PrefillEngine};
 use crate::control::Peer;
 use crate::engine::lifecycle;
 use crate::proto::Message;
@@ -208,14 +208,21 @@ impl PrefillEngine {
         }
         if p.complete() && lifecycle::ready(self, room) {
             p.ready = true;
-            let mut sent = true;
+            let (mut sent, mut here) = (true, None);
             while let Some(chunk) = p.held.pop_front() {
-                sent &= self.dispatch(Job {
+                let job = Job {
                     room: room.clone(),
                     chunk,
-                });
+                };
+                match self.hand_on(&mut p, job) {
+                    Handed::Queued(ok) => sent &= ok,
+                    Handed::Here(job) => here = Some(job),
+                }
             }
             drop(p);
+            if let Some(job) = here {
+                self.plan_here(job);
+            }
             if !sent {
                 self.fail_undispatched(room);
             }

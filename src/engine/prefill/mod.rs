@@ -11,6 +11,8 @@ mod outbox;
 mod plan;
 mod sender;
 
+use sender::Handed;
+
 use std::collections::{HashMap, VecDeque};
 use std::net::TcpListener;
 use std::sync::atomic::Ordering;
@@ -66,8 +68,14 @@ pub(crate) struct PrefillRoom {
     bound: Option<Box<[u64]>>,
     dests: Vec<Dest>,
     /// The room was made WAITING_FOR_INPUT (every destination arrived and the Ready
-    /// transition was applied): chunks go to the worker from now on, not before.
+    /// transition was applied): chunks are planned from now on, not before.
     ready: bool,
+    /// Chunks handed to the room's worker and not yet planned by it.
+    at_worker: usize,
+    /// A thread is planning one of the room's chunks itself ([`PrefillEngine::hand_on`]);
+    /// chunks that come meanwhile wait in `after_here`, then go to the worker in order.
+    here: bool,
+    after_here: VecDeque<Chunk>,
     /// Chunks enqueued before every destination arrived.
     held: VecDeque<Chunk>,
     /// The last chunk was enqueued.
@@ -93,6 +101,9 @@ impl PrefillRoom {
             bound: bound.map(Vec::into_boxed_slice),
             dests: Vec::new(),
             ready: false,
+            at_worker: 0,
+            here: false,
+            after_here: VecDeque::new(),
             held: VecDeque::new(),
             closed: false,
             chunks: Chunks::default(),
@@ -307,14 +318,19 @@ impl PrefillEngine {
             p.held.push_back(chunk);
             return Ok(());
         }
-        // Dispatched under the lock, so that chunks keep their order with held ones.
-        let sent = self.dispatch(Job {
-            room: room.clone(),
-            chunk,
-        });
+        // Handed on under the lock, so that chunks keep their order with held ones.
+        let handed = self.hand_on(
+            &mut p,
+            Job {
+                room: room.clone(),
+                chunk,
+            },
+        );
         drop(p);
-        if !sent {
-            self.fail_undispatched(&room);
+        match handed {
+            Handed::Queued(true) => {}
+            Handed::Queued(false) => self.fail_undispatched(&room),
+            Handed::Here(job) => self.plan_here(job),
         }
         Ok(())
     }

@@ -1,5 +1,8 @@
-//! The prefill's data path. Workers take the chunks of the rooms hashed to them, in
-//! order, and plan each chunk's data frames for each destination ([`plan`]), in batches
+//! The prefill's data path. A small chunk is planned by the thread that hands it on
+//! (the scheduler's enqueue, or the control reader when the destination makes the room
+//! ready) when nothing of its room waits for a worker; workers take the other chunks of
+//! the rooms hashed to them. Either way a room's chunks are planned in order, each
+//! chunk's data frames for each destination ([`plan`]), in batches
 //! queued in the destination engine's outbox; a sender thread per link of that engine
 //! writes them ([`PrefillEngine::send_loop`]), so one room's frames go out over every
 //! connection (or RDMA queue pair) at once. Whoever ends the last batch of a room's last
@@ -10,7 +13,7 @@ use std::sync::{mpsc, Arc};
 
 use super::outbox::{Batch, Outbox, Ticket};
 use super::plan::{batches, plan, Grouped, Place};
-use super::{ext, Chunk, Job, PRoom, PrefillEngine};
+use super::{ext, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
 use crate::control::Peer;
 use crate::engine::lifecycle;
 use crate::proto::{Message, Target};
@@ -18,28 +21,122 @@ use crate::room::{Cause, FailureReason, Refusal};
 use crate::slice;
 use crate::transport::{DataLink, Sent, Watch};
 
+/// The most runs (source pages x kv buffers sent x destinations) of a chunk that the
+/// thread handing it on plans itself, rather than a worker: a plan this small takes
+/// microseconds, less than waking a worker on the room's critical path (a wakeup is a
+/// switch of core, and on a virtual machine a round trip through the host).
+const PLAN_HERE_RUNS: usize = 1024;
+
+/// What became of a chunk handed on ([`PrefillEngine::hand_on`]).
+pub(super) enum Handed {
+    /// Queued for the room's worker, or after a chunk being planned here (false: the
+    /// engine is shutting down, the caller fails the room).
+    Queued(bool),
+    /// The caller plans it, once it holds no lock of the room ([`PrefillEngine::plan_here`]).
+    Here(Job),
+}
+
 impl PrefillEngine {
+    /// Hands on the next chunk of a ready room, in order (under the room's lock `p`): a
+    /// small chunk when nothing of the room waits for a worker is the caller's to plan
+    /// ([`Handed::Here`]); one that comes while the caller plans waits for it; any other
+    /// goes to the room's worker.
+    pub(super) fn hand_on(&self, p: &mut PrefillRoom, job: Job) -> Handed {
+        if p.here {
+            p.after_here.push_back(job.chunk);
+            return Handed::Queued(true);
+        }
+        if p.at_worker == 0 && self.small(p, &job) {
+            p.here = true;
+            return Handed::Here(job);
+        }
+        let sent = self.dispatch(job);
+        if sent {
+            p.at_worker += 1;
+        }
+        Handed::Queued(sent)
+    }
+
+    /// Whether `job` is small enough to plan here ([`PLAN_HERE_RUNS`]) and not empty,
+    /// with workers running (not stopping) and no test pause point armed in a worker's
+    /// path.
+    fn small(&self, p: &PrefillRoom, job: &Job) -> bool {
+        #[cfg(feature = "test-hooks")]
+        if ["worker.mid_chunk", "worker.before_complete"]
+            .iter()
+            .any(|h| crate::testing::is_armed(h, job.room.id()))
+        {
+            return false;
+        }
+        let buffers = match &job.chunk.buffers {
+            Some(b) => b.iter().filter(|on| **on).count(),
+            None => self
+                .core
+                .node
+                .memory
+                .kv
+                .get()
+                .map_or(0, |m| m.buffers().len()),
+        };
+        // An empty chunk stays with the worker: with nothing to send, its planner
+        // completes the room and writes Done on a data link, which may wait.
+        let runs = job.chunk.pages.len() * buffers * p.dests.len();
+        (1..=PLAN_HERE_RUNS).contains(&runs) && !self.workers.read().is_empty()
+    }
+
+    /// Plans a chunk [`PrefillEngine::hand_on`] gave the caller, then hands the chunks
+    /// that came meanwhile to the room's worker, in order.
+    pub(super) fn plan_here(&self, job: Job) {
+        let room = job.room.clone();
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("prefill.plan_here", room.id());
+        self.plan_job(&job);
+        let mut p = ext(&room).lock();
+        p.here = false;
+        let mut sent = true;
+        while let Some(chunk) = p.after_here.pop_front() {
+            let ok = self.dispatch(Job {
+                room: room.clone(),
+                chunk,
+            });
+            if ok {
+                p.at_worker += 1;
+            }
+            sent &= ok;
+        }
+        drop(p);
+        if !sent {
+            self.fail_undispatched(&room);
+        }
+    }
+
     /// A worker thread: plans chunks in order until the engine stops.
     pub(super) fn worker(&self, _index: usize, jobs: mpsc::Receiver<Job>) {
         for job in jobs {
-            let room = job.room.clone();
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.plan_chunk(&job.room, &job.chunk)
-            }));
-            let failure = match r {
-                Ok(Ok(())) => None,
-                Ok(Err(reason)) => Some(reason),
-                Err(_) => Some(FailureReason::local(
-                    Cause::Internal,
-                    format!(
-                        "internal error (panic) while planning a chunk of room {}",
-                        room.id()
-                    ),
-                )),
-            };
-            if let Some(reason) = failure {
-                lifecycle::fail(self, &room, reason, None);
-            }
+            self.plan_job(&job);
+            ext(&job.room).lock().at_worker -= 1;
+        }
+    }
+
+    /// Plans `job`'s chunk; a failure, or a panic, fails its room with the reason.
+    pub(super) fn plan_job(&self, job: &Job) {
+        let room = &job.room;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.plan_chunk(room, &job.chunk)
+        }));
+        let failure = match r {
+            Ok(Ok(())) => None,
+            Ok(Err(reason)) => Some(reason),
+            Err(_) => Some(FailureReason::local(
+                Cause::Internal,
+                format!(
+                    "internal error (panic) while planning a chunk of room {}",
+                    room.id()
+                ),
+            )),
+        };
+        if let Some(reason) = failure {
+            lifecycle::fail(self, room, reason, None);
         }
     }
 
