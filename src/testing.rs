@@ -30,6 +30,10 @@
 //!   and its prefill engines looked up (their connections may be under way), and it is
 //!   not yet attached to them.
 //!
+//! - `"accept.data_answered"` (src/control/accept.rs), keyed by the port of the
+//!   prefill engine's own address: the prefill engine has answered a decode engine's
+//!   data connection (its Hello is written) and its accepting thread has not returned.
+//!
 //! Faults are one-shot, per room: a test injects one ([`inject_fault`]) and the engine
 //! takes it at the named place. Faults in the engine:
 //! - `"rdma.bad_rkey"` (src/transport/rdma/link.rs): the next RDMA WRITE of the room
@@ -164,6 +168,15 @@ pub(crate) fn is_armed(name: &str, room: u64) -> bool {
     }
     let points = POINTS.lock();
     find(&points, name, room).is_some_and(|i| points[i].phase == Phase::Armed)
+}
+
+/// The port of `host:port`, the key of the points and faults aimed at an engine rather
+/// than a room (0 if there is none).
+pub(crate) fn port_key(addr: &str) -> u64 {
+    addr.rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Engine side: parks here if the test armed `name` for `room`.

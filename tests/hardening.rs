@@ -326,6 +326,37 @@ fn a_panic_in_the_connector_loses_its_peer_and_the_next_room_reconnects() {
     assert_eq!(state, State::Success, "{why}");
 }
 
+/// A decode engine is ready, and sends its destinations, once the prefill engine has
+/// answered its last data connection. The prefill engine used to register that
+/// connection's link only after answering, so a chunk enqueued as soon as the room was
+/// ready found no link and failed the room ("no data connection", seen in CI under
+/// load). Held open: the accepting thread parked right after its answer.
+#[test]
+fn a_chunk_enqueued_as_soon_as_the_room_is_ready_finds_the_new_engine_s_data_link() {
+    const POINT: &str = "accept.data_answered";
+    let t = pair().config(&[("connections_per_peer", "1")]).build();
+    let key = port(t.p.address());
+    testing::pause_at(POINT, key);
+    let room = 67;
+    t.open(room, &[10, 11, 12, 13]);
+    let parked = testing::wait_paused(POINT, key, PARK);
+    let state = if parked {
+        wait_state(&t.p, room, State::WaitingForInput);
+        t.p.enqueue_chunk(room, &[0, 1, 2, 3], true, None).unwrap();
+        terminal_within(&t.d, room, Duration::from_secs(5))
+    } else {
+        State::Failed
+    };
+    testing::release(POINT, key);
+    assert!(
+        parked,
+        "the accepting thread never answered the data connection"
+    );
+    let why = t.p.room_failure(room).map(|f| f.to_string());
+    assert_eq!(state, State::Success, "{why:?}");
+    t.assert_pages(&[0, 1, 2, 3], &[10, 11, 12, 13]);
+}
+
 /// F6. A thread that cannot be started (here the decode side's control reader) loses
 /// its peer with the reason, instead of leaving it connected with nobody reading its
 /// control messages; the next room connects afresh. (A fake prefill engine: the fault

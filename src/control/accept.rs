@@ -140,21 +140,25 @@ impl Control {
                     ));
                 }
                 peer.track(s.tcp());
-                self.write_msg(&mut s, &self.hello(ConnKind::Data, index))?;
                 let w = s.tcp().try_clone().map_err(|e| e.to_string())?;
                 let stall = node.peer_deadline();
                 let link: Arc<dyn DataLink> = match admitted.secret.filter(|_| self.encrypts_data())
                 {
-                    Some(secret) => Arc::new(
-                        SealedConn::new(w, stall, &secret).map_err(|e| e.to_string())?,
-                    ),
+                    Some(secret) => {
+                        Arc::new(SealedConn::new(w, stall, &secret).map_err(|e| e.to_string())?)
+                    }
                     None if self.encrypts_data() => {
                         return Err(format!(
-                            "data connection {index} from {key}: encrypt_data=true but it proved                              no secret"
-                        ))
+                        "data connection {index} from {key}: encrypt_data=true but it proved no \
+                             secret"
+                    ))
                     }
                     None => Arc::new(SendConn::data(w, stall).map_err(|e| e.to_string())?),
                 };
+                // The link is up before our Hello answers the decode engine: once it has
+                // every answer it is ready and sends destinations, and a chunk planned
+                // for one of them must find the link (nothing goes out on it before a
+                // destination, so the answer still comes first on the wire).
                 peer.data.write().push(link.clone());
                 if peer.is_lost() {
                     peer.data.write().clear();
@@ -163,6 +167,12 @@ impl Control {
                 if let Some(events) = self.events() {
                     events.link_up(&peer, link);
                 }
+                self.write_msg(&mut s, &self.hello(ConnKind::Data, index))?;
+                #[cfg(feature = "test-hooks")]
+                crate::testing::pause_point(
+                    "accept.data_answered",
+                    crate::testing::port_key(&node.address),
+                );
                 Ok(())
             }
         }

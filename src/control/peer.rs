@@ -158,11 +158,7 @@ impl Peer {
     /// Test faults aimed at one peer are keyed by the port of its address (decode side).
     #[cfg(feature = "test-hooks")]
     pub fn fault_key(&self) -> u64 {
-        self.key
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0)
+        crate::testing::port_key(&self.key)
     }
 
     /// Queues a control message for the writer thread. Never blocks; a lost peer drops it.
