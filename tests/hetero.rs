@@ -335,6 +335,16 @@ fn a_narrower_prefill_feeds_several_decode_ranks_from_each_page() {
     transfer(GQA8, side(1, 16, Order::Nhd), side(2, 16, Order::Nhd));
 }
 
+/// At equal TP sizes each decode rank's room names every prefill rank: the one whose
+/// layout equals its own copies whole pages, the others send it nothing. (The check that
+/// each head comes from exactly one engine refused that as two writers of one buffer.)
+#[test]
+fn at_equal_tp_sizes_each_rank_copies_whole_pages_from_its_twin() {
+    transfer(GQA8, side(2, 16, Order::Hnd), side(2, 16, Order::Hnd));
+    transfer(GQA2, side(4, 16, Order::Nhd), side(4, 16, Order::Nhd));
+    transfer(MLA, side(2, 16, Order::Nhd), side(2, 16, Order::Nhd));
+}
+
 #[test]
 fn the_latent_reaches_each_decode_rank_once() {
     transfer(MLA, side(4, 16, Order::Nhd), side(2, 16, Order::Nhd));
@@ -404,7 +414,8 @@ fn a_prefill_rank_lost_mid_room_fails_every_decode_room() {
     drop(t.prefills.remove(1));
     for (e, _) in &t.decodes {
         assert_eq!(wait_terminal(e, 3), State::Failed);
-        assert_eq!(e.room_failure(3).unwrap().cause, Cause::PeerLost);
+        let why = e.room_failure(3).unwrap();
+        assert_eq!(why.cause, Cause::PeerLost, "{why}");
     }
 }
 

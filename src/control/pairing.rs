@@ -211,15 +211,21 @@ pub(crate) fn check_coverage(
     peers: &[Delivery<'_>],
 ) -> Result<(), String> {
     for j in 0..n_decode as u32 {
-        let from: Vec<Option<Range<u32>>> = peers
+        let paired: Vec<Option<Range<u32>>> = peers
             .iter()
             .flat_map(|p| p.map.iter().filter(|&&x| x == j).map(|_| p.heads.clone()))
             .collect();
-        if from.is_empty() {
+        if paired.is_empty() {
             return Err(format!(
                 "decode kv buffer {j} is delivered by none of the room's prefill engines"
             ));
         }
+        // A prefill rank that holds none of this rank's heads sends nothing into it (at
+        // equal TP sizes, every rank but the one whose layout equals ours).
+        let from: Vec<Option<Range<u32>>> = paired
+            .into_iter()
+            .filter(|h| h.as_ref().is_none_or(|h| !h.is_empty()))
+            .collect();
         if from.len() > 1 && from.iter().any(Option::is_none) {
             return Err(format!(
                 "decode kv buffer {j} would be written by {} prefill engines; pipeline stages \
@@ -231,11 +237,7 @@ pub(crate) fn check_coverage(
             continue; // whole pages, from one engine
         }
         // Head slices: they must tile the decode engine's heads.
-        let mut slices: Vec<Range<u32>> = from
-            .into_iter()
-            .flatten()
-            .filter(|h| !h.is_empty())
-            .collect();
+        let mut slices: Vec<Range<u32>> = from.into_iter().flatten().collect();
         slices.sort_by_key(|h| h.start);
         let none = |a: u32, b: u32| {
             format!(
@@ -330,6 +332,9 @@ mod tests {
         assert!(e.contains("heads 4..8 are sent by none"), "{e}");
         let e = check_coverage(2, 4..8, &[s(4..6), s(5..8)]).unwrap_err();
         assert!(e.contains("head 5 would be written by two"), "{e}");
+        // At equal TP sizes: the rank whose layout equals ours copies whole pages, the
+        // others hold none of our heads and send nothing.
+        check_coverage(2, 4..8, &[s(0..0), Delivery { map, heads: None }, s(0..0)]).unwrap();
         // A byte copy of whole pages and a head slice of the same buffer.
         let e = check_coverage(2, 4..8, &[s(4..6), Delivery { map, heads: None }]).unwrap_err();
         assert!(e.contains("written by 2"), "{e}");
