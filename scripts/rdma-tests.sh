@@ -37,11 +37,24 @@ if ! grep -q PORT_ACTIVE <<<"\$(ibv_devinfo -d "\${RXE_DEV:-rxe0}" 2>/dev/null)"
   echo "rdma-tests: device \${RXE_DEV:-rxe0} is not up in the guest"; exit 3
 fi
 echo "rdma-tests: \${RXE_DEV:-rxe0} is up"
+# A binary that dies on a signal leaves a core here, and its backtrace is printed.
+rm -f "$OUT"/core.*
+ulimit -c unlimited
+echo "$OUT/core.%p" > /proc/sys/kernel/core_pattern 2>/dev/null || echo "rdma-tests: no core dumps"
 rc=0
 for b in $(echo $bins); do
   echo "rdma-tests: == \$(basename \$b)"
   "\$b" --test-threads=1 > "$OUT/\$(basename \$b).log" 2>&1; r=\$?
   grep -E '^test result|FAILED|panicked' "$OUT/\$(basename \$b).log" | head -40
+  if [ \$r -gt 128 ]; then
+    echo "rdma-tests: \$(basename \$b) died on signal \$((r - 128)); the last tests it began:"
+    grep -E '^test ' "$OUT/\$(basename \$b).log" | tail -n 3
+    for c in "$OUT"/core.*; do
+      [ -f "\$c" ] || continue
+      gdb -q -batch -ex "thread apply all bt 25" "\$b" "\$c" 2>&1 | grep -E '^(Thread|#|Program terminated)' | head -150
+      rm -f "\$c"
+    done
+  fi
   [ \$r = 0 ] || rc=1
   # A binary that ran no test passes nothing.
   grep -qE '^test result: ok\. [1-9]' "$OUT/\$(basename \$b).log" || { echo "rdma-tests: \$(basename \$b) ran no test"; rc=1; }
