@@ -49,6 +49,9 @@ for b in $(echo $bins); do
   if [ \$r -gt 128 ]; then
     echo "rdma-tests: \$(basename \$b) died on signal \$((r - 128)); the last tests it began:"
     grep -E '^test ' "$OUT/\$(basename \$b).log" | tail -n 3
+    # The guest console is quiet (loglevel=3): a kernel (rxe) warning is only in dmesg.
+    echo "rdma-tests: the guest kernel's last messages:"
+    dmesg 2>/dev/null | tail -n 30
     for c in "$OUT"/core.*; do
       [ -f "\$c" ] || continue
       gdb -q -batch -ex "thread apply all bt 25" "\$b" "\$c" 2>&1 | grep -E '^(Thread|#|Program terminated)' | head -150
