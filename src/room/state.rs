@@ -7,9 +7,11 @@
 //! never left because `transition` refuses every event on one.
 //!
 //! The word's atomic byte is a type parameter ([`AtomicByte`], `std`'s [`AtomicU8`] by
-//! default) so that the model checker in `tests/loom_room.rs` runs this very `apply`
+//! default) so that the model checker in `loom/tests/loom_room.rs` runs this very `apply`
 //! over loom's atomics. (A `cfg(loom)` switch inside the library cannot do that: loom is
 //! a dev-dependency, which the library is not compiled against for integration tests.)
+//! That checker's crate compiles this file alone (`#[path]`), so the file uses nothing
+//! of the library but `std`.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU8, Ordering};

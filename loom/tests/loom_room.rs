@@ -8,7 +8,8 @@
 //! checks could not tell the two apart and would prove nothing.
 //!
 //! Run with `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release
-//! --test loom_room -- --nocapture` (`make -f Makefile.verify loom`).
+//! -p kvxfer-loom --test loom_room -- --nocapture` (`make loom`). The crate `kvxfer-loom`
+//! compiles the library's `src/room/state.rs` and nothing else of it.
 //!
 //! The threads (DESIGN.md section 2, prefill side), all on one room:
 //! - scheduler: abort, then clear (fail if live, then remove from the table);
@@ -31,7 +32,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex as StdMutex;
 use std::time::Instant;
 
-use kvxfer::room::state::{AtomicByte, Event, Refusal, State, StateWord};
+use kvxfer_loom::state::{AtomicByte, Event, Refusal, State, StateWord};
 use loom::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize as LoomUsize};
 use loom::sync::Arc;
 use loom::thread;
