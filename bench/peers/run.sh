@@ -63,12 +63,23 @@ elif ! err=$("$VENV/bin/python" -c 'import os, nixl_cu12; os._exit(0)' 2>&1); th
 else
   engines+=,nixl
 fi
+# The Mooncake wheel links libibverbs.so.1 even for TCP; Debian's libibverbs1 has it.
+mooncake_import() { "$VENV/bin/python" -c 'import os; from mooncake.engine import TransferEngine; os._exit(0)' 2>&1; }
 if ! pip "$MOONCAKE_REQ"; then
   skipped+=("mooncake=pip could not install $MOONCAKE_REQ")
-elif ! err=$("$VENV/bin/python" -c 'import os; from mooncake.engine import TransferEngine; os._exit(0)' 2>&1); then
-  skipped+=("mooncake=import mooncake.engine failed: $(echo "$err" | tail -n 1)")
 else
-  engines+=,mooncake
+  err=$(mooncake_import)
+  rc=$?
+  if [ $rc -ne 0 ] && [[ $err == *libibverbs.so.1* ]] && command -v dpkg >/dev/null \
+    && scripts/apt-install.sh libibverbs1; then
+    err=$(mooncake_import)
+    rc=$?
+  fi
+  if [ $rc -ne 0 ]; then
+    skipped+=("mooncake=import mooncake.engine failed: $(echo "$err" | tail -n 1)")
+  else
+    engines+=,mooncake
+  fi
 fi
 
 mkdir -p "$OUT"
