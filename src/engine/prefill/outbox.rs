@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use super::plan::Planned;
 use super::PRoom;
@@ -55,51 +55,131 @@ pub(crate) struct Batch {
     pub last: bool,
 }
 
-#[derive(Default)]
-struct Queue {
-    batches: VecDeque<Batch>,
+struct Queue<T> {
+    items: VecDeque<T>,
     closed: bool,
 }
 
-/// The outbox of one decode engine.
-#[derive(Default)]
-pub(crate) struct Outbox {
-    queue: Mutex<Queue>,
+/// The outbox of one decode engine: its batches, taken by the sender threads of its
+/// links. (Generic only so that its tests need no room.)
+///
+/// A std `Condvar` on purpose: on Linux its `notify_all` wakes every waiting sender in
+/// one futex call. A planner that woke the senders one call at a time lost its core to
+/// the first one woken (a wakeup preempts the waker), so the other senders slept until
+/// the first had written its batch: on two cores, one room's halves went out one after
+/// the other, and its senders and receivers piled onto one core.
+pub(crate) struct Outbox<T = Batch> {
+    queue: Mutex<Queue<T>>,
     ready: Condvar,
 }
 
-impl Outbox {
-    /// Queues `batch`; false (and the batch back) once the outbox is closed.
-    pub fn push(&self, batch: Batch) -> Result<(), Batch> {
-        let mut q = self.queue.lock();
-        if q.closed {
-            return Err(batch);
+impl<T> Default for Outbox<T> {
+    fn default() -> Self {
+        Outbox {
+            queue: Mutex::new(Queue {
+                items: VecDeque::new(),
+                closed: false,
+            }),
+            ready: Condvar::new(),
         }
-        q.batches.push_back(batch);
-        self.ready.notify_one();
-        Ok(())
+    }
+}
+
+impl<T> Outbox<T> {
+    /// The queue. No code panics while holding it, so a poisoned lock is taken as is.
+    fn queue(&self) -> MutexGuard<'_, Queue<T>> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues `batches` in order (one chunk's for this destination), then wakes the
+    /// senders in one call: as many as there are batches, all when several. Once the
+    /// outbox is closed nothing is queued and `batches` come back.
+    pub fn push_all(&self, batches: Vec<T>) -> Vec<T> {
+        let n = batches.len();
+        {
+            let mut q = self.queue();
+            if q.closed {
+                return batches;
+            }
+            q.items.extend(batches);
+        }
+        match n {
+            0 => {}
+            1 => self.ready.notify_one(),
+            _ => self.ready.notify_all(),
+        }
+        Vec::new()
     }
 
     /// The next batch, waiting for one; `None` once closed.
-    pub fn pop(&self) -> Option<Batch> {
-        let mut q = self.queue.lock();
+    pub fn pop(&self) -> Option<T> {
+        let mut q = self.queue();
         loop {
             if q.closed {
                 return None;
             }
-            if let Some(b) = q.batches.pop_front() {
+            if let Some(b) = q.items.pop_front() {
                 return Some(b);
             }
-            self.ready.wait(&mut q);
+            q = self.ready.wait(q).unwrap_or_else(PoisonError::into_inner);
         }
     }
 
     /// No more batches: the senders end; what was queued is returned (its rooms are
     /// failed by whoever closed the outbox).
-    pub fn close(&self) -> Vec<Batch> {
-        let mut q = self.queue.lock();
+    pub fn close(&self) -> Vec<T> {
+        let mut q = self.queue();
         q.closed = true;
         self.ready.notify_all();
-        q.batches.drain(..).collect()
+        q.items.drain(..).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::thread;
+    use std::time::Duration;
+
+    /// Two senders asleep on an empty outbox and one chunk of two batches: both wake
+    /// from the one push, and each takes a batch (each takes one and leaves). Had the
+    /// push woken only one, the other would sleep on with the second batch queued.
+    #[test]
+    fn one_push_of_several_batches_wakes_every_sleeping_sender() {
+        let outbox = Arc::new(Outbox::<u32>::default());
+        let (tx, rx) = mpsc::channel();
+        let senders: Vec<_> = (0..2)
+            .map(|_| {
+                let (outbox, tx) = (outbox.clone(), tx.clone());
+                thread::spawn(move || tx.send(outbox.pop()).unwrap())
+            })
+            .collect();
+        // Both senders are asleep in pop() once the queue's lock is free and nobody
+        // has taken anything; give them the time to get there.
+        thread::sleep(Duration::from_millis(50));
+        assert!(outbox.push_all(vec![1, 2]).is_empty());
+        let mut got: Vec<_> = (0..2)
+            .map(|_| {
+                rx.recv_timeout(Duration::from_secs(10))
+                    .expect("a sender slept on")
+            })
+            .collect();
+        got.sort();
+        assert_eq!(got, vec![Some(1), Some(2)]);
+        for s in senders {
+            s.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn batches_keep_their_order_and_come_back_once_closed() {
+        let outbox = Outbox::<u32>::default();
+        assert!(outbox.push_all(vec![1, 2]).is_empty());
+        assert!(outbox.push_all(vec![3]).is_empty());
+        assert_eq!(outbox.pop(), Some(1));
+        assert_eq!(outbox.close(), vec![2, 3]);
+        assert_eq!(outbox.pop(), None);
+        assert_eq!(outbox.push_all(vec![4, 5]), vec![4, 5]);
     }
 }

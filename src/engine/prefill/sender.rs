@@ -275,19 +275,21 @@ impl PrefillEngine {
         }
         for (outbox, peer, batches) in queued {
             let n = batches.len();
-            for (i, (frames, bytes)) in batches.into_iter().enumerate() {
-                let batch = Batch {
+            let batches = batches
+                .into_iter()
+                .enumerate()
+                .map(|(i, (frames, bytes))| Batch {
                     room: room.clone(),
                     peer: peer.clone(),
                     frames,
                     bytes,
                     chunk: ticket.clone(),
                     last: chunk.is_last && i + 1 == n,
-                };
-                if let Err(batch) = outbox.push(batch) {
-                    // The engine was lost meanwhile (its loss fails the room).
-                    self.batch_ended(&batch, false, None);
-                }
+                })
+                .collect();
+            for batch in outbox.push_all(batches) {
+                // The engine was lost meanwhile (its loss fails the room).
+                self.batch_ended(&batch, false, None);
             }
         }
         if chunk.is_last {
