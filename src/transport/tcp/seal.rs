@@ -124,6 +124,7 @@ impl SealedConn {
     /// makes no progress for `stall` fails.
     pub fn new(stream: TcpStream, stall: Duration, secret: &SessionSecret) -> io::Result<Self> {
         stream.set_write_timeout(Some(stall))?;
+        super::limit_unsent(&stream);
         Ok(SealedConn {
             inner: Mutex::new(Sending {
                 stream,

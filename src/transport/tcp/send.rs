@@ -56,8 +56,10 @@ impl SendConn {
 
     /// Wraps a connected data stream: a write that makes no progress for `stall` fails,
     /// and a blocked write looks at its room every few milliseconds ([`Watch`]).
+    /// Little of it waits in the socket unsent ([`super::NOTSENT_LOWAT`]).
     pub fn data(stream: TcpStream, stall: Duration) -> io::Result<Self> {
         stream.set_write_timeout(Some(TICK.min(stall)))?;
+        super::limit_unsent(&stream);
         Ok(SendConn {
             fd: stream.as_raw_fd(),
             stream: Mutex::new(stream),
@@ -401,6 +403,32 @@ mod tests {
             at = head.end;
         }
         assert_eq!(at, heads.len());
+    }
+
+    /// A data connection keeps at most `NOTSENT_LOWAT` bytes unsent in its socket: with
+    /// the kernel's default a 4 MiB send buffer of them can wait there.
+    #[test]
+    fn a_data_connection_limits_what_waits_unsent() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let _r = l.accept().unwrap();
+        let fd = w.as_raw_fd();
+        let conn = SendConn::data(w, Duration::from_secs(10)).unwrap();
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: the socket is open (held by `conn`); getsockopt writes one c_int.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_NOTSENT_LOWAT,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0);
+        assert_eq!(v as usize, super::super::NOTSENT_LOWAT);
+        drop(conn);
     }
 
     /// A room's last batch may wait in the socket for its Done (`MSG_MORE`); `flush`
