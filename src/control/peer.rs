@@ -434,17 +434,14 @@ mod tests {
         let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (theirs, _) = l.accept().unwrap();
         let small: libc::c_int = 4096;
-        // SAFETY: a valid socket and a c_int option.
-        unsafe {
-            use std::os::fd::AsRawFd;
-            libc::setsockopt(
-                ours.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_SNDBUF,
-                (&small as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
+        use std::os::fd::AsRawFd;
+        crate::transport::tcp::set_int_option(
+            ours.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            small,
+        )
+        .unwrap();
         let conn = SendConn::with_stall(ours, Duration::from_secs(5)).unwrap();
         (Arc::new(conn), theirs)
     }

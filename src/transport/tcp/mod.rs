@@ -8,6 +8,7 @@ pub mod send;
 
 use std::io::{self, Read};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::RawFd;
 use std::time::Duration;
 
 pub use send::SendConn;
@@ -34,16 +35,57 @@ pub const NOTSENT_LOWAT: usize = 1 << 20;
 /// option (before 3.12) keeps its default, which only costs speed.
 pub fn limit_unsent(s: &TcpStream) {
     use std::os::fd::AsRawFd;
-    let v = NOTSENT_LOWAT as libc::c_int;
-    // SAFETY: the socket is open while `s` lives; the option is a c_int.
-    unsafe {
+    let _ = set_int_option(
+        s.as_raw_fd(),
+        libc::IPPROTO_TCP,
+        libc::TCP_NOTSENT_LOWAT,
+        NOTSENT_LOWAT as libc::c_int,
+    );
+}
+
+/// Sets the integer socket option `level`/`name` of `fd` to `value` (`setsockopt`).
+pub fn set_int_option(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: setsockopt reads one c_int through a pointer to a live local of that size;
+    // whatever `fd` is, the kernel checks it (a bad one is an error).
+    let r = unsafe {
         libc::setsockopt(
-            s.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NOTSENT_LOWAT,
-            (&v as *const libc::c_int).cast(),
+            fd,
+            level,
+            name,
+            (&value as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        );
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The integer socket option `level`/`name` of `fd` (`getsockopt`).
+pub fn int_option(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `v`, a live local of that size.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            level,
+            name,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 {
+        Ok(v)
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 

@@ -96,17 +96,8 @@ impl DataStream {
             return;
         }
         let v = libc::c_int::try_from(n).unwrap_or(libc::c_int::MAX);
-        // SAFETY: the socket is open while `self` lives; the option is a c_int.
-        let r = unsafe {
-            libc::setsockopt(
-                self.sock.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVLOWAT,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if r == 0 {
+        let fd = self.sock.as_raw_fd();
+        if super::set_int_option(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, v).is_ok() {
             self.lowat = n;
         }
     }

@@ -94,17 +94,8 @@ impl SendConn {
     /// Sends what a write with `more` left waiting in the socket: setting `TCP_NODELAY`
     /// pushes the pending frames (Linux), and the data connections have it set anyway.
     pub fn flush(&self) {
-        let on: libc::c_int = 1;
-        // SAFETY: the socket stays open while `self` lives; the option is a c_int.
-        unsafe {
-            libc::setsockopt(
-                self.fd,
-                libc::IPPROTO_TCP,
-                libc::TCP_NODELAY,
-                (&on as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
+        // The socket stays open while `self` lives.
+        let _ = super::set_int_option(self.fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1);
     }
 
     /// Writes as much of `frame` as the socket takes now, without waiting for the
@@ -414,20 +405,8 @@ mod tests {
         let _r = l.accept().unwrap();
         let fd = w.as_raw_fd();
         let conn = SendConn::data(w, Duration::from_secs(10)).unwrap();
-        let mut v: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: the socket is open (held by `conn`); getsockopt writes one c_int.
-        let rc = unsafe {
-            libc::getsockopt(
-                fd,
-                libc::IPPROTO_TCP,
-                libc::TCP_NOTSENT_LOWAT,
-                (&mut v as *mut libc::c_int).cast(),
-                &mut len,
-            )
-        };
-        assert_eq!(rc, 0);
-        assert_eq!(v as usize, super::super::NOTSENT_LOWAT);
+        let v = super::super::int_option(fd, libc::IPPROTO_TCP, libc::TCP_NOTSENT_LOWAT);
+        assert_eq!(v.unwrap() as usize, super::super::NOTSENT_LOWAT);
         drop(conn);
     }
 
