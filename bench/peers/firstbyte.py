@@ -6,11 +6,12 @@ reads the whole timeline off the kernel.
 
 It runs the peers.py libkvxfer command (--concurrency 1) without baselines and records,
 system-wide but only during the kvxfer phase, with CLOCK_MONOTONIC timestamps: the decode
-engine's control writer's sendmsg (the room's destination; with one request in flight
-the next one's goes out only after the room before it succeeded), sched:sched_wakeup (the
-prefill scheduler or control reader waking the worker that takes the room's chunk), the
-sender's sys_enter_sendmsg and the decode receivers' sys_exit_recvfrom and sys_exit_readv
-(with how much each read returned). Run as root (run.sh --firstbyte).
+engine's send of the room's destination (its control writer's sendmsg, or the scheduler's
+own sendto on an idle connection; with one request in flight the next one's goes out only
+after the room before it succeeded), sched:sched_wakeup (the prefill scheduler or control
+reader waking the worker or link sender that takes the room's chunk), the sender's
+sys_enter_sendmsg and the decode receivers' sys_exit_recvfrom and sys_exit_readv (with how
+much each read returned). Run as root (run.sh --firstbyte).
 """
 
 import argparse
@@ -26,7 +27,8 @@ import time
 
 import peers
 
-EVENTS = "sched:sched_wakeup,syscalls:sys_enter_sendmsg,syscalls:sys_exit_recvfrom,syscalls:sys_exit_readv"
+EVENTS = ("sched:sched_wakeup,syscalls:sys_enter_sendmsg,syscalls:sys_enter_sendto,"
+          "syscalls:sys_exit_recvfrom,syscalls:sys_exit_readv")
 LINE = re.compile(r"^\s*(\S.*?)\s+(\d+)/(\d+)\s+(\d+\.\d+):\s+(\S+):\s*(.*)$")
 
 
@@ -102,9 +104,10 @@ def record(a, b, rooms, tag):
 def timeline(decode_pid, prefill_pid, script, room_bytes, comms):
     """Per room, seconds: the decode engine sending its destination (a sendmsg of its
     control writer; with one request in flight the next room's goes out only after the
-    last one succeeded), the wakeup of the prefill worker that takes its chunk (by the
-    prefill scheduler's enqueue, or by the control reader when the destination came after
-    it; none if the worker was still running), the worker's first sendmsg, the decode
+    last one succeeded; the control writer's sendmsg, or the decode scheduler's own send
+    when the connection was idle), the wakeup of the prefill thread that takes its chunk (a
+    worker, or a link's sender when the chunk was planned by the prefill scheduler's enqueue
+    or by the control reader; none if it was still running), its first sendmsg, the decode
     receivers' first and last read. A stretch with under half a room of bytes (a
     heartbeat's sendmsg) is folded into the room before it."""
     segs = []
@@ -116,13 +119,17 @@ def timeline(decode_pid, prefill_pid, script, room_bytes, comms):
         comm, pid, tid = m.group(1), int(m.group(2)), int(m.group(3))
         t, ev, rest = float(m.group(4)), m.group(5), m.group(6)
         comm = comms.get(tid, comm)
-        if ev.startswith("syscalls:sys_enter_sendmsg") and pid == decode_pid and comm.startswith("kvxfer-ctrl-tx"):
+        # The destination: written by the control writer, or directly by the thread that
+        # queued it when the connection was idle (a send from the decode scheduler).
+        if (ev.startswith(("syscalls:sys_enter_sendmsg", "syscalls:sys_enter_sendto")) and pid == decode_pid
+                and comm.startswith(("kvxfer-ctrl-tx", "kvxfer-bench"))):
             cur = {"dest": t, "woken": None, "by": "(running)", "send": None, "recv0": None, "recv1": None, "bytes": 0}
             segs.append(cur)
         elif cur is None:
             continue
         elif ev.startswith("sched:sched_wakeup"):
-            if (pid == prefill_pid and "comm=kvxfer-worker" in rest and cur["woken"] is None
+            if (pid == prefill_pid and ("comm=kvxfer-worker" in rest or "comm=kvxfer-send" in rest)
+                    and cur["woken"] is None
                     and cur["send"] is None and comm.startswith(("kvxfer-bench", "kvxfer-ctrl-rx"))):
                 cur["woken"], cur["by"] = t, comm
         elif ev.startswith("syscalls:sys_enter_sendmsg"):
