@@ -167,7 +167,7 @@ def main():
     ap.add_argument("--log-dir", default="build/bench-peers/firstbyte")
     a = ap.parse_args()
     os.makedirs(a.log_dir, exist_ok=True)
-    print("| pages | rooms traced | destination sent -> first sendmsg (of which worker woken ->) "
+    print("| pages | rooms traced | destination sent -> first sendmsg (of which sender woken ->) "
           "| first sendmsg -> first byte read | first -> last byte read | last byte read -> next destination sent "
           "| period | idle share |")
     print("|---|---|---|---|---|---|---|---|")
@@ -189,7 +189,7 @@ def main():
         idle = (us(d2s) + us(s2r) + us(gap)) / us(period)
         print(f"| {peers.size_name(b)} | {len(tl)} of {rooms} | {us(d2s):.0f} us ({us(woken):.0f}) | {us(s2r):.0f} us | "
               f"{us(data):.0f} us | {us(gap):.0f} us | {us(period):.0f} us | {idle:.1%} |", flush=True)
-        print(f"(rooms handed to a worker by: {wakers})", flush=True)
+        print(f"(rooms handed to a sender or worker by: {wakers})", flush=True)
 
 
 if __name__ == "__main__":
