@@ -14,7 +14,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::sys::{Pages, Region, Usage};
+use crate::sys::{HostBusy, HostMark, Pages, Region, Usage};
 
 /// One memcpy call, and the default write and read size of the TCP baseline.
 pub const IO: usize = 4 << 20;
@@ -26,6 +26,8 @@ pub struct Measured {
     pub secs: f64,
     /// This process's CPU and switches during the phase.
     pub usage: Usage,
+    /// The host's CPUs during the phase (the other process and the kernel's threads too).
+    pub host: HostBusy,
 }
 
 impl Measured {
@@ -57,7 +59,7 @@ pub fn memcpy(bytes: u64, secs: f64, pages: Pages) -> Measured {
     for (i, x) in s.iter_mut().enumerate().step_by(64) {
         *x = i as u8;
     }
-    let u0 = Usage::now();
+    let (u0, h0) = (Usage::now(), HostMark::now());
     let t = Instant::now();
     let mut done = 0u64;
     let mut off = 0;
@@ -84,6 +86,7 @@ pub fn memcpy(bytes: u64, secs: f64, pages: Pages) -> Measured {
         bytes: done,
         secs: t.elapsed().as_secs_f64(),
         usage: Usage::now().since(u0),
+        host: h0.since(),
     }
 }
 
@@ -100,7 +103,7 @@ pub fn tcp_receive(
 ) -> Result<Measured, String> {
     let bufs: Vec<Region> = (0..conns).map(|_| buf.region()).collect();
     wait_ready()?;
-    let u0 = Usage::now();
+    let (u0, h0) = (Usage::now(), HostMark::now());
     let t = Instant::now();
     let mut streams = Vec::new();
     for _ in 0..conns {
@@ -142,6 +145,7 @@ pub fn tcp_receive(
         bytes,
         secs: t.elapsed().as_secs_f64(),
         usage: Usage::now().since(u0),
+        host: h0.since(),
     })
 }
 
@@ -168,7 +172,7 @@ pub fn tcp_send(
         })
         .collect();
     ready()?;
-    let u0 = Usage::now();
+    let (u0, h0) = (Usage::now(), HostMark::now());
     let t = Instant::now();
     listener.set_nonblocking(false).map_err(|e| e.to_string())?;
     let mut writers = Vec::new();
@@ -217,5 +221,6 @@ pub fn tcp_send(
         bytes: sent,
         secs: t.elapsed().as_secs_f64(),
         usage: Usage::now().since(u0),
+        host: h0.since(),
     })
 }

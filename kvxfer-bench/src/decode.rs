@@ -15,7 +15,7 @@ use crate::args::{Auth, Feed, Params, Side, VerifyPriority};
 use crate::baseline::{self, Measured};
 use crate::ctl::{room_id, room_plan, AbortAt, Ctl, Outcome, PrefillRoom, ToDecode, ToPrefill};
 use crate::pool::Pool;
-use crate::sys::{mono_ns, Usage};
+use crate::sys::{mono_ns, HostBusy, HostMark, Usage};
 use crate::{make_engine, prefill};
 
 /// Everything one run measured.
@@ -85,6 +85,9 @@ pub struct KvResult {
     /// Bytes whose every word was checked (all of `bytes` with --verify full).
     pub bytes_checked: u64,
     pub secs: f64,
+    /// The host's CPUs while the phase ran (the prefill process and the kernel's threads
+    /// too, when both sides share the host).
+    pub host: HostBusy,
     /// Nanoseconds, successful rooms only: first enqueue (prefill) to decode SUCCESS.
     pub lat_e2e: Vec<u64>,
     /// set_destination to decode SUCCESS.
@@ -176,6 +179,7 @@ impl KvResult {
         self.split_prefill_failed_decode_ok += o.split_prefill_failed_decode_ok;
         self.split_prefill_ok_decode_failed += o.split_prefill_ok_decode_failed;
         self.decode = self.decode + o.decode;
+        self.host = self.host + o.host;
         self.prefill = self.prefill + o.prefill;
         self.verify = self.verify + o.verify;
         self.driver = self.driver + o.driver;
@@ -656,7 +660,7 @@ fn kvxfer_loop<'s>(
         engine: prefill_set,
         feed,
     })?;
-    let (u0, driver0) = (Usage::now(), Usage::thread());
+    let (u0, driver0, h0) = (Usage::now(), Usage::thread(), HostMark::now());
     let t0 = Instant::now();
     let deadline = p.duration.map(|d| t0 + Duration::from_secs_f64(d));
     let mut next_progress = t0 + Duration::from_secs(1);
@@ -906,6 +910,7 @@ fn kvxfer_loop<'s>(
         .duration_since(t0)
         .as_secs_f64();
     out.decode = Usage::now().since(u0);
+    out.host = h0.since();
     out.driver = Usage::thread().since(driver0);
     out.rooms = recs.len() as u64;
     drop(job_tx);

@@ -8,7 +8,7 @@ use serde::Serialize;
 use crate::args::{Auth, Params, Side};
 use crate::baseline::Measured;
 use crate::decode::{KvResult, Report};
-use crate::sys::Usage;
+use crate::sys::{HostBusy, Usage};
 
 /// Nearest-rank percentile of sorted nanoseconds, in milliseconds (NaN when empty).
 pub fn pct_ms(sorted: &[u64], q: f64) -> f64 {
@@ -346,6 +346,11 @@ pub struct Derived {
     /// CPU seconds per wall second, both processes.
     pub kv_cores: f64,
     pub tcp_cores: f64,
+    /// The host's CPUs busy per wall second (every process and the kernel's threads),
+    /// during the kvxfer phases and during the TCP streams; `None` where the host does
+    /// not say.
+    pub host_kv_cores: Option<f64>,
+    pub host_tcp_cores: Option<f64>,
     pub gb: f64,
 }
 
@@ -378,6 +383,8 @@ pub fn derive(r: &Report) -> Derived {
         cpu_ratio: ((tcp_recv.secs() + tcp_send.secs()) / tcp_gb) / (engine_cpu_s(k) / gb),
         kv_cores: (k.decode.secs() + k.prefill.secs()) / k.secs,
         tcp_cores: (tcp_recv.secs() + tcp_send.secs()) / tcp_secs,
+        host_kv_cores: k.host.cores(),
+        host_tcp_cores: r.tcp.iter().map(|m| m.host).sum::<HostBusy>().cores(),
         phase_ratios,
         tcp_gbps: mean(&r.tcp.iter().map(Measured::gbps).collect::<Vec<_>>()),
         memcpy_gbps: mean(&r.memcpy.iter().map(Measured::gbps).collect::<Vec<_>>()),
@@ -453,11 +460,14 @@ struct Json<'a> {
 const FIRST_BYTE_BASIS: &str = "first enqueue (prefill) to the decode side's first poll that \
                                 saw TRANSFERRING (or SUCCESS, when none did)";
 
-/// CPU seconds per wall second, both processes.
+/// CPU seconds per wall second: both processes, and the whole host (the processes, the
+/// kernel's threads, anything else running).
 #[derive(Serialize)]
 struct CoresBusy {
     kvxfer: f64,
     baseline_tcp: f64,
+    host_kvxfer: Option<f64>,
+    host_baseline_tcp: Option<f64>,
 }
 
 /// CPU seconds per GB delivered (the baselines': per GB streamed).
@@ -636,6 +646,8 @@ pub fn json(p: &Params, r: &Report) -> String {
         cores_busy: CoresBusy {
             kvxfer: d.kv_cores,
             baseline_tcp: d.tcp_cores,
+            host_kvxfer: d.host_kv_cores,
+            host_baseline_tcp: d.host_tcp_cores,
         },
         loadavg: [r.loadavg.0, r.loadavg.1],
         pool_pages: r.pool_pages,
@@ -1017,6 +1029,13 @@ pub fn human(p: &Params, r: &Report) -> String {
             d.kv_cores,
             d.tcp_cores
         );
+        if let (Some(kv), Some(tcp)) = (d.host_kv_cores, d.host_tcp_cores) {
+            let _ = writeln!(
+                o,
+                "  this host's CPUs busy (the kernel's threads too: a loopback stream's \
+                 receive work runs in ksoftirqd): kvxfer {kv:.2}, tcp stream {tcp:.2}"
+            );
+        }
     }
     // Per GB, each process: CPU and context switches, every phase on its own line.
     let _ = writeln!(
@@ -1277,9 +1296,16 @@ mod tests {
             bytes: 2_000_000_000,
             secs: 0.5,
             usage: usage(500, 400, 2),
+            host: HostBusy {
+                busy_s: 0.95,
+                wall_s: 0.5,
+            },
         });
         r.tcp_send.push(usage(400, 300, 6));
         let v: serde_json::Value = serde_json::from_str(&json(&p, &r)).unwrap();
+        // The host's busy CPUs: the stream's as read; none read during the phases.
+        assert_eq!(v["cores_busy"]["host_baseline_tcp"], 1.9);
+        assert!(v["cores_busy"]["host_kvxfer"].is_null());
         let ph = &v["phases"];
         assert_eq!(ph[0]["phase"], 1);
         assert_eq!(ph[0]["first_byte_ms"]["p50"], 2.0);

@@ -1,7 +1,7 @@
 //! The few operating-system facilities the benchmark needs beyond std: the system-wide
 //! monotonic clock (comparable between the two processes on one host), CPU time and
-//! context switches of the process and of one thread, and page-aligned memory shared
-//! with an engine, on small or huge pages.
+//! context switches of the process and of one thread, how busy the host's CPUs were,
+//! and page-aligned memory shared with an engine, on small or huge pages.
 //!
 //! Linux only, through the `libc` crate.
 
@@ -107,6 +107,93 @@ impl std::iter::Sum for Usage {
     fn sum<I: Iterator<Item = Usage>>(it: I) -> Usage {
         it.fold(Usage::default(), |a, b| a + b)
     }
+}
+
+/// How busy this host's CPUs were between two reads of `/proc/stat`: CPU seconds of
+/// every process and of the kernel's own work (interrupts, softirqs and the threads that
+/// run them, `ksoftirqd`), per wall second. A process's `getrusage` misses the kernel's
+/// threads: over loopback, much of a TCP stream's receive processing runs in
+/// `ksoftirqd`, so the stream's processes look less busy than the host is.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostBusy {
+    /// CPU seconds busy, every CPU added up.
+    pub busy_s: f64,
+    /// Wall seconds between the reads; 0 when the host does not say.
+    pub wall_s: f64,
+}
+
+impl HostBusy {
+    /// CPUs busy per wall second (the reads' CPU ticks are 1/`USER_HZ` s, 10 ms on
+    /// most hosts), or `None` when `/proc/stat` could not be read.
+    pub fn cores(self) -> Option<f64> {
+        (self.wall_s > 0.0).then(|| self.busy_s / self.wall_s)
+    }
+}
+
+impl std::ops::Add for HostBusy {
+    type Output = HostBusy;
+    fn add(self, o: HostBusy) -> HostBusy {
+        HostBusy {
+            busy_s: self.busy_s + o.busy_s,
+            wall_s: self.wall_s + o.wall_s,
+        }
+    }
+}
+
+impl std::iter::Sum for HostBusy {
+    fn sum<I: Iterator<Item = HostBusy>>(it: I) -> HostBusy {
+        it.fold(HostBusy::default(), |a, b| a + b)
+    }
+}
+
+/// A first read of the host's CPU time, for [`HostMark::since`].
+#[derive(Debug, Clone, Copy)]
+pub struct HostMark {
+    busy_ticks: Option<u64>,
+    at: std::time::Instant,
+}
+
+impl HostMark {
+    pub fn now() -> HostMark {
+        HostMark {
+            busy_ticks: std::fs::read_to_string("/proc/stat")
+                .ok()
+                .and_then(|t| busy_ticks(&t)),
+            at: std::time::Instant::now(),
+        }
+    }
+
+    /// The host's busy CPU time since this mark (nothing when either read failed).
+    pub fn since(self) -> HostBusy {
+        let now = HostMark::now();
+        let (Some(a), Some(b)) = (self.busy_ticks, now.busy_ticks) else {
+            return HostBusy::default();
+        };
+        // SAFETY: sysconf reads a constant of the system.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        if hz <= 0 {
+            return HostBusy::default();
+        }
+        HostBusy {
+            busy_s: b.saturating_sub(a) as f64 / hz as f64,
+            wall_s: now.at.duration_since(self.at).as_secs_f64(),
+        }
+    }
+}
+
+/// Busy ticks of every CPU from the text of `/proc/stat`: the first line's user, nice,
+/// system, irq and softirq (guest time is within user); idle, iowait and steal (time
+/// the hypervisor gave to others) are not busy.
+fn busy_ticks(stat: &str) -> Option<u64> {
+    let line = stat.lines().next()?;
+    let mut f = line.split_whitespace();
+    if f.next()? != "cpu" {
+        return None;
+    }
+    let v: Vec<u64> = f.map(|x| x.parse().ok()).collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal ...
+    let at = |i: usize| v.get(i).copied();
+    Some(at(0)? + at(1)? + at(2)? + at(5)? + at(6)?)
 }
 
 /// Which pages back the benchmark's memory (`--pool-pages`).
@@ -385,5 +472,39 @@ mod tests {
         let sum: Usage = [sleeps, spin].into_iter().sum();
         assert_eq!(sum.voluntary, sleeps.voluntary + spin.voluntary);
         assert_eq!(sum.since(spin), sleeps);
+    }
+
+    #[test]
+    fn host_busy_counts_user_nice_system_irq_and_softirq_ticks() {
+        let stat = "cpu  100 20 300 4000 50 6 70 800 9 0\ncpu0 1 2 3 4 5 6 7 8 9 0\nintr 1 2\n";
+        assert_eq!(busy_ticks(stat), Some(100 + 20 + 300 + 6 + 70));
+        assert_eq!(busy_ticks("cpu0 1 2 3 4 5 6 7\n"), None);
+        assert_eq!(busy_ticks("cpu  1 2 x 4 5 6 7\n"), None);
+        assert_eq!(busy_ticks("cpu  1 2 3 4 5\n"), None);
+    }
+
+    #[test]
+    fn a_thread_that_spins_shows_in_the_host_s_busy_cpus() {
+        let mark = HostMark::now();
+        let cpu0 = thread_cpu_ns();
+        let t = std::time::Instant::now();
+        let mut x = 0u64;
+        while t.elapsed() < std::time::Duration::from_millis(300) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let spun = (thread_cpu_ns() - cpu0) as f64 / 1e9;
+        let busy = mark.since();
+        let cores = busy.cores().expect("Linux has /proc/stat");
+        // The host was busy at least while this thread ran (less a few 10 ms ticks of
+        // rounding at each end); the rest of the host may add to it, never take from it.
+        assert!(
+            busy.busy_s >= spun - 0.04,
+            "{busy:?}, the thread ran {spun} s"
+        );
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        assert!(cores <= cpus + 0.2, "{busy:?}");
+        let two: HostBusy = [busy, busy].into_iter().sum();
+        assert_eq!(two.cores(), busy.cores());
+        assert_eq!(HostBusy::default().cores(), None);
     }
 }
