@@ -95,7 +95,16 @@ def test_scheduler_loops_with_random_cancellations(monkeypatch, seed):
         if (p, d) == ("failed", "success"):
             assert side == "prefill", why
     phases = set(pre["aborted"].values()) | set(dec["aborted"].values())
-    assert len(pre["aborted"]) + len(dec["aborted"]) >= n // 5, "too few cancellations issued"
+    # The cancellations every interleaving reaches were all issued: a decode request's
+    # abort before init, a prefill request's after one of its chunks. How many of the
+    # others (a few loop steps into a queue) are issued depends on how fast the rooms
+    # move: 23 of the 37 planned for seed 1 on a fast host.
+    sure = {r.index for r in plan
+            if (r.cancel_side == "decode" and r.cancel_phase == 0)
+            or (r.cancel_side == "prefill" and 0 < r.cancel_phase < -(-r.n_pages // r.chunk))}
+    issued = set(pre["aborted"]) | set(dec["aborted"])
+    assert sure <= issued, ("planned cancellations not issued", sorted(sure - issued))
+    assert len(issued) >= n // 10, "too few cancellations issued"
     assert pre["aborted"] and dec["aborted"] and early & phases, phases
 
 
