@@ -86,6 +86,9 @@ def run_kvxfer(a, page_bytes, conc, rooms, tag):
         "stream_gbps": j["baseline_tcp_runs_gbps"],
         "cores_busy": j["cores_busy"]["kvxfer"],
         "stream_cores_busy": j["cores_busy"]["baseline_tcp"],
+        # The whole host's (the kernel's softirq threads too), where /proc/stat says.
+        "host_cores_busy": j["cores_busy"].get("host_kvxfer"),
+        "stream_host_cores_busy": j["cores_busy"].get("host_baseline_tcp"),
         "cpu_s_per_gb": j["cpu_s_per_gb"],
         "latency_ms": j["latency_ms"],
         "loadavg": j["loadavg"],
@@ -159,7 +162,8 @@ def summarise(cell):
     """Per-alternation ratios, then median [min-max] of every figure."""
     per = {k: [] for k in (
         "kvxfer", "nixl", "mooncake", "stream", "kvxfer/nixl", "kvxfer/mooncake", "kvxfer/stream",
-        "nixl/stream", "mooncake/stream", "cores_kvxfer", "cores_nixl", "cores_mooncake", "cores_stream")}
+        "nixl/stream", "mooncake/stream", "cores_kvxfer", "cores_nixl", "cores_mooncake", "cores_stream",
+        "host_kvxfer", "host_stream")}
     for r in cell["runs"]:
         g = {e: r[e]["gbps"] for e in ("kvxfer", "nixl", "mooncake") if e in r and "gbps" in r[e]}
         for e, v in g.items():
@@ -170,6 +174,8 @@ def summarise(cell):
             stream = statistics.mean(r["kvxfer"]["stream_gbps"])
             per["stream"].append(stream)
             per["cores_stream"].append(r["kvxfer"]["stream_cores_busy"])
+            per["host_kvxfer"].append(r["kvxfer"].get("host_cores_busy"))
+            per["host_stream"].append(r["kvxfer"].get("stream_host_cores_busy"))
         for num, den in (("kvxfer", "nixl"), ("kvxfer", "mooncake")):
             if num in g and den in g:
                 per[f"{num}/{den}"].append(g[num] / g[den])
@@ -182,14 +188,15 @@ def summarise(cell):
 def table(a, cells):
     head = ["pages", "in flight", "libkvxfer GB/s", "NIXL GB/s", "Mooncake GB/s", "TCP stream GB/s",
             "libkvxfer/NIXL", "libkvxfer/Mooncake", "libkvxfer/stream", "NIXL/stream",
-            "Mooncake/stream", "cores busy kvx/NIXL/MC/stream"]
+            "Mooncake/stream", "cores busy kvx/NIXL/MC/stream", "host busy kvx/stream"]
     rows = []
     for c in cells:
         s = c["summary"]
         cores = "/".join(fmt(s["cores_" + e], 2).split(" ")[0] for e in ("kvxfer", "nixl", "mooncake", "stream"))
+        host = "/".join(fmt(s[k], 2).split(" ")[0] for k in ("host_kvxfer", "host_stream"))
         rows.append([size_name(c["page_bytes"]), str(c["inflight"]), fmt(s["kvxfer"]), fmt(s["nixl"]),
                      fmt(s["mooncake"]), fmt(s["stream"]), fmt(s["kvxfer/nixl"]), fmt(s["kvxfer/mooncake"]),
-                     fmt(s["kvxfer/stream"]), fmt(s["nixl/stream"]), fmt(s["mooncake/stream"]), cores])
+                     fmt(s["kvxfer/stream"]), fmt(s["nixl/stream"]), fmt(s["mooncake/stream"]), cores, host])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
