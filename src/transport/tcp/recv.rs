@@ -613,10 +613,20 @@ mod tests {
     fn a_few_bytes_after_a_large_run_are_read_without_waiting_for_more() {
         let n = LOWAT_MAX;
         let tail = 30;
+        let (peer_tx, peer_rx) = std::sync::mpsc::channel::<TcpStream>();
         let (bytes, mut s, writer) = stream_of(n + tail, move |mut c, send| {
-            // A little first, so that the run's read begins with most of it to come.
+            // The receiving end, only to see what is queued in it.
+            let peer = DataStream::new(peer_rx.recv().unwrap());
+            // A little first, so that the run's read begins with most of it to come:
+            // the rest goes only once the reader has taken these (its read has begun),
+            // and a while after, so that it is waiting for them, however late the
+            // reading thread was scheduled on a loaded machine.
             c.write_all(&send[..1000]).unwrap();
-            std::thread::sleep(Duration::from_millis(20));
+            let give_up = std::time::Instant::now() + Duration::from_secs(10);
+            while peer.queued() > 0 && std::time::Instant::now() < give_up {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(100));
             c.write_all(&send[1000..n]).unwrap();
             // Longer than a tick: the reader's timeout comes off, and it waits for
             // the socket alone.
@@ -624,6 +634,7 @@ mod tests {
             c.write_all(&send[n..]).unwrap();
             std::thread::sleep(Duration::from_secs(30));
         });
+        peer_tx.send(s.sock.try_clone().unwrap()).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let room = crate::room::Room::new(1, 1, crate::Role::Decode, 0, ());
