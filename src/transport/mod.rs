@@ -168,17 +168,38 @@ impl Memory {
         Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
     }
 
-    /// The bytes of pages `first..first+n` of `buffer`, for receiving into.
+    /// Bytes `off..off + len` of pages `first..first+n` of `buffer`, for receiving into:
+    /// exactly the bytes one data run fills, no more.
     ///
-    /// Callers must only ask for pages granted to a live room, so that no two receivers
-    /// write the same pages at once.
+    /// Callers must only ask for bytes granted to a live room and taken by one run of
+    /// it (`DecodeRoom::take_grants`), so that no two receivers hold the same KV bytes.
     #[allow(clippy::mut_from_ref)]
-    pub fn pages_mut(&self, buffer: usize, first: u32, n: u32) -> Result<&mut [u8]> {
-        let (addr, len) = self.range(buffer, first, n)?;
-        // SAFETY: inside registered memory as above. Exclusive use: destination pages
-        // belong to exactly one live room, whose frames arrive on one connection and are
-        // written by one reader thread at a time.
-        Ok(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
+    pub fn bytes_mut(
+        &self,
+        buffer: usize,
+        first: u32,
+        n: u32,
+        off: usize,
+        len: usize,
+    ) -> Result<&mut [u8]> {
+        let (addr, pages_len) = self.range(buffer, first, n)?;
+        if off.checked_add(len).is_none_or(|end| end > pages_len) {
+            return Err(err!(
+                InvalidArgument,
+                "bytes {off}+{len} lie outside pages {first}..{} of buffer {buffer}",
+                first as u64 + n as u64
+            ));
+        }
+        // SAFETY: inside registered memory as in `pages` (`off + len` is checked against
+        // the pages' extent just above). Exclusive use of KV bytes: destination pages
+        // belong to exactly one live room, and the room admits each of its bytes to one
+        // run only (`DecodeRoom::take_grants` refuses a run that repeats taken bytes), so
+        // the receiver threads of the room's peers (several links, several prefill ranks
+        // writing head slices of one page) hold disjoint ranges. The one exception is an
+        // aux row, which every prefill engine of a room sends (pipeline stages, ranks):
+        // two of them may write the same row at once, plain bytes of the request's own
+        // metadata that the host reads only after SUCCESS.
+        Ok(unsafe { std::slice::from_raw_parts_mut((addr + off) as *mut u8, len) })
     }
 
     /// The item length of `buffer`.

@@ -336,17 +336,16 @@ impl Side for DecodeEngine {
 }
 
 impl Events for DecodeEngine {
+    /// Only an engine the room pulls from may abort it; any other Abort naming the room
+    /// is counted and changes nothing (a member must not cancel other engines' rooms).
     fn abort(&self, peer: &Arc<Peer>, id: u64, generation: u64, reason: String) {
-        match self.core.rooms.get_generation(id, generation) {
-            Some(room) => {
-                lifecycle::fail(
-                    self,
-                    &room,
-                    FailureReason::peer(Cause::Aborted, reason),
-                    Some(peer),
-                );
-            }
-            None => self.core.unknown_room(),
+        if let Some((room, _)) = self.room_of(peer, id, generation) {
+            lifecycle::fail(
+                self,
+                &room,
+                FailureReason::peer(Cause::Aborted, reason),
+                Some(peer),
+            );
         }
     }
 

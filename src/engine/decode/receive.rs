@@ -37,14 +37,17 @@ pub(super) struct Pages<'a> {
 impl Grant for Pages<'_> {
     fn pages(&self, i: usize) -> &mut [u8] {
         // Checked in `admit`: the pages lie in a registered buffer and are granted to
-        // this live room, whose frames one reader at a time writes; the bytes lie within
-        // them.
+        // this live room, the bytes lie within them, and no earlier run of the room took
+        // any of them (`DecodeRoom::take_grants`).
         let (h, mem, buffer) = &self.runs[i];
-        let pages = mem
-            .pages_mut(*buffer as usize, h.first_page, h.n_pages)
-            .expect("admitted pages lie inside a registered buffer");
-        let off = h.page_off as usize;
-        &mut pages[off..off + h.byte_len as usize]
+        mem.bytes_mut(
+            *buffer as usize,
+            h.first_page,
+            h.n_pages,
+            h.page_off as usize,
+            h.byte_len as usize,
+        )
+        .expect("admitted bytes lie inside a registered buffer")
     }
 
     fn enter(&self) -> Option<IoGuard<'_>> {
@@ -231,7 +234,15 @@ impl DecodeEngine {
             }
             out.push((*h, mem, local));
         }
-        d.check_grants(runs).map_err(proto_err)?;
+        // A peer's KV runs are all parts of pages or all whole pages: it sends head
+        // slices (or remaps page sizes) or it does not.
+        let sliced = peer.slicing.get().is_some();
+        d.take_grants(
+            idx,
+            out.iter()
+                .map(|(h, _, local)| (*h, *local, sliced && h.target == Target::Kv)),
+        )
+        .map_err(proto_err)?;
         for (h, mem, local) in &out {
             if mem
                 .check_range(*local as usize, h.first_page, h.n_pages)

@@ -3,7 +3,7 @@
 //! into it. The checks on that data are here too; what they lead to (a transition, a
 //! message) is the engine's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -33,6 +33,83 @@ struct DecodeState {
     drain_deadline_ms: Option<u64>,
     /// KV bytes landed per our kv buffer, from every peer.
     landed: Vec<u64>,
+    /// The destination bytes admitted runs took.
+    taken: Taken,
+}
+
+/// Which of a room's destination bytes admitted data runs took (TCP), so that no byte is
+/// written twice: a peer that repeats a run and skips another cannot make the byte
+/// counts of its Done add up, and no two receiver threads ever hold the same KV bytes.
+#[derive(Default)]
+struct Taken {
+    /// Whole pages, per our kv buffer: one bit per position in the destination.
+    pages: HashMap<u32, Vec<u64>>,
+    /// Parts of pages (head slices, a smaller prefill page inside a decode page): per
+    /// (our kv buffer, position in the destination), the byte ranges taken, sorted,
+    /// disjoint and merged when adjacent.
+    parts: HashMap<(u32, u32), Vec<(u32, u32)>>,
+    /// Aux rows, per (peer, aux buffer): every prefill engine of a room (pipeline
+    /// stages, tensor-parallel ranks) sends the request's row, each once.
+    aux: HashSet<(usize, u32)>,
+}
+
+/// The most separate byte ranges one destination page may be filled in (a page of 64
+/// tokens sliced by heads for 8 prefill ranks, in token-major order, takes 512).
+const MAX_PARTS_PER_PAGE: usize = 4096;
+
+impl Taken {
+    /// Takes destination positions `pos..pos + n` of kv buffer `buffer` whole.
+    fn whole(&mut self, buffer: u32, pos: u32, n: u32) -> Result<(), String> {
+        let end = pos + n;
+        let bits = self.pages.entry(buffer).or_default();
+        let words = (end as usize).div_ceil(64);
+        if bits.len() < words {
+            bits.resize(words, 0);
+        }
+        let taken = |i: u32| bits[(i / 64) as usize] & (1 << (i % 64)) != 0;
+        if let Some(i) = (pos..end).find(|&i| {
+            taken(i) || (!self.parts.is_empty() && self.parts.contains_key(&(buffer, i)))
+        }) {
+            return Err(format!("position {i}"));
+        }
+        for i in pos..end {
+            bits[(i / 64) as usize] |= 1 << (i % 64);
+        }
+        Ok(())
+    }
+
+    /// Takes bytes `off..off + len` of destination position `pos` of kv buffer `buffer`.
+    fn part(&mut self, buffer: u32, pos: u32, off: u32, len: u32) -> Result<(), String> {
+        let whole = self
+            .pages
+            .get(&buffer)
+            .and_then(|b| b.get((pos / 64) as usize))
+            .is_some_and(|w| w & (1 << (pos % 64)) != 0);
+        let (a, b) = (off, off + len);
+        let ranges = self.parts.entry((buffer, pos)).or_default();
+        // The first range that ends after `a`: it must also start at or after `b`.
+        let i = ranges.partition_point(|&(_, e)| e <= a);
+        if whole || ranges.get(i).is_some_and(|&(s, _)| s < b) {
+            return Err(format!("bytes {a}..{b} of position {pos}"));
+        }
+        if ranges.len() >= MAX_PARTS_PER_PAGE {
+            return Err(format!(
+                "more than {MAX_PARTS_PER_PAGE} separate byte ranges of position {pos}"
+            ));
+        }
+        let joins_prev = i > 0 && ranges[i - 1].1 == a;
+        let joins_next = ranges.get(i).is_some_and(|&(s, _)| s == b);
+        match (joins_prev, joins_next) {
+            (true, true) => {
+                ranges[i - 1].1 = ranges[i].1;
+                ranges.remove(i);
+            }
+            (true, false) => ranges[i - 1].1 = b,
+            (false, true) => ranges[i].0 = a,
+            (false, false) => ranges.insert(i, (a, b)),
+        }
+        Ok(())
+    }
 }
 
 #[derive(Default, Clone, Copy)]
@@ -147,25 +224,31 @@ impl DecodeRoom {
         self.inner.lock().sent
     }
 
-    /// Checks that the pages (or aux slot) of every run of a frame were granted to the
-    /// room, under one lock; why not, for the first that was not.
-    pub fn check_grants(&self, runs: &[DataHeader]) -> Result<(), String> {
-        let st = self.inner.lock();
+    /// Checks that the pages (or aux slot) of every run of a frame from peer `idx` were
+    /// granted to the room and that none of their bytes was taken by an earlier run, and
+    /// takes them, under one lock; why not, for the first that fails. Each run comes with
+    /// our buffer and whether it fills a part of one page (`sliced`) or whole pages.
+    pub fn take_grants(
+        &self,
+        idx: usize,
+        runs: impl Iterator<Item = (DataHeader, u32, bool)>,
+    ) -> Result<(), String> {
+        let mut st = self.inner.lock();
+        let st = &mut *st;
         let dest = st
             .dest
             .as_ref()
             .ok_or_else(|| "no destination was sent".to_string())?;
-        for h in runs {
+        for (h, local, sliced) in runs {
             match h.target {
                 Target::Kv => {
                     let pos = *dest
                         .pos
                         .get(&h.first_page)
-                        .ok_or_else(|| format!("page {} was not granted", h.first_page))?
-                        as usize;
-                    let end = pos + h.n_pages as usize;
+                        .ok_or_else(|| format!("page {} was not granted", h.first_page))?;
+                    let end = pos as usize + h.n_pages as usize;
                     let granted = end <= dest.pages.len()
-                        && dest.pages[pos..end]
+                        && dest.pages[pos as usize..end]
                             .iter()
                             .enumerate()
                             .all(|(i, &p)| p as u64 == h.first_page as u64 + i as u64);
@@ -176,10 +259,30 @@ impl DecodeRoom {
                             h.first_page as u64 + h.n_pages as u64
                         ));
                     }
+                    let taken = if sliced {
+                        st.taken.part(local, pos, h.page_off, h.byte_len)
+                    } else {
+                        st.taken.whole(local, pos, h.n_pages)
+                    };
+                    taken.map_err(|at| {
+                        format!(
+                            "pages {}..{} of kv buffer {} again ({at} of the destination \
+                             was already written)",
+                            h.first_page,
+                            h.first_page as u64 + h.n_pages as u64,
+                            h.buffer
+                        )
+                    })?;
                 }
                 Target::Aux => {
                     if dest.aux != Some(h.first_page) || h.n_pages != 1 {
                         return Err(format!("aux slot {} was not granted", h.first_page));
+                    }
+                    if !st.taken.aux.insert((idx, local)) {
+                        return Err(format!(
+                            "the row of aux buffer {} again (it was already written)",
+                            h.buffer
+                        ));
                     }
                 }
             }
@@ -334,5 +437,49 @@ impl DecodeRoom {
             .filter(|(_, &q)| !q)
             .map(|(p, _)| p.clone())
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Taken;
+
+    #[test]
+    fn whole_pages_are_taken_once() {
+        let mut t = Taken::default();
+        t.whole(0, 0, 3).unwrap();
+        t.whole(1, 0, 3).unwrap(); // another buffer
+        t.whole(0, 70, 2).unwrap(); // past the first word
+        assert_eq!(t.whole(0, 2, 2).unwrap_err(), "position 2");
+        assert_eq!(t.whole(0, 71, 1).unwrap_err(), "position 71");
+        t.whole(0, 3, 1).unwrap();
+    }
+
+    #[test]
+    fn parts_of_a_page_are_disjoint_and_merge_when_adjacent() {
+        let mut t = Taken::default();
+        t.part(0, 5, 100, 50).unwrap();
+        t.part(0, 5, 0, 50).unwrap();
+        t.part(0, 5, 50, 50).unwrap(); // joins both neighbours
+        assert_eq!(t.parts[&(0, 5)], vec![(0, 150)]);
+        assert!(t.part(0, 5, 149, 2).is_err());
+        assert!(t.part(0, 5, 0, 1).is_err());
+        t.part(0, 5, 200, 10).unwrap();
+        t.part(0, 5, 150, 10).unwrap(); // joins the first only
+        assert_eq!(t.parts[&(0, 5)], vec![(0, 160), (200, 210)]);
+        assert!(t.part(0, 5, 190, 20).is_err());
+        t.part(0, 5, 190, 10).unwrap();
+        assert_eq!(t.parts[&(0, 5)], vec![(0, 160), (190, 210)]);
+        t.part(0, 6, 0, 10).unwrap(); // another position
+    }
+
+    #[test]
+    fn a_whole_page_and_a_part_of_it_exclude_each_other() {
+        let mut t = Taken::default();
+        t.whole(0, 1, 1).unwrap();
+        assert!(t.part(0, 1, 0, 8).is_err());
+        t.part(0, 2, 0, 8).unwrap();
+        assert!(t.whole(0, 2, 1).is_err());
+        assert!(t.whole(0, 0, 3).is_err());
     }
 }
