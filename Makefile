@@ -46,7 +46,8 @@ rust-checks: deps
 	cargo test --locked --test netns -- --ignored
 	# The reported silent-pin interleaving and its neighbours, held open by test-only
 	# pause points (feature test-hooks, never in a release build).
-	cargo test --locked --features test-hooks --test pin_regression --test hooks_complete --test hardening
+	cargo test --locked --features test-hooks --test pin_regression --test hooks_complete --test hardening \
+	  --test hardening_again --test hetero
 
 ctest: build
 	ctest --test-dir build --output-on-failure -j $(NPROC)

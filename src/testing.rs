@@ -30,6 +30,11 @@
 //!   and its prefill engines looked up (their connections may be under way), and it is
 //!   not yet attached to them.
 //!
+//! - `"prefill.write_done"` (src/engine/prefill/sender.rs, `write_done`): a sender
+//!   thread is about to write the room's Done on its data connection.
+//! - `"accept.link_up"` (src/control/accept.rs), keyed by the port of the prefill
+//!   engine's own address: a decode engine's data connection is admitted and its link
+//!   added to the peer, which was not lost then; its sender is not started yet.
 //! - `"accept.data_answered"` (src/control/accept.rs), keyed by the port of the
 //!   prefill engine's own address: the prefill engine has answered a decode engine's
 //!   data connection (its Hello is written) and its accepting thread has not returned.

@@ -10,10 +10,13 @@
 mod common;
 
 use std::io::Write;
+use std::sync::mpsc;
+use std::time::Duration;
 
 use common::fake::{self, FakePrefill};
 use common::{engine, wait_state, wait_terminal, wait_until, Region, POISON};
 use kvxfer::proto::Message;
+use kvxfer::testing;
 use kvxfer::{Cause, RoomPeers, State};
 
 const BUFS: usize = 2;
@@ -118,4 +121,38 @@ fn every_page_written_once_still_succeeds() {
     }
     fp.done(42, g, 3);
     assert_eq!(wait_terminal(&d, 42), State::Success);
+}
+
+/// F2. A data connection accepted while its decode engine was being lost got a sender
+/// thread on an outbox made after the loss had closed the old one: nothing ever closed
+/// it, its sender slept forever, and freeing the prefill engine hung joining it. Held
+/// open: the accepting thread parks after its check that the peer is not lost, the
+/// engine is freed meanwhile (losing the peer), and the thread goes on 200 ms later.
+#[test]
+fn freeing_the_engine_returns_when_a_data_link_comes_up_while_its_peer_is_lost() {
+    const POINT: &str = "accept.link_up";
+    let (pmem, dmem) = (common::source(BUFS, PAGES, ITEM), poisoned());
+    let p = engine("prefill", &pmem, &[TCP]);
+    let d = engine("decode", &dmem, &[TCP, ("connections_per_peer", "1")]);
+    let key: u64 = p.address().rsplit(':').next().unwrap().parse().unwrap();
+    testing::pause_at(POINT, key);
+    d.room_create(51, RoomPeers::Prefills(vec![p.address().to_string()]))
+        .unwrap();
+    let parked = testing::wait_paused(POINT, key, Duration::from_secs(10));
+    let (tx, rx) = mpsc::channel();
+    let freeing = std::thread::spawn(move || {
+        drop(p);
+        tx.send(()).unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    testing::release(POINT, key);
+    assert!(parked, "the data connection was never accepted");
+    let freed = rx.recv_timeout(Duration::from_secs(10)).is_ok();
+    if !freed {
+        // The engine still runs: its memory must outlive the process's test run.
+        std::mem::forget(pmem);
+        panic!("freeing the prefill engine hung");
+    }
+    freeing.join().unwrap();
+    assert_eq!(wait_terminal(&d, 51), State::Failed);
 }

@@ -543,3 +543,51 @@ fn an_empty_last_chunk_closes_a_room_whose_last_page_reached_past_the_destinatio
     }
     t.assert_delivered();
 }
+
+/// Review 2026-12-05 F4. With MLA from prefill TP 2 to decode TP 1, prefill rank 1 holds
+/// no latent the decode rank takes from it, so its last chunk plans no frame, and the
+/// thread that planned it (here the scheduler's `enqueue_chunk`) completed the room and
+/// wrote Done on a data connection itself, which can wait on the network for as long as
+/// a stalled peer allows. The Done goes to one of the engine's senders now: the enqueue
+/// returns while that write is held at a pause point.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn the_scheduler_s_enqueue_never_writes_done_on_a_data_connection() {
+    use kvxfer::testing;
+    use std::sync::mpsc;
+    use std::time::Duration;
+    const POINT: &str = "prefill.write_done";
+    let mla = Model {
+        kv_heads: 1,
+        latent: true,
+    };
+    let hnd = |tp| side(tp, 16, Order::Hnd);
+    let t = Deployment::new(mla, hnd(2), hnd(1), 100, 7);
+    let rank1 = &t.prefills[1].0;
+    common::wait_state(rank1, 7, State::WaitingForInput);
+    testing::pause_at(POINT, 7);
+    let (tx, rx) = mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            rank1.enqueue_chunk(7, &t.src, true, None).unwrap();
+            tx.send(()).unwrap();
+        });
+        let returned = rx.recv_timeout(Duration::from_secs(1)).is_ok();
+        let parked = testing::wait_paused(POINT, 7, Duration::from_secs(10));
+        testing::release(POINT, 7);
+        assert!(
+            returned,
+            "enqueue_chunk waited while rank 1's Done was being written"
+        );
+        assert!(parked, "nobody wrote rank 1's Done");
+    });
+    t.prefills[0]
+        .0
+        .enqueue_chunk(7, &t.src, true, None)
+        .unwrap();
+    for (e, _) in t.decodes.iter().chain(&t.prefills) {
+        let why = e.room_failure(7).map(|w| w.to_string()).unwrap_or_default();
+        assert_eq!(wait_terminal(e, 7), State::Success, "{why}");
+    }
+    t.assert_delivered();
+}

@@ -164,6 +164,11 @@ impl Control {
                     peer.data.write().clear();
                     return Ok(());
                 }
+                #[cfg(feature = "test-hooks")]
+                crate::testing::pause_point(
+                    "accept.link_up",
+                    crate::testing::port_key(&node.address),
+                );
                 if let Some(events) = self.events() {
                     events.link_up(&peer, link);
                 }

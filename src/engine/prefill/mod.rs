@@ -473,14 +473,25 @@ impl Side for PrefillEngine {
 }
 
 impl Events for PrefillEngine {
-    /// A sender thread for the link, taking batches from the peer's outbox.
+    /// A sender thread for the link, taking batches from the peer's outbox; none once
+    /// the peer is lost or the engine stops.
+    ///
+    /// Decided under the outboxes' lock, which [`Events::lost`] takes to close the
+    /// peer's outbox only after the peer was marked lost: either the outbox is made
+    /// here first and the loss closes it (its sender ends), or the loss is seen here.
+    /// Made after the loss, an outbox would never close, and its sender would sleep
+    /// forever and hang the engine's free.
     fn link_up(self: Arc<Self>, peer: &Arc<Peer>, link: Arc<dyn DataLink>) {
-        let outbox = self
-            .outboxes
-            .lock()
-            .entry(Arc::as_ptr(peer) as usize)
-            .or_default()
-            .clone();
+        let outbox = {
+            let mut outboxes = self.outboxes.lock();
+            if peer.is_lost() || self.core.node.is_stopping() {
+                return;
+            }
+            outboxes
+                .entry(Arc::as_ptr(peer) as usize)
+                .or_default()
+                .clone()
+        };
         let (engine, p) = (self.clone(), peer.clone());
         self.core
             .control
@@ -523,8 +534,10 @@ impl Events for PrefillEngine {
         // Its senders end; what they had not taken is dropped (its rooms just failed).
         let outbox = self.outboxes.lock().remove(&(Arc::as_ptr(peer) as usize));
         if let Some(outbox) = outbox {
-            for batch in outbox.close() {
-                self.batch_ended(&batch, false, None);
+            for item in outbox.close() {
+                if let outbox::Item::Batch(batch) = item {
+                    self.batch_ended(&batch, false, None);
+                }
             }
         }
     }

@@ -55,6 +55,15 @@ pub(crate) struct Batch {
     pub last: bool,
 }
 
+/// What a sender takes from an outbox: a batch of frames, or a room's Done for the
+/// engine. A thread that plans (the scheduler's enqueue, a control reader) never writes
+/// on a data connection itself, since a write can wait on the network: when it
+/// completes a room, its Done goes here for a sender to write.
+pub(crate) enum Item {
+    Batch(Batch),
+    Done { room: Arc<PRoom>, frame: Vec<u8> },
+}
+
 struct Queue<T> {
     items: VecDeque<T>,
     closed: bool,
@@ -68,7 +77,7 @@ struct Queue<T> {
 /// the first one woken (a wakeup preempts the waker), so the other senders slept until
 /// the first had written its batch: on two cores, one room's halves went out one after
 /// the other, and its senders and receivers piled onto one core.
-pub(crate) struct Outbox<T = Batch> {
+pub(crate) struct Outbox<T = Item> {
     queue: Mutex<Queue<T>>,
     ready: Condvar,
 }

@@ -11,7 +11,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
-use super::outbox::{Batch, Outbox, Ticket};
+use super::outbox::{Batch, Item, Outbox, Ticket};
 use super::plan::{batches, plan, Grouped, Place};
 use super::{ext, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
 use crate::control::Peer;
@@ -78,8 +78,8 @@ impl PrefillEngine {
                 .get()
                 .map_or(0, |m| m.buffers().len()),
         };
-        // An empty chunk stays with the worker: with nothing to send, its planner
-        // completes the room and writes Done on a data link, which may wait.
+        // An empty chunk stays with the worker: there is nothing to plan, and it only
+        // completes the room.
         let runs = job.chunk.pages.len() * buffers * p.dests.len();
         (1..=PLAN_HERE_RUNS).contains(&runs) && !self.workers.read().is_empty()
     }
@@ -278,18 +278,22 @@ impl PrefillEngine {
             let batches = batches
                 .into_iter()
                 .enumerate()
-                .map(|(i, (frames, bytes))| Batch {
-                    room: room.clone(),
-                    peer: peer.clone(),
-                    frames,
-                    bytes,
-                    chunk: ticket.clone(),
-                    last: chunk.is_last && i + 1 == n,
+                .map(|(i, (frames, bytes))| {
+                    Item::Batch(Batch {
+                        room: room.clone(),
+                        peer: peer.clone(),
+                        frames,
+                        bytes,
+                        chunk: ticket.clone(),
+                        last: chunk.is_last && i + 1 == n,
+                    })
                 })
                 .collect();
-            for batch in outbox.push_all(batches) {
+            for item in outbox.push_all(batches) {
                 // The engine was lost meanwhile (its loss fails the room).
-                self.batch_ended(&batch, false, None);
+                if let Item::Batch(batch) = item {
+                    self.batch_ended(&batch, false, None);
+                }
             }
         }
         if chunk.is_last {
@@ -307,38 +311,14 @@ impl PrefillEngine {
             .fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A sender thread: writes the batches of `peer`'s outbox over `link` until the
-    /// outbox closes (the peer is lost or the engine stops), or the link breaks.
+    /// A sender thread: writes the batches (and Done frames) of `peer`'s outbox over
+    /// `link` until the outbox closes (the peer is lost or the engine stops), or the link
+    /// breaks.
     pub(super) fn send_loop(&self, peer: &Arc<Peer>, link: &Arc<dyn DataLink>, outbox: &Outbox) {
-        while let Some(batch) = outbox.pop() {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.write_batch(link, &batch)
-            }));
-            let written = match r {
-                Ok(Ok(written)) => written,
-                Ok(Err(reason)) => {
-                    lifecycle::fail(self, &batch.room, reason, None);
-                    false
-                }
-                Err(_) => {
-                    let why = format!(
-                        "internal error (panic) while sending a batch of room {}",
-                        batch.room.id()
-                    );
-                    lifecycle::fail(
-                        self,
-                        &batch.room,
-                        FailureReason::local(Cause::Internal, why),
-                        None,
-                    );
-                    false
-                }
-            };
-            self.batch_ended(&batch, written, Some(link));
-            if batch.last {
-                // Done went out behind it on this link, or will not: either way nothing
-                // may wait in the socket now.
-                link.flush();
+        while let Some(item) = outbox.pop() {
+            match item {
+                Item::Batch(batch) => self.send_batch(link, &batch),
+                Item::Done { room, frame } => self.write_done(&room, peer, link, &frame),
             }
             if link.is_broken() {
                 // The others carry the outbox; a peer with no link left is lost.
@@ -354,6 +334,53 @@ impl PrefillEngine {
                 }
                 return;
             }
+        }
+    }
+
+    /// Writes one batch on `link` and ends it; a failure (or a panic) fails its room.
+    fn send_batch(&self, link: &Arc<dyn DataLink>, batch: &Batch) {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.write_batch(link, batch)
+        }));
+        let written = match r {
+            Ok(Ok(written)) => written,
+            Ok(Err(reason)) => {
+                lifecycle::fail(self, &batch.room, reason, None);
+                false
+            }
+            Err(_) => {
+                let why = format!(
+                    "internal error (panic) while sending a batch of room {}",
+                    batch.room.id()
+                );
+                lifecycle::fail(
+                    self,
+                    &batch.room,
+                    FailureReason::local(Cause::Internal, why),
+                    None,
+                );
+                false
+            }
+        };
+        self.batch_ended(batch, written, Some(link));
+        if batch.last {
+            // Done went out behind it on this link, or will not: either way nothing
+            // may wait in the socket now.
+            link.flush();
+        }
+    }
+
+    /// Writes room `room`'s Done `frame` to `peer` on `link` (a sender thread's own). The
+    /// room is SUCCESS already (every byte was handed over): if the write fails, the
+    /// decode side learns of the broken link as a lost peer.
+    fn write_done(&self, room: &PRoom, peer: &Arc<Peer>, link: &Arc<dyn DataLink>, frame: &[u8]) {
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("prefill.write_done", room.id());
+        if let Err(e) = link.finish(frame) {
+            self.core.control.lose(
+                peer,
+                format!("writing Done of room {} failed: {e}", room.id()),
+            );
         }
     }
 
@@ -463,7 +490,9 @@ impl PrefillEngine {
     /// claims SUCCESS (if the room is still live), then sends Done to every destination:
     /// on `free`'s link to its engine (the link whose sender just ended the room's last
     /// batch, so free at once; Done and the room's frames may go over different links),
-    /// else on the engine's first link.
+    /// else through the engine's outbox, for one of its senders (never on this thread,
+    /// which may be the scheduler's or a control reader's: a write can wait on the
+    /// network).
     fn try_complete(&self, room: &Arc<PRoom>, free: Option<(&Arc<Peer>, &Arc<dyn DataLink>)>) {
         let finishes = {
             let mut p = ext(room).lock();
@@ -485,21 +514,21 @@ impl PrefillEngine {
             return; // aborted meanwhile: already FAILED, and no Done goes out
         }
         for (peer, frame) in finishes {
-            let link = match free {
-                Some((p, l)) if Arc::ptr_eq(p, &peer) && !l.is_broken() => Some(l.clone()),
-                _ => peer.data.read().first().cloned(),
-            };
-            let r = match link {
-                Some(l) => l.finish(&frame),
-                None => Err(std::io::Error::other("no data connection left")),
-            };
-            if let Err(e) = r {
-                // The room is SUCCESS here (every byte was handed over); the decode side
-                // learns of the broken link as a lost peer.
-                self.core.control.lose(
-                    &peer,
-                    format!("writing Done of room {} failed: {e}", room.id()),
-                );
+            match free {
+                Some((p, l)) if Arc::ptr_eq(p, &peer) && !l.is_broken() => {
+                    self.write_done(room, &peer, l, &frame)
+                }
+                _ => match self.outbox(&peer) {
+                    // Closed meanwhile: the engine is lost, and the decode side with it.
+                    Some(outbox) => drop(outbox.push_all(vec![Item::Done {
+                        room: room.clone(),
+                        frame,
+                    }])),
+                    None => self.core.control.lose(
+                        &peer,
+                        format!("no data connection left to send Done of room {}", room.id()),
+                    ),
+                },
             }
         }
     }
