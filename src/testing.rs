@@ -8,21 +8,21 @@
 //! once. Unarmed points cost one relaxed atomic load.
 //!
 //! Points in the engine:
-//! - `"worker.mid_chunk"` (src/engine/prefill.rs, `send_chunk`): a prefill worker has
+//! - `"worker.mid_chunk"` (src/engine/prefill/sender.rs, `write_batch`): a prefill worker has
 //!   just written one batch of a chunk's frames and not yet the next one (nor the
 //!   chunk's Done, nor its state change). While it is armed for a room, that room's
 //!   batches hold one frame each, so the point falls between two frames.
 //! - `"rdma.batch_done"` (src/transport/rdma/link.rs): a batch's RDMA WRITEs completed,
 //!   and the worker still counts them on the room (its io count), so an acknowledgement
 //!   of an abort must wait.
-//! - `"worker.before_complete"` (same function): every byte of the room's last chunk is
+//! - `"worker.before_complete"` (src/engine/prefill/sender.rs, `try_complete`): every byte of the room's last chunk is
 //!   written; the worker has not yet claimed SUCCESS nor sent Done.
-//! - `"decode.send_destination"` (src/engine/decode.rs): a decode room found waiting
+//! - `"decode.send_destination"` (src/engine/decode/mod.rs): a decode room found waiting
 //!   with its destination set, and its destination is about to be sent (the room's lock
 //!   not yet taken).
 //! - `"watchdog.scan"` (src/engine/watchdog.rs): the watchdog has read the room's state
 //!   and not yet its deadline.
-//! - `"prefill.on_destination"` (src/engine/prefill.rs): a control reader has a decode
+//! - `"prefill.on_destination"` (src/engine/prefill/arrivals.rs): a control reader has a decode
 //!   engine's destination for the room in hand and has not looked at anything yet.
 //! - `"prefill.attach_lost"` (same file, `attach`): the destination was added to the
 //!   room and its engine found lost; the room is not failed yet.
@@ -44,7 +44,7 @@
 //! - `"rdma.bad_rkey"` (src/transport/rdma/link.rs): the next RDMA WRITE of the room
 //!   goes out with a wrong remote key, so the decode side's device refuses it and the
 //!   write completes in error (remote access error).
-//! - `"recv.panic"` (src/engine/decode.rs, `on_data`): the TCP receiver panics on the
+//! - `"recv.panic"` (src/engine/decode/receive.rs, `admit`): the TCP receiver panics on the
 //!   room's next data frame.
 //!
 //! Faults aimed at a peer rather than a room are keyed by the port of the peer's

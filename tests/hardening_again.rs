@@ -79,6 +79,34 @@ fn an_abort_from_an_engine_the_room_does_not_pull_from_is_counted_and_ignored() 
     );
 }
 
+/// F3, by the data path: a data frame naming a room that does not pull from its sender
+/// failed that room as a protocol error, so a member could fail other engines' rooms
+/// with it too. It closes the sender's connection now, is counted, and leaves the room
+/// (and its pages) alone.
+#[test]
+fn a_data_frame_from_an_engine_the_room_does_not_pull_from_leaves_the_room_alone() {
+    let dmem = poisoned();
+    let d = engine("decode", &dmem, &[TCP, ("connections_per_peer", "1")]);
+    let (mut a, mut b) = (FakePrefill::listen(), FakePrefill::listen());
+    d.room_create(33, RoomPeers::Prefills(vec![a.addr.clone()]))
+        .unwrap();
+    d.room_set_destination(33, &[1], None).unwrap();
+    a.handshake(BUFS, PAGES, ITEM, 1);
+    let generation = a.destination().generation;
+    d.room_create(34, RoomPeers::Prefills(vec![b.addr.clone()]))
+        .unwrap();
+    b.handshake(BUFS, PAGES, ITEM, 1);
+    wait_state(&d, 34, State::WaitingForInput);
+    let before = d.metrics().unknown_room_frames;
+    let f = fake::data_frame(&fake::kv_header(33, generation, 0, 1, 1, ITEM), 0x55);
+    b.data[0].write_all(&f).unwrap();
+    wait_until("the frame to be counted", || {
+        d.metrics().unknown_room_frames == before + 1
+    });
+    assert_eq!(d.room_poll(33).unwrap(), State::WaitingForInput);
+    assert!(dmem[0].page(1).iter().all(|&x| x == POISON));
+}
+
 /// F8. Completion counted bytes per peer: a peer that wrote one granted page twice and
 /// skipped another reached SUCCESS, leaving stale bytes in the skipped page. A run that
 /// repeats bytes the room already took is a protocol error now.

@@ -131,7 +131,9 @@ fn fail_if<S: Side>(
     reason: FailureReason,
     origin: Option<&Arc<Peer>>,
 ) -> bool {
-    let msg = reason.to_string();
+    // The peers are told the reason's own text: whether it came from a peer is ours to
+    // know, and they mark it as coming from one.
+    let (msg, told) = (reason.to_string(), reason.message.clone());
     let cause = reason.cause;
     let won = match state {
         Some(s) => room.fail_in(s, reason),
@@ -145,7 +147,7 @@ fn fail_if<S: Side>(
     node.metrics.failed(cause);
     // The peers first: the log sink below is the host's code and may take its time, and
     // a decode room's pages are reusable only once its peers have the Abort.
-    side.tell_failed(room, &msg, origin);
+    side.tell_failed(room, &told, origin);
     crate::log!(
         node.log,
         Warn,

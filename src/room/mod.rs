@@ -96,20 +96,30 @@ impl FailureReason {
         }
     }
 
-    /// A reason reported by the peer.
+    /// A reason reported by the peer. Its text is kept without the `"peer: "` prefixes
+    /// it may have gathered on its way through other engines: a reason that crossed
+    /// several engines reads with one.
     pub fn peer(cause: Cause, message: impl Into<String>) -> Self {
+        let mut message = message.into();
+        let bare = message.trim_start_matches(PEER_PREFIX);
+        if bare.len() != message.len() {
+            message = bare.to_string();
+        }
         FailureReason {
             cause,
             from_peer: true,
-            message: message.into(),
+            message,
         }
     }
 }
 
+/// What the text of a reason that came from a peer starts with.
+const PEER_PREFIX: &str = "peer: ";
+
 impl fmt::Display for FailureReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.from_peer {
-            write!(f, "peer: {}", self.message)
+            write!(f, "{PEER_PREFIX}{}", self.message)
         } else {
             f.write_str(&self.message)
         }
@@ -314,6 +324,20 @@ mod tests {
         let why = r.failure().unwrap();
         assert!(why.from_peer);
         assert_eq!(why.to_string(), "peer: client went away");
+    }
+
+    /// A reason relayed through several engines (a decode room aborted by one prefill
+    /// rank tells the others, which tell theirs) reads with one origin prefix.
+    #[test]
+    fn a_relayed_reason_reads_with_one_peer_prefix() {
+        let why = FailureReason::peer(Cause::Aborted, "peer: peer: room 8000 aborted: gone");
+        assert_eq!(why.message, "room 8000 aborted: gone");
+        assert_eq!(why.to_string(), "peer: room 8000 aborted: gone");
+        let again = FailureReason::peer(Cause::Aborted, why.to_string());
+        assert_eq!(again.to_string(), why.to_string());
+        // Only a leading prefix is the relay's.
+        let inner = FailureReason::peer(Cause::Aborted, "prefill room 3 failed: peer: x");
+        assert_eq!(inner.message, "prefill room 3 failed: peer: x");
     }
 
     /// The reason kept is the one of the `fail` call that won the transition, not of a

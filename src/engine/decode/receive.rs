@@ -118,6 +118,12 @@ impl<'a> FrameSink for Receiver<'a> {
                 runs,
             }),
             Err(Refuse::Discard) => self.discard(runs.len()),
+            // Not this engine's room to write: the connection closes (the peer is
+            // broken or hostile), and the room, which is another engine's, goes on.
+            Err(Refuse::NotOurs(why)) => {
+                engine.core.unknown_room();
+                Admit::Refuse(why)
+            }
             Err(Refuse::Protocol(why)) => {
                 lifecycle::fail(
                     engine,
@@ -158,10 +164,12 @@ impl Receiver<'_> {
     }
 }
 
-/// Why a data frame was refused: the peer broke the protocol (close the connection) or
-/// the room simply cannot take it any more (discard the bytes).
+/// Why a data frame was refused: the peer broke the protocol (close the connection and
+/// fail the room), named a room that does not pull from it (close the connection, leave
+/// the room alone), or the room simply cannot take it any more (discard the bytes).
 pub(super) enum Refuse {
     Protocol(String),
+    NotOurs(String),
     Discard,
 }
 
@@ -180,8 +188,10 @@ impl DecodeEngine {
         let proto_err =
             |why: String| Refuse::Protocol(format!("a bad data frame for room {id}: {why}"));
         let d = &room.ext;
-        let Some(idx) = d.peers.iter().position(|p| Arc::ptr_eq(p, peer)) else {
-            return Err(proto_err("the room does not pull from this engine".into()));
+        let Some(idx) = d.index_of(peer) else {
+            return Err(Refuse::NotOurs(format!(
+                "a data frame for room {id}, which does not pull from this engine"
+            )));
         };
         if room.state().is_terminal() {
             return Err(Refuse::Discard);

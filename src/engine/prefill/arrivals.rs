@@ -140,7 +140,7 @@ impl PrefillEngine {
         }
         if room.state().is_terminal() {
             let why = match room.failure() {
-                Some(f) => format!("prefill room {id} already failed: {f}"),
+                Some(f) => format!("prefill room {id} already failed: {}", f.message),
                 None => format!("prefill room {id} already finished"),
             };
             self.refuse(peer, id, generation, &why);
@@ -189,7 +189,7 @@ impl PrefillEngine {
         // under the lock, after the push, closes that gap (a failure makes the room
         // terminal before it takes this lock to read the destinations).
         if let Some(f) = room.failure() {
-            let why = format!("prefill room {id} already failed: {f}");
+            let why = format!("prefill room {id} already failed: {}", f.message);
             drop(p);
             self.refuse(peer, id, generation, &why);
             return;

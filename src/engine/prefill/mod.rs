@@ -453,7 +453,7 @@ impl Side for PrefillEngine {
             (gens, p.complete())
         };
         let node = &self.core.node;
-        let reason = room.failure().map(|f| f.to_string());
+        let reason = room.failure().map(|f| f.message.clone());
         let expires_ms =
             node.now_ms() + node.config.bootstrap_timeout_ms + node.config.waiting_timeout_ms;
         let kept = self
