@@ -132,9 +132,10 @@ pub unsafe extern "C" fn kvxfer_room_set_destination(
 /// worker's wakeup; a larger one is planned by a worker.
 ///
 /// Chunks enqueued before every destination arrived are held and sent, in order, when
-/// it does. The source pages must not change until the room is terminal. A chunk with
-/// more pages than the destination has left, or a last chunk that leaves destination
-/// pages unfilled, fails the room on both sides: here with cause MISMATCH, on the decode
+/// it does. The source pages must not change, nor be reused, until
+/// `kvxfer_room_drained` reports true: after the room is terminal, a batch being sent
+/// or an RDMA write in flight may still read them. A chunk with more pages than the
+/// destination has left, or a last chunk that leaves destination pages unfilled, fails the room on both sides: here with cause MISMATCH, on the decode
 /// engine as ABORTED from the peer with this side's reason.
 ///
 /// Errors: `KVXFER_ERR_WRONG_ROLE` on a decode engine; `KVXFER_ERR_NOT_FOUND`;
