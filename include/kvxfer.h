@@ -244,6 +244,45 @@ typedef int32_t kvxfer_failure_cause;
 #endif // __cplusplus
 
 /**
+ * The path a room's data takes with its peer engines (`kvxfer_room_path`).
+ */
+enum kvxfer_path
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * No peer engine of the room is paired yet (a prefill room before its destination
+   * arrived, a decode room still connecting).
+   */
+  KVXFER_PATH_UNKNOWN = 0,
+  /**
+   * Data frames over the TCP data connections.
+   */
+  KVXFER_PATH_TCP = 1,
+  /**
+   * RDMA writes.
+   */
+  KVXFER_PATH_RDMA = 2,
+  /**
+   * Both engines on one host: the decode engine copies the pages directly from the
+   * prefill process's memory (`same_host`).
+   */
+  KVXFER_PATH_SAME_HOST = 3,
+  /**
+   * The room's peer engines took different paths.
+   */
+  KVXFER_PATH_MIXED = 15,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvxfer_path kvxfer_path;
+#else
+typedef int32_t kvxfer_path;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * The order of one page's elements (values of `kvxfer_kv_layout.page_order`).
  */
 enum kvxfer_page_order
@@ -502,6 +541,24 @@ typedef struct kvxfer_metrics {
    * segment, so runs per page tell how finely a transfer was cut.
    */
   uint64_t data_runs_sent;
+  /**
+   * Peer pairings whose data takes TCP (one per peer engine connected).
+   */
+  uint64_t pairings_tcp;
+  /**
+   * Peer pairings whose data takes RDMA.
+   */
+  uint64_t pairings_rdma;
+  /**
+   * Peer pairings on one host whose data the decode engine copies directly from the
+   * prefill process (`same_host`).
+   */
+  uint64_t pairings_same_host;
+  /**
+   * Pairings on one host that took TCP because the same-host path could not be used
+   * (each also logged at WARN with the reason).
+   */
+  uint64_t same_host_fallbacks;
 } kvxfer_metrics;
 
 #ifdef __cplusplus
@@ -545,6 +602,17 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * - `drain_timeout_ms` (default `5000`, 1..86400000): RDMA: longest a failed decode room
  *   waits for the prefill's acknowledgement before its peer's queue pairs are shut.
  * - `log_level` (default `warn`): `error` | `warn` | `info` | `debug` | `trace`.
+ * - `same_host` (default `auto`): `auto` | `require` | `off`. Engines on one host (the
+ *   same boot id and network namespace, learnt in the handshake after authentication)
+ *   move KV without the network: the decode engine copies the pages straight from the
+ *   prefill process's registered memory (`process_vm_readv`). It needs the same PID
+ *   namespace and permission to read the prefill process (same user and Yama
+ *   `ptrace_scope` 0, or `CAP_SYS_PTRACE`), which the pairing proves by reading a probe.
+ *   `auto`: that path when it can be used, TCP otherwise (logged at WARN with the
+ *   reason, counted in `same_host_fallbacks`). `require`: that path or no pairing (the
+ *   rooms fail as MISMATCH, the reason naming why, such as `ptrace denied:
+ *   ptrace_scope=2`). `off`: never. TCP transport only (RDMA engines use RDMA).
+ *   `kvxfer_room_path` tells which path a room took.
  *
  * Authentication:
  * - `auth`: `required` | `off`. No fixed default: `required` when a key is set, `off`
@@ -939,12 +1007,27 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_failure_cause(const struct kvxfer_engi
  * true as soon as the `recv` in progress returns; over RDMA, once every prefill engine
  * of the room acknowledged that its writes completed, or was lost, or
  * `drain_timeout_ms` passed and its queue pairs were shut; a room that succeeded is
- * drained at once). Prefill engine: no worker is still reading its source pages. A
- * live room is never drained. Never blocks.
+ * drained at once; on the same-host path, as over TCP: no copy of its own into the
+ * pages is in progress). Prefill engine: no worker is still reading its source pages
+ * (on the same-host path: the decode engine answered every copy of them, or its link
+ * was given up after the stall). A live room is never drained. Never blocks.
  *
  * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const struct kvxfer_engine *engine, uint64_t room, bool *drained);
+
+/**
+ * Stores in `*path` the path room `room`'s data takes with its peer engines: TCP, RDMA
+ * or `KVXFER_PATH_SAME_HOST` (a direct copy between the two processes on one host,
+ * `same_host` in `kvxfer_config_set`) when every peer engine of the room agrees;
+ * `KVXFER_PATH_MIXED` when they differ; `KVXFER_PATH_UNKNOWN` while none is paired yet.
+ * A path is never changed silently: a same-host pairing that could not take the direct
+ * copy is logged at WARN with the reason and counted (`same_host_fallbacks`), and with
+ * `same_host=require` its rooms fail as MISMATCH instead. Never blocks.
+ *
+ * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_room_path(const struct kvxfer_engine *engine, uint64_t room, kvxfer_path *path);
 
 /**
  * Decode engine only: stores in `*n` how many of room `room`'s first layers have landed

@@ -153,6 +153,15 @@ inline const char *to_string(FailureCause c) noexcept {
                                   "KVXFER_CAUSE_");
 }
 
+/// The path a room's data takes with its peer engines (values of kvxfer_path).
+enum class Path : int32_t {
+    Unknown = KVXFER_PATH_UNKNOWN,
+    Tcp = KVXFER_PATH_TCP,
+    Rdma = KVXFER_PATH_RDMA,
+    SameHost = KVXFER_PATH_SAME_HOST,
+    Mixed = KVXFER_PATH_MIXED,
+};
+
 /// A log line's level (values of kvxfer_log_level), most severe first.
 enum class LogLevel : int32_t {
     Error = KVXFER_LOG_ERROR,
@@ -433,6 +442,13 @@ class Engine {
             *from_peer = peer;
         }
         return static_cast<FailureCause>(c);
+    }
+
+    /// The path the room's data takes with its peer engines (kvxfer_room_path).
+    Path path(uint64_t room) const {
+        kvxfer_path p{};
+        check(kvxfer_room_path(handle_.get(), room, &p));
+        return static_cast<Path>(p);
     }
 
     /// Whether the room is terminal and its memory may be reused (decode: no write can

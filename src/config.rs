@@ -8,6 +8,7 @@ use crate::err;
 use crate::error::Result;
 use crate::log::Level;
 pub use crate::proto::AuthMode;
+pub use crate::proto::SameHostSetting;
 
 /// Which side of the transfer an engine is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -84,6 +85,9 @@ pub struct Config {
     pub tls_ca_file: Option<String>,
     /// `encrypt_data`: seal KV payloads on TCP data connections (needs TLS).
     pub encrypt_data: bool,
+    /// `same_host`: whether engines on one host copy KV directly between their
+    /// processes instead of over TCP.
+    pub same_host: SameHostSetting,
 }
 
 impl Default for Config {
@@ -110,6 +114,7 @@ impl Default for Config {
             tls_key_file: None,
             tls_ca_file: None,
             encrypt_data: false,
+            same_host: SameHostSetting::Auto,
         }
     }
 }
@@ -188,6 +193,11 @@ pub const KEYS: &[ConfigKey] = &[
         "log_level",
         Some("warn"),
         Accepts::OneOf(&["error", "warn", "info", "debug", "trace"]),
+    ),
+    key(
+        "same_host",
+        Some("auto"),
+        Accepts::OneOf(&["auto", "require", "off"]),
     ),
     key("auth", None, Accepts::OneOf(&["required", "off"])),
     key("auth_key_file", None, Accepts::Text),
@@ -349,6 +359,14 @@ impl Config {
                     _ => return Err(bad(key, value, "expected 'true' or 'false'")),
                 }
             }
+            "same_host" => {
+                self.same_host = match v {
+                    "auto" => SameHostSetting::Auto,
+                    "require" => SameHostSetting::Require,
+                    "off" => SameHostSetting::Off,
+                    _ => return Err(bad(key, value, "expected 'auto', 'require' or 'off'")),
+                }
+            }
             _ => {
                 return Err(err!(
                     UnknownKey,
@@ -475,7 +493,7 @@ mod tests {
     #[test]
     fn every_documented_key_accepts_a_good_value() {
         let key_file = private_file("good", &[7; 32]);
-        let good: [(&str, &str); 22] = [
+        let good: [(&str, &str); 23] = [
             ("role", "decode"),
             ("listen", "[::1]:0"),
             ("transport", "tcp"),
@@ -498,6 +516,7 @@ mod tests {
             ("tls_key_file", "/etc/kvxfer/engine.key"),
             ("tls_ca_file", "/etc/kvxfer/ca.pem"),
             ("encrypt_data", "true"),
+            ("same_host", "require"),
         ];
         assert_eq!(good.len(), KEYS.len());
         let mut c = Config::default();
@@ -643,6 +662,7 @@ mod tests {
             ("auth_key_file", "/nonexistent/kvxfer.key"),
             ("tls_ca_file", " "),
             ("encrypt_data", "yes"),
+            ("same_host", "maybe"),
         ] {
             let e = c.set(k, v).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::BadValue, "{k}={v}");

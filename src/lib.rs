@@ -35,7 +35,7 @@ pub mod transport;
 pub mod ffi;
 
 pub use config::{Config, Role};
-pub use engine::{BufferDesc, Engine, RoomPeers};
+pub use engine::{BufferDesc, DataPath, Engine, RoomPeers};
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{KvKind, KvLayout, PageOrder};
 pub use room::{Cause, FailureReason, State};

@@ -82,6 +82,16 @@ macro_rules! metrics_table {
             counter data_runs_sent (data_runs_sent)
                 "kvxfer_data_runs_sent_total"
                 "Data runs written to peers (TCP data frames, RDMA writes), KV and aux.";
+            counter pairings_tcp (pairings_tcp)
+                "kvxfer_pairings_tcp_total" "Peer pairings whose data takes TCP.";
+            counter pairings_rdma (pairings_rdma)
+                "kvxfer_pairings_rdma_total" "Peer pairings whose data takes RDMA.";
+            counter pairings_same_host (pairings_same_host)
+                "kvxfer_pairings_same_host_total"
+                "Peer pairings whose data is copied directly between the two processes.";
+            counter same_host_fallbacks (same_host_fallbacks)
+                "kvxfer_same_host_fallbacks_total"
+                "Pairings on one host that took TCP because the same-host path could not be used.";
         }
     };
 }
@@ -344,7 +354,7 @@ mod tests {
             s.rooms_by_state[2]
         )));
         assert!(line("# TYPE kvxfer_rooms gauge"));
-        // Every sample line carries one distinct value, none missing, none twice: 17
+        // Every sample line carries one distinct value, none missing, none twice: 21
         // counters, 10 causes, 5 states and 2 gauges.
         let mut values: Vec<u64> = text
             .lines()
@@ -354,11 +364,11 @@ mod tests {
         values.sort_unstable();
         let n = values.len() as u64;
         assert_eq!(values, (1..=n).collect::<Vec<_>>(), "{text}");
-        assert_eq!(n, 34, "{text}");
+        assert_eq!(n, 38, "{text}");
         // One HELP and one TYPE per series, every series prefixed.
         let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((types, helps), (21, 21), "{text}");
+        assert_eq!((types, helps), (25, 25), "{text}");
         assert!(text
             .lines()
             .all(|l| l.starts_with("kvxfer_") || l.starts_with("# ")));

@@ -38,6 +38,10 @@ pub(crate) struct Node {
     pub rdma: Option<Arc<Device>>,
     pub metrics: Metrics,
     pub memory: Registry,
+    /// 16 random bytes a decode engine on this host reads to prove it may copy from
+    /// this process, and that it is this process (`transport::samehost`). Boxed: its
+    /// address is sent to peers and must not move.
+    pub probe: Box<[u8; 16]>,
     clock: Instant,
     /// Set once, when the engine stops. Release/Acquire: a thread that sees it set also
     /// sees everything the stopping thread did before (the rooms it failed).
@@ -84,6 +88,7 @@ impl Node {
             rdma,
             metrics: Metrics::default(),
             memory: Registry::default(),
+            probe: Box::new(probe()?),
             clock: Instant::now(),
             stopping: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
@@ -91,6 +96,13 @@ impl Node {
             threads: Mutex::new(Vec::new()),
         };
         Ok((Arc::new(node), listener))
+    }
+
+    /// This engine's identity for the same-host path, with its setting (and, on a
+    /// prefill engine, its probe).
+    pub fn host_info(&self) -> crate::proto::HostInfo {
+        let probe = (self.role == Role::Prefill).then_some(&*self.probe);
+        crate::transport::samehost::local(self.config.same_host, probe)
     }
 
     /// Milliseconds on the engine's monotonic clock.
@@ -453,4 +465,11 @@ fn pipe() -> Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: both descriptors were just created and are owned by nothing else.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Fresh random bytes for [`Node::probe`].
+fn probe() -> Result<[u8; 16]> {
+    let mut p = [0u8; 16];
+    getrandom::fill(&mut p).map_err(|e| err!(Io, "no random bytes for the probe: {e}"))?;
+    Ok(p)
 }

@@ -446,7 +446,12 @@ fn a_peer_writing_outside_the_heads_it_sends_is_cut_off_and_nothing_lands() {
     let mem: Vec<Region> = (0..BUFS)
         .map(|_| Region::new(POOL_PAGES, page, |_| POISON))
         .collect();
-    let tcp = [("transport", "tcp"), ("connections_per_peer", "1")];
+    // The fake speaks TCP data frames only.
+    let tcp = [
+        ("transport", "tcp"),
+        ("connections_per_peer", "1"),
+        ("same_host", "off"),
+    ];
     let d = common::start("decode", &tcp, common::quiet());
     register(&d, common::descs(&mem), GQA8, 0, d_side);
     // Prefill rank 0 (heads 0..2) is a real engine; rank 1 the fake.

@@ -112,7 +112,10 @@ fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {
     let mut child = ChildPrefill::start_in(
         &["ip", "netns", "exec", &host.ns],
         Some(&listen),
-        &[("KVXFER_TEST_AUTH_KEY_FILE", &key.path)],
+        &[
+            ("KVXFER_TEST_AUTH_KEY_FILE", &key.path),
+            ("KVXFER_TEST_SAME_HOST", "auto"),
+        ],
     );
     assert!(child.addr.starts_with(&host.addr), "{}", child.addr);
     // A fresh veth pair takes a moment to carry traffic: wait until a plain TCP connect
@@ -129,6 +132,9 @@ fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {
             ("heartbeat_interval_ms", "100"),
             ("heartbeat_misses", "5"),
             ("auth_key_file", &key.path),
+            // Both engines would take the same-host path if they could: another host
+            // (network namespace) must never pick it.
+            ("same_host", "auto"),
         ],
     );
 
@@ -141,6 +147,14 @@ fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {
     child.send("room 1");
     assert_eq!(wait_terminal(&d, 1), State::Success);
     assert_eq!(first_unlike_source(&mem, &src, &dst), None);
+    assert_eq!(d.room_path(1).unwrap(), kvxfer::DataPath::Tcp);
+    assert_eq!(
+        (
+            d.metrics().pairings_same_host,
+            d.metrics().same_host_fallbacks
+        ),
+        (0, 0)
+    );
 
     // 2. Cut the link while rooms wait: no RST, no FIN; the heartbeat deadline fails them.
     for r in 2..=4u64 {

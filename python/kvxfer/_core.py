@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 from . import _abi
-from ._abi import FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
+from ._abi import DataPath, FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
 from ._lib import lib
 from .errors import KvxferError, check, error_for
 
@@ -762,6 +762,19 @@ class Engine:
         except ValueError:
             c = cause.value
         return c, bool(from_peer.value)
+
+    @_wraps("kvxfer_room_path")
+    def room_path(self, room: int) -> DataPath | int:
+        """The path room ``room``'s data takes with its peer engines (:class:`DataPath`:
+        ``TCP``, ``RDMA``, ``SAME_HOST``; ``MIXED`` when its peers differ, ``UNKNOWN``
+        before any is paired)."""
+        name = "kvxfer_room_path"
+        path = ctypes.c_int32()
+        self._call(name, _room_id(room, name), ctypes.byref(path))
+        try:
+            return DataPath(path.value)
+        except ValueError:
+            return path.value
 
     @_wraps("kvxfer_room_drained")
     def room_drained(self, room: int) -> bool:

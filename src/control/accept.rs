@@ -7,8 +7,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{panic_message, Control, Peer, SetupError};
-use crate::proto::{ConnKind, Message};
+use super::{panic_message, Control, Path, Peer, SetupError};
+use crate::proto::{ConnKind, Message, SameHostSetting};
+use crate::transport::samehost::CopyLink;
 use crate::transport::tcp::seal::SealedConn;
 use crate::transport::tcp::SendConn;
 use crate::transport::DataLink;
@@ -142,8 +143,33 @@ impl Control {
                 peer.track(s.tcp());
                 let w = s.tcp().try_clone().map_err(|e| e.to_string())?;
                 let stall = node.peer_deadline();
+                if peer.path.get().is_none() {
+                    // No same-host offer came before the data connections: TCP, unless
+                    // we require the same-host path.
+                    if node.config.same_host == SameHostSetting::Require {
+                        // Refused in place of our Hello: the decode engine fails its
+                        // rooms with the reason.
+                        let why = format!(
+                            "same_host=require on the prefill engine, but {} did not offer \
+                             the same-host path (it has same_host=off)",
+                            peer.name
+                        );
+                        let refused = Message::PathChoice {
+                            same_host: false,
+                            why: why.clone(),
+                        };
+                        let _ = self.write_msg(&mut s, &refused);
+                        return Err(why);
+                    }
+                    self.paired(&peer, Path::Tcp, Some("no same-host offer"), false);
+                }
+                let same_host = matches!(peer.path.get(), Some(Path::SameHost { .. }));
                 let link: Arc<dyn DataLink> = match admitted.secret.filter(|_| self.encrypts_data())
                 {
+                    // Only run headers travel: the decode engine copies the bytes.
+                    _ if same_host => {
+                        Arc::new(CopyLink::new(w, stall, node.limits).map_err(|e| e.to_string())?)
+                    }
                     Some(secret) => {
                         Arc::new(SealedConn::new(w, stall, &secret).map_err(|e| e.to_string())?)
                     }

@@ -58,6 +58,9 @@ pub(crate) struct Peer {
     /// their layouts differ (head slices, other page sizes); unset for a byte copy of
     /// whole pages. Set with `kv_map`, before the peer is published.
     pub slicing: OnceLock<crate::slice::Slicing>,
+    /// The path the pairing's data takes, once chosen (by the setup, before the first
+    /// data link).
+    pub path: OnceLock<Path>,
     /// Rooms (id, local generation) that depend on this peer: the engine's record, which
     /// the peer's loss hands back to it.
     pub rooms: Mutex<HashSet<(u64, u64)>>,
@@ -74,6 +77,29 @@ pub(crate) struct Peer {
     /// Engine-clock ms when the peer was created: its setup (handshake, registration,
     /// transport, data connections) must finish within `bootstrap_timeout_ms` of it.
     pub(super) since_ms: u64,
+}
+
+/// The path a pairing's data takes (DESIGN inv. 11: chosen, reported, never silently
+/// degraded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// Data frames over TCP data connections.
+    Tcp,
+    /// RDMA writes.
+    Rdma,
+    /// The decode engine copies from prefill process `pid` (`transport::samehost`).
+    SameHost { pid: u32 },
+}
+
+impl Path {
+    /// The path's wire-independent number, as `kvxfer_room_path` reports it.
+    pub fn data_path(self) -> crate::DataPath {
+        match self {
+            Path::Tcp => crate::DataPath::Tcp,
+            Path::Rdma => crate::DataPath::Rdma,
+            Path::SameHost { .. } => crate::DataPath::SameHost,
+        }
+    }
 }
 
 impl Peer {
@@ -115,6 +141,7 @@ impl Peer {
             kv_layouts: OnceLock::new(),
             aux_count: OnceLock::new(),
             slicing: OnceLock::new(),
+            path: OnceLock::new(),
             rooms: Mutex::new(HashSet::new()),
             last_recv_ms: AtomicU64::new(now_ms),
             last_sent_ms: AtomicU64::new(now_ms),

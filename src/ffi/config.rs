@@ -71,6 +71,17 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 /// - `drain_timeout_ms` (default `5000`, 1..86400000): RDMA: longest a failed decode room
 ///   waits for the prefill's acknowledgement before its peer's queue pairs are shut.
 /// - `log_level` (default `warn`): `error` | `warn` | `info` | `debug` | `trace`.
+/// - `same_host` (default `auto`): `auto` | `require` | `off`. Engines on one host (the
+///   same boot id and network namespace, learnt in the handshake after authentication)
+///   move KV without the network: the decode engine copies the pages straight from the
+///   prefill process's registered memory (`process_vm_readv`). It needs the same PID
+///   namespace and permission to read the prefill process (same user and Yama
+///   `ptrace_scope` 0, or `CAP_SYS_PTRACE`), which the pairing proves by reading a probe.
+///   `auto`: that path when it can be used, TCP otherwise (logged at WARN with the
+///   reason, counted in `same_host_fallbacks`). `require`: that path or no pairing (the
+///   rooms fail as MISMATCH, the reason naming why, such as `ptrace denied:
+///   ptrace_scope=2`). `off`: never. TCP transport only (RDMA engines use RDMA).
+///   `kvxfer_room_path` tells which path a room took.
 ///
 /// Authentication:
 /// - `auth`: `required` | `off`. No fixed default: `required` when a key is set, `off`

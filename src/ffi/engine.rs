@@ -466,6 +466,16 @@ pub struct kvxfer_metrics {
     /// largest frame); head slices between different layouts are one run per byte
     /// segment, so runs per page tell how finely a transfer was cut.
     pub data_runs_sent: u64,
+    /// Peer pairings whose data takes TCP (one per peer engine connected).
+    pub pairings_tcp: u64,
+    /// Peer pairings whose data takes RDMA.
+    pub pairings_rdma: u64,
+    /// Peer pairings on one host whose data the decode engine copies directly from the
+    /// prefill process (`same_host`).
+    pub pairings_same_host: u64,
+    /// Pairings on one host that took TCP because the same-host path could not be used
+    /// (each also logged at WARN with the reason).
+    pub same_host_fallbacks: u64,
 }
 
 /// The copy of a snapshot into `kvxfer_metrics`, one field per C field named in the

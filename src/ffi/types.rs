@@ -93,6 +93,37 @@ pub enum kvxfer_failure_cause {
     KVXFER_CAUSE_INTERNAL = 10,
 }
 
+/// The path a room's data takes with its peer engines (`kvxfer_room_path`).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvxfer_path {
+    /// No peer engine of the room is paired yet (a prefill room before its destination
+    /// arrived, a decode room still connecting).
+    KVXFER_PATH_UNKNOWN = 0,
+    /// Data frames over the TCP data connections.
+    KVXFER_PATH_TCP = 1,
+    /// RDMA writes.
+    KVXFER_PATH_RDMA = 2,
+    /// Both engines on one host: the decode engine copies the pages directly from the
+    /// prefill process's memory (`same_host`).
+    KVXFER_PATH_SAME_HOST = 3,
+    /// The room's peer engines took different paths.
+    KVXFER_PATH_MIXED = 15,
+}
+
+impl From<crate::DataPath> for kvxfer_path {
+    fn from(p: crate::DataPath) -> Self {
+        use kvxfer_path::*;
+        match p {
+            crate::DataPath::Unknown => KVXFER_PATH_UNKNOWN,
+            crate::DataPath::Tcp => KVXFER_PATH_TCP,
+            crate::DataPath::Rdma => KVXFER_PATH_RDMA,
+            crate::DataPath::SameHost => KVXFER_PATH_SAME_HOST,
+            crate::DataPath::Mixed => KVXFER_PATH_MIXED,
+        }
+    }
+}
+
 /// Entries of `kvxfer_metrics.rooms_failed_by_cause`, indexed by `kvxfer_failure_cause`
 /// value: room for causes added later (index 0 and values past the last cause stay 0).
 /// (`tests/header.rs` writes it into the header as a `#define`.)

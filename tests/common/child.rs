@@ -29,12 +29,18 @@ pub fn plan(r: u64) -> (Vec<u32>, usize) {
 /// The prefill process, if KVXFER_CHILD is set: reads commands from stdin, one per
 /// line: `room R` creates room R and enqueues its chunks ([`plan`]); `big R` creates
 /// room R with every page, one page per chunk; `quit` exits. Its buffers hold the source
-/// pattern. Listens on KVXFER_LISTEN if set, and authenticates with the key in
-/// KVXFER_TEST_AUTH_KEY_FILE if set. Each test binary calls this from its
+/// pattern. Listens on KVXFER_LISTEN if set, authenticates with the key in
+/// KVXFER_TEST_AUTH_KEY_FILE if set, and makes itself not dumpable (no other process
+/// without CAP_SYS_PTRACE may read its memory) if KVXFER_TEST_UNDUMPABLE is set. Each test binary calls this from its
 /// `child_prefill` test.
 pub fn child_prefill_main() {
     if std::env::var_os("KVXFER_CHILD").is_none() {
         return;
+    }
+    if std::env::var_os("KVXFER_TEST_UNDUMPABLE").is_some() {
+        // Only a process with CAP_SYS_PTRACE may read this one's memory now.
+        // SAFETY: prctl(PR_SET_DUMPABLE) takes plain integers and touches no memory.
+        assert_eq!(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) }, 0);
     }
     let mem = source(BUFS, PAGES, ITEM);
     let listen = std::env::var("KVXFER_LISTEN").unwrap_or_else(|_| "127.0.0.1:0".into());
@@ -64,8 +70,12 @@ pub fn child_prefill_main() {
                 // Every page, one page per chunk: a transfer long enough to interrupt.
                 p.room_create(r, RoomPeers::Decoders(1)).unwrap();
                 for page in 0..PAGES as u32 {
-                    p.enqueue_chunk(r, &[page], page + 1 == PAGES as u32, None)
-                        .unwrap();
+                    // A test may cut the room short (it fails here, and refuses more).
+                    if p.enqueue_chunk(r, &[page], page + 1 == PAGES as u32, None)
+                        .is_err()
+                    {
+                        break;
+                    }
                 }
             }
             (Some("quit"), _) => return,
