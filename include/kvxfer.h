@@ -562,7 +562,8 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   leaf must be signed (through the chain) by a CA of `tls_ca_file` and allow
  *   TLS server and client use (extended key usages serverAuth and clientAuth, or none).
  * - `tls_key_file`: path of that certificate's private key, PEM (PKCS#8, PKCS#1 or
- *   SEC1).
+ *   SEC1); like `auth_key_file`, a regular file that grants nothing to group or
+ *   others (mode 0600 or 0400), else the message names the path and its mode.
  * - `tls_ca_file`: path of the cluster CA's certificate(s), PEM. Host names are not
  *   checked: any certificate it signed is a member of the cluster.
  * - `encrypt_data` (default `false`): `true` | `false`. `true` seals every KV payload on
@@ -576,9 +577,9 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * it), and data connections prove the control session they belong to even without a
  * key. The files are read by `kvxfer_engine_new`, which fails with
  * `KVXFER_ERR_BAD_VALUE` naming the key and the path when only some of the three are
- * set, a file cannot be read or holds no usable PEM, the key does not fit the
- * certificate, the certificate is not signed by the CA, or `encrypt_data=true` has no
- * TLS. An engine with TLS and one without fail their rooms as with different `auth`
+ * set, a file cannot be read or holds no usable PEM, the key's file grants anything to
+ * group or others, the key does not fit the certificate, the certificate is not signed
+ * by the CA, or `encrypt_data=true` has no TLS. An engine with TLS and one without fail their rooms as with different `auth`
  * settings, the reasons naming TLS; so do engines that differ in `encrypt_data`, the
  * reasons naming it.
  *

@@ -119,22 +119,7 @@ impl Key {
     /// [`MAX_KEY_LEN`] bytes, in a regular file that grants no permission to its group or
     /// to others (mode `0600` or `0400`). Errors name the path (and the mode).
     pub fn from_file(path: &str) -> Result<Key, String> {
-        use std::os::unix::fs::PermissionsExt;
-        let file = File::open(path).map_err(|e| format!("cannot open '{path}': {e}"))?;
-        // The checks are on the open file, so the file read is the file checked.
-        let meta = file
-            .metadata()
-            .map_err(|e| format!("cannot stat '{path}': {e}"))?;
-        if !meta.is_file() {
-            return Err(format!("'{path}' is not a regular file"));
-        }
-        let mode = meta.permissions().mode() & 0o7777;
-        if mode & 0o077 != 0 {
-            return Err(format!(
-                "'{path}' has mode {mode:04o}: a key file must be readable only by its owner, \
-                 with no permission for group or others (chmod 600 '{path}')"
-            ));
-        }
+        let file = open_private(path)?;
         let mut bytes = Vec::new();
         file.take(MAX_KEY_LEN as u64 + 1)
             .read_to_end(&mut bytes)
@@ -146,6 +131,29 @@ impl Key {
     pub fn id(&self) -> [u8; AUTH_KEY_ID_LEN] {
         key_id(&self.0)
     }
+}
+
+/// Opens secret file `path` (a key) for reading, after checking the open file: a
+/// regular file that grants no permission to its group or to others (mode `0600` or
+/// `0400`). The checks are on the open file, so the file read is the file checked.
+/// Errors name the path (and the mode).
+pub(crate) fn open_private(path: &str) -> Result<File, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let file = File::open(path).map_err(|e| format!("cannot open '{path}': {e}"))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot stat '{path}': {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("'{path}' is not a regular file"));
+    }
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "'{path}' has mode {mode:04o}: a key file must be readable only by its owner, \
+             with no permission for group or others (chmod 600 '{path}')"
+        ));
+    }
+    Ok(file)
 }
 
 /// The secret of an authenticated control session, from which its data connections
