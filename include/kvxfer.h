@@ -502,6 +502,14 @@ typedef struct kvxfer_metrics {
    * segment, so runs per page tell how finely a transfer was cut.
    */
   uint64_t data_runs_sent;
+  /**
+   * Prefill engine: authenticated connections refused past a bound on what one decode
+   * engine, or all of them, may hold: a control connection from a new decode engine
+   * while the engine already serves 1024, a data connection whose index is 64 or more
+   * (`connections_per_peer` is at most 64) or is already live for its engine. Each is
+   * closed and logged (warn level the first time per address, debug after).
+   */
+  uint64_t peer_limit_refusals;
 } kvxfer_metrics;
 
 #ifdef __cplusplus

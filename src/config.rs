@@ -202,6 +202,10 @@ pub const KEYS: &[ConfigKey] = &[
     ),
 ];
 
+/// The most data connections one engine opens to a peer (`connections_per_peer`), which
+/// is also the most a prefill engine accepts from one decode engine.
+pub const MAX_CONNECTIONS_PER_PEER: usize = range("connections_per_peer").1 as usize;
+
 /// The range of integer key `name` in [`KEYS`]. Meant for `const` contexts, where a name
 /// without a range fails the build.
 const fn range(name: &str) -> (u64, u64) {

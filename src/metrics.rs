@@ -82,6 +82,9 @@ macro_rules! metrics_table {
             counter data_runs_sent (data_runs_sent)
                 "kvxfer_data_runs_sent_total"
                 "Data runs written to peers (TCP data frames, RDMA writes), KV and aux.";
+            counter peer_limit_refusals (peer_limit_refusals)
+                "kvxfer_peer_limit_refusals_total"
+                "Authenticated connections refused past a bound: more decode engines than a prefill engine serves, a data connection index out of range or already live.";
         }
     };
 }
@@ -344,7 +347,7 @@ mod tests {
             s.rooms_by_state[2]
         )));
         assert!(line("# TYPE kvxfer_rooms gauge"));
-        // Every sample line carries one distinct value, none missing, none twice: 17
+        // Every sample line carries one distinct value, none missing, none twice: 18
         // counters, 10 causes, 5 states and 2 gauges.
         let mut values: Vec<u64> = text
             .lines()
@@ -354,11 +357,11 @@ mod tests {
         values.sort_unstable();
         let n = values.len() as u64;
         assert_eq!(values, (1..=n).collect::<Vec<_>>(), "{text}");
-        assert_eq!(n, 34, "{text}");
+        assert_eq!(n, 35, "{text}");
         // One HELP and one TYPE per series, every series prefixed.
         let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((types, helps), (21, 21), "{text}");
+        assert_eq!((types, helps), (22, 22), "{text}");
         assert!(text
             .lines()
             .all(|l| l.starts_with("kvxfer_") || l.starts_with("# ")));

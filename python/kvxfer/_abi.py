@@ -263,6 +263,7 @@ class Metrics(ctypes.Structure):
         ('auth_failures', ctypes.c_uint64),
         ('binding_refusals', ctypes.c_uint64),
         ('data_runs_sent', ctypes.c_uint64),
+        ('peer_limit_refusals', ctypes.c_uint64),
     ]
 
     FIELD_DOCS = {
@@ -288,6 +289,7 @@ class Metrics(ctypes.Structure):
         'auth_failures': 'Connections refused at authentication, on either side (see `auth` and the `tls_*`\nkeys in `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete\nor malformed handshake, too many connections authenticating at once, a failed TLS\nhandshake (a certificate not of the CA, an alert), or TLS on one side only.',
         'binding_refusals': 'Prefill engine: destinations and aborts refused because their room is bound to\nother decode engines (`kvxfer_room_create_for`). Each refused destination is\nanswered with a failure of its decode room; the prefill room is unchanged.',
         'data_runs_sent': 'Prefill engine: data runs written to decode engines, KV and aux (TCP: data frames;\nRDMA: writes). A byte copy of consecutive pages is one run per buffer (cut at the\nlargest frame); head slices between different layouts are one run per byte\nsegment, so runs per page tell how finely a transfer was cut.',
+        'peer_limit_refusals': 'Prefill engine: authenticated connections refused past a bound on what one decode\nengine, or all of them, may hold: a control connection from a new decode engine\nwhile the engine already serves 1024, a data connection whose index is 64 or more\n(`connections_per_peer` is at most 64) or is already live for its engine. Each is\nclosed and logged (warn level the first time per address, debug after).',
     }
 
 

@@ -50,6 +50,10 @@ pub(crate) const MAX_PENDING_PER_ADDR: usize = 32;
 const SEEN_NONCES: usize = 4096;
 /// Control sessions (one per decode engine) whose data connections may still come.
 const MAX_SESSIONS: usize = 4096;
+/// Most decode engines one prefill engine serves at once (each has a control
+/// connection, two threads and up to `MAX_CONNECTIONS_PER_PEER` data connections with a
+/// thread each); a control connection from one more is refused.
+pub(crate) const MAX_PEERS: usize = 1024;
 /// Remote addresses remembered as already logged.
 const MAX_LOGGED: usize = 4096;
 
@@ -69,6 +73,9 @@ pub(crate) struct Gate {
     pending: Mutex<(usize, HashMap<IpAddr, usize>)>,
     /// Addresses whose refusal was logged at warn level.
     logged: Mutex<HashSet<IpAddr>>,
+    /// Addresses whose refusal past a bound (`Control::over_limit`) was logged at warn
+    /// level.
+    limit_logged: Mutex<HashSet<IpAddr>>,
     /// The last refusal: engine-clock ms and what it said.
     last: Mutex<Option<(u64, String)>>,
 }
@@ -89,6 +96,7 @@ impl Gate {
             sessions: Mutex::new((HashMap::new(), VecDeque::new())),
             pending: Mutex::new((0, HashMap::new())),
             logged: Mutex::new(HashSet::new()),
+            limit_logged: Mutex::new(HashSet::new()),
             last: Mutex::new(None),
         })
     }
@@ -110,6 +118,16 @@ impl Gate {
         }
     }
 
+    /// Forgets the control session of `engine_id` (one refused after it authenticated),
+    /// so that refused sessions do not push out those of engines being served.
+    pub(super) fn forget_session(&self, engine_id: u64) {
+        let mut g = self.sessions.lock();
+        let (map, order) = &mut *g;
+        if map.remove(&engine_id).is_some() {
+            order.retain(|id| *id != engine_id);
+        }
+    }
+
     /// A slot for one more unauthenticated connection from `ip`, if any is free.
     fn slot(&self, ip: IpAddr) -> Option<Slot<'_>> {
         let mut g = self.pending.lock();
@@ -126,16 +144,21 @@ impl Gate {
         Some(Slot { gate: self, ip })
     }
 
-    /// True the first time `ip` is refused (while fewer than `MAX_LOGGED` are known).
     /// The last refusal: when (engine-clock ms) and what.
     pub(crate) fn last_refusal(&self) -> Option<(u64, String)> {
         self.last.lock().clone()
     }
 
+    /// True the first time `ip` is refused (while fewer than `MAX_LOGGED` are known).
     fn first_refusal(&self, ip: IpAddr) -> bool {
-        let mut logged = self.logged.lock();
-        logged.len() < MAX_LOGGED && logged.insert(ip)
+        first_time(&self.logged, ip)
     }
+}
+
+/// True the first time `ip` is put in `logged` (while fewer than `MAX_LOGGED` are).
+fn first_time(logged: &Mutex<HashSet<IpAddr>>, ip: IpAddr) -> bool {
+    let mut logged = logged.lock();
+    logged.len() < MAX_LOGGED && logged.insert(ip)
 }
 
 /// One unauthenticated connection's place in [`Gate::pending`], given back on drop.
@@ -240,6 +263,25 @@ impl Control {
                 a.ip()
             ),
             _ => crate::log!(self.node.log, Debug, "{text}"),
+        }
+    }
+
+    /// Counts and logs an authenticated connection refused past a bound (`what` says
+    /// which), at warn level once per address. The caller closes it.
+    pub(super) fn over_limit(&self, addr: Option<SocketAddr>, what: &str) {
+        self.node
+            .metrics
+            .peer_limit_refusals
+            .fetch_add(1, Ordering::Relaxed);
+        match addr {
+            Some(a) if first_time(&self.gate.limit_logged, a.ip()) => crate::log!(
+                self.node.log,
+                Warn,
+                "refused {what} (later refusals past a bound from {} are logged at debug \
+                 level; counted in peer_limit_refusals)",
+                a.ip()
+            ),
+            _ => crate::log!(self.node.log, Debug, "refused {what}"),
         }
     }
 

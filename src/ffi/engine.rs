@@ -466,6 +466,12 @@ pub struct kvxfer_metrics {
     /// largest frame); head slices between different layouts are one run per byte
     /// segment, so runs per page tell how finely a transfer was cut.
     pub data_runs_sent: u64,
+    /// Prefill engine: authenticated connections refused past a bound on what one decode
+    /// engine, or all of them, may hold: a control connection from a new decode engine
+    /// while the engine already serves 1024, a data connection whose index is 64 or more
+    /// (`connections_per_peer` is at most 64) or is already live for its engine. Each is
+    /// closed and logged (warn level the first time per address, debug after).
+    pub peer_limit_refusals: u64,
 }
 
 /// The copy of a snapshot into `kvxfer_metrics`, one field per C field named in the
@@ -657,6 +663,7 @@ mod tests {
             auth_failures: 9,
             binding_refusals: 6,
             data_runs_sent: 12,
+            peer_limit_refusals: 13,
             inflight: 2,
             ..Default::default()
         };
@@ -667,6 +674,7 @@ mod tests {
         assert_eq!((c.rooms_created, c.held_destinations), (40, 7));
         assert_eq!((c.rooms_draining, c.auth_failures, c.inflight), (3, 9, 2));
         assert_eq!((c.binding_refusals, c.data_runs_sent), (6, 12));
+        assert_eq!(c.peer_limit_refusals, 13);
         assert_eq!(c.rooms_failed, 16);
         let mut by_cause = [0; KVXFER_METRICS_CAUSES];
         by_cause[kvxfer_failure_cause::KVXFER_CAUSE_ABORTED as usize] = 5;
