@@ -354,6 +354,9 @@ pub enum Reason {
     TlsMismatch,
     /// The TLS handshake failed: a certificate not of the cluster's CA, an alert.
     Tls,
+    /// The peer is on another host, and one of the two engines has neither a key nor
+    /// TLS and `auth` at `auto`, so it works only with engines on its own host.
+    NotLocal,
 }
 
 impl Reason {
@@ -371,6 +374,7 @@ impl Reason {
             Reason::Malformed => "malformed handshake",
             Reason::TlsMismatch => "TLS on one side only",
             Reason::Tls => "TLS handshake failed",
+            Reason::NotLocal => "not on this host",
         }
     }
 
@@ -379,7 +383,12 @@ impl Reason {
     pub fn is_config_mismatch(self) -> bool {
         matches!(
             self,
-            Reason::NoKey | Reason::Mismatch | Reason::WrongKey | Reason::TlsMismatch | Reason::Tls
+            Reason::NoKey
+                | Reason::Mismatch
+                | Reason::WrongKey
+                | Reason::TlsMismatch
+                | Reason::Tls
+                | Reason::NotLocal
         )
     }
 }
@@ -405,7 +414,7 @@ impl Failure {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let word = match self.reason {
-            Reason::Mismatch | Reason::NoKey => "authentication mismatch",
+            Reason::Mismatch | Reason::NoKey | Reason::NotLocal => "authentication mismatch",
             Reason::TlsMismatch => "TLS mismatch",
             Reason::Tls => "TLS authentication failed",
             _ => "authentication failed",
@@ -635,6 +644,12 @@ pub fn read_hello<S: Conn>(s: &mut S, deadline: Instant) -> Result<Message, Fail
     read_frame(&mut Timed { s, deadline }, &[Kind::Hello])
 }
 
+/// Why a prefill engine refused us from another host ([`AuthRefusal::NotLocal`]).
+pub const NOT_LOCAL_PEER: &str =
+    "the peer accepts only engines on its own host: it has no cluster key and no TLS, and \
+     'auth' at its default ('auto'). Give every engine the same key ('auth_key_file'), or \
+     set 'auth' to 'off' on both to run without authentication";
+
 /// What the peer's refusal means, seen from `me`.
 fn refused(me: &Local<'_>, reason: AuthRefusal, theirs: AuthMode) -> Failure {
     let ours = me.mode;
@@ -685,6 +700,7 @@ fn refused(me: &Local<'_>, reason: AuthRefusal, theirs: AuthMode) -> Failure {
                 me.name()
             ),
         ),
+        AuthRefusal::NotLocal => (Reason::NotLocal, NOT_LOCAL_PEER.into()),
     };
     Failure::new(r, detail)
 }

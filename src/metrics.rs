@@ -75,7 +75,7 @@ macro_rules! metrics_table {
                 "Rooms cleared before they drained, draining in the background.";
             counter auth_failures (auth_failures)
                 "kvxfer_auth_failures_total"
-                "Connections refused at authentication (no key, wrong key, bad proof, replay, TLS, ...).";
+                "Connections refused at authentication (no key, wrong key, bad proof, replay, TLS, not on this host, ...).";
             counter binding_refusals (binding_refusals)
                 "kvxfer_binding_refusals_total"
                 "Destinations and aborts refused: the room is bound to other decode engines.";

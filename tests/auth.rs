@@ -835,3 +835,40 @@ fn a_prefill_engine_serves_at_most_1024_decode_engines_and_refuses_one_more() {
     assert_eq!(late.id, 1026);
     drop((members, again, late));
 }
+
+#[test]
+fn without_a_key_an_engine_listens_beyond_this_host_only_with_auth_off() {
+    let start = |extra: &[(&str, &str)]| {
+        let mut c = Config::default();
+        c.set("role", "prefill").unwrap();
+        for (k, v) in extra {
+            c.set(k, v).unwrap();
+        }
+        Engine::new(c, common::quiet())
+    };
+    // A wildcard (or any address not loopback) without a key is refused, naming the
+    // settings and the ways out.
+    for extra in [
+        &[("listen", "0.0.0.0:0")][..],
+        &[("listen", "0.0.0.0:0"), ("auth", "auto")][..],
+    ] {
+        let e = start(extra)
+            .err()
+            .expect("a keyless engine listening everywhere");
+        assert_eq!(e.kind(), kvxfer::ErrorKind::BadValue, "{e}");
+        for part in ["'listen'", "0.0.0.0:0", "'auth'", "auth_key_file", "'off'"] {
+            assert!(e.message().contains(part), "{part}: {e}");
+        }
+    }
+    // auth=off says so explicitly; a key protects the address.
+    let off = start(&[("listen", "0.0.0.0:0"), ("auth", "off")]).unwrap();
+    let keyed = start(&[("listen", "0.0.0.0:0"), ("auth_key", KEY_A)]).unwrap();
+    // Any loopback address is this host.
+    let local = start(&[("listen", "127.0.0.2:0")]).unwrap();
+    assert!(
+        local.address().starts_with("127.0.0.2:"),
+        "{}",
+        local.address()
+    );
+    drop((off, keyed, local));
+}

@@ -17,6 +17,13 @@
 //! differ (or TLS: one side only, a certificate the other refuses), `PROTOCOL` for a bad
 //! proof or a replay, `PEER_LOST` for an incomplete one.
 //!
+//! Without a key or TLS, and `auth` at `auto`, an engine serves only its own host
+//! (`Config::local_only`): the prefill side answers a connection from an address that
+//! is not loopback with `AuthRefused` (not on this host) before reading anything from it,
+//! the decode side drops a connection it made to such an address before writing to it;
+//! both count and log it like the refusals above. (The engine could not start listening
+//! beyond loopback: `Node::new`.)
+//!
 //! With TLS (`crate::tls`), the prefill side tells a control connection (a TLS record
 //! first) from a data connection (a plain frame first) by the first byte, runs the TLS
 //! handshake for the former, refuses a plain control connection or a TLS data
@@ -35,6 +42,7 @@ use super::{Control, Peer, SetupError};
 use crate::auth::{self, Failure, Key, Local, NonceCache, PeerHello, Reason, SessionSecret};
 use crate::config::{AuthMode, Config};
 use crate::error::Result;
+use crate::node::is_local;
 use crate::proto::{ConnKind, Message, Role as WireRole, PROTO_VERSION};
 use crate::room::Cause;
 use crate::tls::{HandshakeError, Tls, Wire};
@@ -60,6 +68,9 @@ const MAX_LOGGED: usize = 4096;
 /// Authentication state of one engine.
 pub(crate) struct Gate {
     mode: AuthMode,
+    /// `auth=auto` with neither a key nor TLS: only engines on this host (loopback
+    /// addresses), both ways (`Config::local_only`).
+    local_only: bool,
     /// TLS of the control connections, when configured.
     tls: Option<Tls>,
     /// `encrypt_data`.
@@ -86,6 +97,7 @@ impl Gate {
         let mode = config.auth_mode()?;
         Ok(Gate {
             mode,
+            local_only: config.local_only(),
             tls: config.tls()?,
             encrypt_data: config.encrypt_data,
             key: config
@@ -285,6 +297,50 @@ impl Control {
         }
     }
 
+    /// Tells the peer of accepted connection `s` at once why it is refused, without
+    /// waiting for it to read (best effort).
+    fn tell(&self, s: &TcpStream, reason: crate::proto::AuthRefusal) {
+        let mut msg = Vec::new();
+        let m = Message::AuthRefused {
+            reason,
+            auth: self.gate.mode,
+        };
+        if m.encode(&mut msg).is_ok() {
+            let _ = s.set_nonblocking(true);
+            let _ = std::io::Write::write_all(&mut &*s, &msg);
+        }
+    }
+
+    /// Decode side: with `auth=auto` and neither a key nor TLS, refuses the connection
+    /// `s` just made to `peer` if it leads to another host (counted and logged as a
+    /// refusal), before anything is sent on it.
+    pub(super) fn local_peer(
+        &self,
+        s: &TcpStream,
+        peer: &Arc<Peer>,
+    ) -> std::result::Result<(), SetupError> {
+        if !self.gate.local_only {
+            return Ok(());
+        }
+        let addr = s.peer_addr().ok();
+        if addr.is_some_and(|a| is_local(a.ip())) {
+            return Ok(());
+        }
+        let f = Failure::new(
+            Reason::NotLocal,
+            format!(
+                "{} is at {}, not on this host, and this engine works only with engines on its \
+                 own host: it has no cluster key and no TLS, and 'auth' at its default \
+                 ('auto'). Give every engine the same key ('auth_key_file'), or set 'auth' to \
+                 'off' on both to run without authentication",
+                peer.name,
+                addr.map_or_else(|| "an unknown address".into(), |a| a.to_string())
+            ),
+        );
+        self.refused(addr, &peer.name, &f);
+        Err(SetupError::new(cause(&f), f.to_string()))
+    }
+
     /// Tells a peer in the clear that TLS is on one side only (best effort).
     fn refuse_tls(&self, s: &TcpStream) {
         let mut msg = Vec::new();
@@ -309,16 +365,21 @@ impl Control {
             || "a connection".to_string(),
             |a| format!("connection from {a}"),
         );
+        if self.gate.local_only && !addr.is_some_and(|a| is_local(a.ip())) {
+            // Nothing is read from it: it is told why, best effort, and closed.
+            self.tell(&s, crate::proto::AuthRefusal::NotLocal);
+            let f = Failure::new(
+                Reason::NotLocal,
+                "this engine accepts only engines on its own host (loopback addresses): it \
+                 has no cluster key and no TLS, and 'auth' at its default ('auto'). Give \
+                 every engine the same key ('auth_key_file'), or set 'auth' to 'off' to \
+                 accept any address without authentication",
+            );
+            self.refused(addr, &who, &f);
+            return Ok(None);
+        }
         let Some(_slot) = addr.map_or(Some(None), |a| self.gate.slot(a.ip()).map(Some)) else {
-            let mut msg = Vec::new();
-            let busy = Message::AuthRefused {
-                reason: crate::proto::AuthRefusal::Busy,
-                auth: self.gate.mode,
-            };
-            if busy.encode(&mut msg).is_ok() {
-                let _ = s.set_nonblocking(true);
-                let _ = std::io::Write::write_all(&mut &s, &msg);
-            }
+            self.tell(&s, crate::proto::AuthRefusal::Busy);
             let f = Failure {
                 reason: Reason::Busy,
                 detail: format!(

@@ -115,10 +115,12 @@ pub struct kvxfer_buffer {
 /// it in `*out`. The engine binds its listening socket and starts its threads before
 /// this returns.
 ///
-/// Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set or `auth` is `required` without a
-/// key, `KVXFER_ERR_TRANSPORT_UNAVAILABLE`
-/// if the requested transport cannot run here, `KVXFER_ERR_IO` if the address cannot be
-/// bound, `KVXFER_ERR_NULL_POINTER`. `*out` is written only on success.
+/// Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set, `auth` is `required` without a
+/// key, `listen` is not a loopback address while the engine has neither a key nor TLS
+/// and `auth` is not `off` (the message names both keys), or a TLS file is unusable;
+/// `KVXFER_ERR_TRANSPORT_UNAVAILABLE` if the requested transport cannot run here,
+/// `KVXFER_ERR_IO` if the address cannot be bound, `KVXFER_ERR_NULL_POINTER`. `*out` is
+/// written only on success.
 #[no_mangle]
 #[must_use]
 pub unsafe extern "C" fn kvxfer_engine_new(
@@ -455,7 +457,8 @@ pub struct kvxfer_metrics {
     /// Connections refused at authentication, on either side (see `auth` and the `tls_*`
     /// keys in `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete
     /// or malformed handshake, too many connections authenticating at once, a failed TLS
-    /// handshake (a certificate not of the CA, an alert), or TLS on one side only.
+    /// handshake (a certificate not of the CA, an alert), TLS on one side only, or another
+    /// host where an engine without a key serves only its own (`auth=auto`).
     pub auth_failures: u64,
     /// Prefill engine: destinations and aborts refused because their room is bound to
     /// other decode engines (`kvxfer_room_create_for`). Each refused destination is

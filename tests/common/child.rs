@@ -29,9 +29,9 @@ pub fn plan(r: u64) -> (Vec<u32>, usize) {
 /// The prefill process, if KVXFER_CHILD is set: reads commands from stdin, one per
 /// line: `room R` creates room R and enqueues its chunks ([`plan`]); `big R` creates
 /// room R with every page, one page per chunk; `quit` exits. Its buffers hold the source
-/// pattern. Listens on KVXFER_LISTEN if set, and authenticates with the key in
-/// KVXFER_TEST_AUTH_KEY_FILE if set. Each test binary calls this from its
-/// `child_prefill` test.
+/// pattern. Listens on KVXFER_LISTEN if set, authenticates with the key in
+/// KVXFER_TEST_AUTH_KEY_FILE if set, and sets `auth` to KVXFER_TEST_AUTH if set. Each
+/// test binary calls this from its `child_prefill` test.
 pub fn child_prefill_main() {
     if std::env::var_os("KVXFER_CHILD").is_none() {
         return;
@@ -39,9 +39,13 @@ pub fn child_prefill_main() {
     let mem = source(BUFS, PAGES, ITEM);
     let listen = std::env::var("KVXFER_LISTEN").unwrap_or_else(|_| "127.0.0.1:0".into());
     let key_file = std::env::var("KVXFER_TEST_AUTH_KEY_FILE").ok();
+    let auth = std::env::var("KVXFER_TEST_AUTH").ok();
     let mut extra = vec![("heartbeat_interval_ms", "100"), ("listen", &listen)];
     if let Some(f) = &key_file {
         extra.push(("auth_key_file", f));
+    }
+    if let Some(a) = &auth {
+        extra.push(("auth", a));
     }
     let p = engine("prefill", &mem, &extra);
     println!("ADDR {}", p.address());
