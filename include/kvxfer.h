@@ -525,7 +525,8 @@ typedef struct kvxfer_metrics {
    * Connections refused at authentication, on either side (see `auth` and the `tls_*`
    * keys in `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete
    * or malformed handshake, too many connections authenticating at once, a failed TLS
-   * handshake (a certificate not of the CA, an alert), or TLS on one side only.
+   * handshake (a certificate not of the CA, an alert), TLS on one side only, or another
+   * host where an engine without a key serves only its own (`auth=auto`).
    */
   uint64_t auth_failures;
   /**
@@ -541,6 +542,14 @@ typedef struct kvxfer_metrics {
    * segment, so runs per page tell how finely a transfer was cut.
    */
   uint64_t data_runs_sent;
+  /**
+   * Prefill engine: authenticated connections refused past a bound on what one decode
+   * engine, or all of them, may hold: a control connection from a new decode engine
+   * while the engine already serves 1024, a data connection whose index is 64 or more
+   * (`connections_per_peer` is at most 64) or is already live for its engine. Each is
+   * closed and logged (warn level the first time per address, debug after).
+   */
+  uint64_t peer_limit_refusals;
   /**
    * Peer pairings whose data takes TCP (one per peer engine connected).
    */
@@ -580,7 +589,8 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * - `role`: `prefill` | `decode`. No default: must be set.
  * - `listen` (default `127.0.0.1:0`): `host:port` to listen on, port 0 = any; IPv6 as
  *   `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
- *   reports this machine's host name.
+ *   reports this machine's host name. An address that is not loopback needs a key, TLS
+ *   or `auth=off` (see `auth`).
  * - `transport` (default `auto`): `auto` | `tcp` | `rdma`.
  * - `workers` (default `4`, 1..256): worker threads.
  * - `connections_per_peer` (default `2`, 1..64): data connections to each peer engine
@@ -615,8 +625,14 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   `kvxfer_room_path` tells which path a room took.
  *
  * Authentication:
- * - `auth`: `required` | `off`. No fixed default: `required` when a key is set, `off`
- *   otherwise.
+ * - `auth` (default `auto`): `auto` | `required` | `off`. `auto`: `required` when a key
+ *   is set; without a key or TLS, the engine works only with engines on its own host:
+ *   it must listen on a loopback address (else `kvxfer_engine_new` fails with
+ *   `KVXFER_ERR_BAD_VALUE` naming `listen` and `auth`), a prefill engine refuses
+ *   connections from other addresses (counted in `auth_failures`), a decode engine
+ *   does not connect to a prefill engine elsewhere (its rooms fail with
+ *   `KVXFER_CAUSE_MISMATCH`, the reason naming `auth`). `required`: every connection
+ *   proves the key. `off`: no authentication, any address, any peer.
  * - `auth_key_file`: path of the cluster key: the file's whole content, 32 to 4096
  *   bytes, best 32 random bytes such as `head -c 32 /dev/urandom`; the file must be a
  *   regular file that grants nothing to group or others, mode 0600 or 0400, else the
@@ -630,7 +646,8 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   leaf must be signed (through the chain) by a CA of `tls_ca_file` and allow
  *   TLS server and client use (extended key usages serverAuth and clientAuth, or none).
  * - `tls_key_file`: path of that certificate's private key, PEM (PKCS#8, PKCS#1 or
- *   SEC1).
+ *   SEC1); like `auth_key_file`, a regular file that grants nothing to group or
+ *   others (mode 0600 or 0400), else the message names the path and its mode.
  * - `tls_ca_file`: path of the cluster CA's certificate(s), PEM. Host names are not
  *   checked: any certificate it signed is a member of the cluster.
  * - `encrypt_data` (default `false`): `true` | `false`. `true` seals every KV payload on
@@ -644,11 +661,11 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * it), and data connections prove the control session they belong to even without a
  * key. The files are read by `kvxfer_engine_new`, which fails with
  * `KVXFER_ERR_BAD_VALUE` naming the key and the path when only some of the three are
- * set, a file cannot be read or holds no usable PEM, the key does not fit the
- * certificate, the certificate is not signed by the CA, or `encrypt_data=true` has no
- * TLS. An engine with TLS and one without fail their rooms as with different `auth`
- * settings, the reasons naming TLS; so do engines that differ in `encrypt_data`, the
- * reasons naming it.
+ * set, a file cannot be read or holds no usable PEM, the key's file grants anything to
+ * group or others, the key does not fit the certificate, the certificate is not signed
+ * by the CA, or `encrypt_data=true` has no TLS. An engine with TLS and one without
+ * fail their rooms as with different `auth` settings, the reasons naming TLS; so do
+ * engines that differ in `encrypt_data`, the reasons naming it.
  *
  * Whichever of `auth_key_file` and `auth_key` is set last is the key. With
  * `auth=required` every connection between two engines proves, both ways, that both
@@ -656,7 +673,8 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * in key fail their rooms (decode side: `KVXFER_CAUSE_MISMATCH`, the reason naming
  * authentication and both settings; prefill side: at `bootstrap_timeout_ms`, the
  * reason naming the refused connection). `auth=required` without a key makes
- * `kvxfer_engine_new` fail with `KVXFER_ERR_BAD_VALUE`.
+ * `kvxfer_engine_new` fail with `KVXFER_ERR_BAD_VALUE`. A keyless `auto` engine and an
+ * `off` one on the same host work together (neither authenticates).
  *
  * Errors: `KVXFER_ERR_UNKNOWN_KEY` for a key not listed, `KVXFER_ERR_BAD_VALUE` for a
  * value the key does not accept (the message names both), `KVXFER_ERR_NULL_POINTER`.
@@ -707,10 +725,12 @@ void kvxfer_config_free(struct kvxfer_config *cfg);
  * it in `*out`. The engine binds its listening socket and starts its threads before
  * this returns.
  *
- * Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set or `auth` is `required` without a
- * key, `KVXFER_ERR_TRANSPORT_UNAVAILABLE`
- * if the requested transport cannot run here, `KVXFER_ERR_IO` if the address cannot be
- * bound, `KVXFER_ERR_NULL_POINTER`. `*out` is written only on success.
+ * Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set, `auth` is `required` without a
+ * key, `listen` is not a loopback address while the engine has neither a key nor TLS
+ * and `auth` is not `off` (the message names both keys), or a TLS file is unusable;
+ * `KVXFER_ERR_TRANSPORT_UNAVAILABLE` if the requested transport cannot run here,
+ * `KVXFER_ERR_IO` if the address cannot be bound, `KVXFER_ERR_NULL_POINTER`. `*out` is
+ * written only on success.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_engine_new(const struct kvxfer_config *cfg, struct kvxfer_engine **out);
 

@@ -75,13 +75,16 @@ macro_rules! metrics_table {
                 "Rooms cleared before they drained, draining in the background.";
             counter auth_failures (auth_failures)
                 "kvxfer_auth_failures_total"
-                "Connections refused at authentication (no key, wrong key, bad proof, replay, TLS, ...).";
+                "Connections refused at authentication (no key, wrong key, bad proof, replay, TLS, not on this host, ...).";
             counter binding_refusals (binding_refusals)
                 "kvxfer_binding_refusals_total"
                 "Destinations and aborts refused: the room is bound to other decode engines.";
             counter data_runs_sent (data_runs_sent)
                 "kvxfer_data_runs_sent_total"
                 "Data runs written to peers (TCP data frames, RDMA writes), KV and aux.";
+            counter peer_limit_refusals (peer_limit_refusals)
+                "kvxfer_peer_limit_refusals_total"
+                "Authenticated connections refused past a bound: more decode engines than a prefill engine serves, a data connection index out of range or already live.";
             counter pairings_tcp (pairings_tcp)
                 "kvxfer_pairings_tcp_total" "Peer pairings whose data takes TCP.";
             counter pairings_rdma (pairings_rdma)
@@ -354,7 +357,7 @@ mod tests {
             s.rooms_by_state[2]
         )));
         assert!(line("# TYPE kvxfer_rooms gauge"));
-        // Every sample line carries one distinct value, none missing, none twice: 21
+        // Every sample line carries one distinct value, none missing, none twice: 22
         // counters, 10 causes, 5 states and 2 gauges.
         let mut values: Vec<u64> = text
             .lines()
@@ -364,11 +367,11 @@ mod tests {
         values.sort_unstable();
         let n = values.len() as u64;
         assert_eq!(values, (1..=n).collect::<Vec<_>>(), "{text}");
-        assert_eq!(n, 38, "{text}");
+        assert_eq!(n, 39, "{text}");
         // One HELP and one TYPE per series, every series prefixed.
         let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((types, helps), (25, 25), "{text}");
+        assert_eq!((types, helps), (26, 26), "{text}");
         assert!(text
             .lines()
             .all(|l| l.starts_with("kvxfer_") || l.starts_with("# ")));

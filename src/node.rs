@@ -3,7 +3,7 @@
 //! address, clock, metrics, library threads, registered memory (and the layout of its KV
 //! pages) and RDMA device.
 
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -64,6 +64,17 @@ impl Node {
         let local = listener
             .local_addr()
             .map_err(|e| err!(Io, "cannot read the listening address: {e}"))?;
+        if config.local_only() && !is_local(local.ip()) {
+            return Err(err!(
+                BadValue,
+                "config key 'listen' is '{}', which is not a loopback address, and this engine \
+                 has no cluster key: with 'auth' at its default ('auto') and neither a key nor \
+                 TLS, an engine works only with engines on its own host. Give every engine \
+                 the same key ('auth_key_file'), or set 'auth' to 'off' to run without \
+                 authentication on this address",
+                config.listen
+            ));
+        }
         let address = advertised(local);
         match &rdma {
             Some(dev) => crate::log!(
@@ -344,6 +355,15 @@ fn choose_transport(config: &Config, log: &Logger) -> Result<(Option<Arc<Device>
                 Ok((None, format!(" (auto: RDMA unusable: {why})")))
             }
         },
+    }
+}
+
+/// Whether `ip` is a loopback address (an IPv4-mapped one included): a peer there is on
+/// this host.
+pub(crate) fn is_local(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(a) => a.is_loopback(),
+        IpAddr::V6(a) => a.is_loopback() || a.to_ipv4_mapped().is_some_and(|a| a.is_loopback()),
     }
 }
 

@@ -277,7 +277,8 @@ _CONTEXTS = _Contexts()
 class Config:
     """An engine configuration (``kvxfer_config``): string keys and values.
 
-    ``Config(role="decode", listen="0.0.0.0:0")`` sets the keys given. Log lines go to
+    ``Config(role="decode", listen="0.0.0.0:0", auth_key_file="cluster.key")`` sets the
+    keys given. Log lines go to
     the :mod:`logging` logger ``"kvxfer"`` unless ``log_sink`` says otherwise (None:
     the library's stderr). Not thread-safe, like the C handle: use one config from one
     thread at a time. A context manager; :meth:`close` releases the handle (engines

@@ -300,6 +300,23 @@ def test_manager_refuses_state_buffers_and_mismatched_tp(one_process_pair):
         d2.close()
 
 
+def test_a_wildcard_host_needs_a_key_or_auth_off_and_the_error_says_so(monkeypatch):
+    monkeypatch.delenv("KVXFER_CONFIG", raising=False)
+    monkeypatch.delenv("KVXFER_LISTEN_HOST", raising=False)
+    kv, aux = [np.zeros((4, sglang_sched.PAGE_BYTES), np.uint8)], np.zeros((2, 32), np.uint8)
+    sa = types.SimpleNamespace(host="0.0.0.0", disaggregation_bootstrap_port=1,
+                               tp_size=1, dp_size=1, pp_size=1)
+    with pytest.raises(kvxfer.BadValueError) as e:
+        KvxferKVManager(_args(kv, aux), "decode", sa)
+    for part in ("'listen'", "'auth'", "0.0.0.0", "KVXFER_CONFIG=auth_key_file=",
+                 "KVXFER_CONFIG=auth=off"):
+        assert part in str(e.value), part
+    # Either way out starts it.
+    for config in ("auth=off", "auth_key=" + "5a" * 32):
+        monkeypatch.setenv("KVXFER_CONFIG", config)
+        KvxferKVManager(_args(kv, aux), "decode", sa).close()
+
+
 def test_transfer_metric_counts_the_bytes_and_latency(one_process_pair):
     server, pm, dm = one_process_pair
     s = KvxferKVSender(pm, server.address, 3)

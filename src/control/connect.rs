@@ -54,6 +54,7 @@ impl Control {
         let timeout = node.bootstrap_timeout();
         let addr = peer.key.clone();
         let sock = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
+        self.local_peer(&sock, peer)?;
         peer.track(&sock);
         let mut ctrl = self.secure(sock, peer)?;
         ctrl.tcp()

@@ -1,10 +1,10 @@
 //! A peer engine as the control layer keeps it: its identity, its outgoing control
 //! queue, the connections and links set up for it, and its loss (once).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -41,6 +41,10 @@ pub(crate) struct Peer {
     log: Logger,
     /// Connections data frames are written to (prefill side).
     pub data: RwLock<Vec<Arc<dyn DataLink>>>,
+    /// Prefill side over TCP: the link of each data connection index. An index is live
+    /// while its link is (a sender thread or `data` holds it) and not broken; a data
+    /// connection with a live index is refused.
+    pub(super) data_index: Mutex<HashMap<u16, Weak<dyn DataLink>>>,
     /// Prefill side over RDMA: the links of `data`, for answers to reconnections.
     pub rdma_links: RwLock<Vec<Arc<RdmaLink>>>,
     /// Decode side over RDMA: the domain, regions and queue pairs this peer writes into
@@ -134,6 +138,7 @@ impl Peer {
             ctrl: CtrlQueue::default(),
             log,
             data: RwLock::new(Vec::new()),
+            data_index: Mutex::new(HashMap::new()),
             rdma_links: RwLock::new(Vec::new()),
             inbound: OnceLock::new(),
             streams: Mutex::new(Vec::new()),

@@ -167,11 +167,15 @@ pub enum AuthRefusal {
     /// One engine has TLS configured and the other not: sent in the clear by whichever
     /// side saw the other's first bytes in the wrong form.
     Tls = 7,
+    /// The connection comes from another host, and the refusing engine has neither a
+    /// key nor TLS and `auth` at `auto`, so it serves only engines on its own host:
+    /// sent at once, before the `Hello` is read.
+    NotLocal = 8,
 }
 
 impl AuthRefusal {
     /// Every reason, in wire-value order.
-    pub const ALL: [AuthRefusal; 7] = [
+    pub const ALL: [AuthRefusal; 8] = [
         AuthRefusal::Mismatch,
         AuthRefusal::WrongKey,
         AuthRefusal::BadProof,
@@ -179,6 +183,7 @@ impl AuthRefusal {
         AuthRefusal::NoSession,
         AuthRefusal::Busy,
         AuthRefusal::Tls,
+        AuthRefusal::NotLocal,
     ];
 }
 
@@ -2509,7 +2514,7 @@ mod tests {
             reason: AuthRefusal::Mismatch,
             auth: AuthMode::Required,
         });
-        for bad in [0u8, 8, 0xff] {
+        for bad in [0u8, 9, 0xff] {
             p[0] = bad;
             assert_eq!(
                 Message::decode(Kind::AuthRefused, &p, &l),

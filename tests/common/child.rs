@@ -30,9 +30,10 @@ pub fn plan(r: u64) -> (Vec<u32>, usize) {
 /// line: `room R` creates room R and enqueues its chunks ([`plan`]); `big R` creates
 /// room R with every page, one page per chunk; `quit` exits. Its buffers hold the source
 /// pattern. Listens on KVXFER_LISTEN if set, authenticates with the key in
-/// KVXFER_TEST_AUTH_KEY_FILE if set, and makes itself not dumpable (no other process
-/// without CAP_SYS_PTRACE may read its memory) if KVXFER_TEST_UNDUMPABLE is set. Each test binary calls this from its
-/// `child_prefill` test.
+/// KVXFER_TEST_AUTH_KEY_FILE if set, sets `auth` to KVXFER_TEST_AUTH if set, and makes
+/// itself not dumpable (no other process without CAP_SYS_PTRACE may read its memory) if
+/// KVXFER_TEST_UNDUMPABLE is set. Each test binary calls this from its `child_prefill`
+/// test.
 pub fn child_prefill_main() {
     if std::env::var_os("KVXFER_CHILD").is_none() {
         return;
@@ -45,9 +46,13 @@ pub fn child_prefill_main() {
     let mem = source(BUFS, PAGES, ITEM);
     let listen = std::env::var("KVXFER_LISTEN").unwrap_or_else(|_| "127.0.0.1:0".into());
     let key_file = std::env::var("KVXFER_TEST_AUTH_KEY_FILE").ok();
+    let auth = std::env::var("KVXFER_TEST_AUTH").ok();
     let mut extra = vec![("heartbeat_interval_ms", "100"), ("listen", &listen)];
     if let Some(f) = &key_file {
         extra.push(("auth_key_file", f));
+    }
+    if let Some(a) = &auth {
+        extra.push(("auth", a));
     }
     let p = engine("prefill", &mem, &extra);
     println!("ADDR {}", p.address());

@@ -64,7 +64,9 @@ CONFIG_ENV = "KVXFER_CONFIG"
 
 LISTEN_HOST_ENV = "KVXFER_LISTEN_HOST"
 """The host the engine listens on (default: the server's ``--host``, or every address
-when that is a wildcard)."""
+when that is a wildcard). An address that is not loopback needs a cluster key
+(``KVXFER_CONFIG=auth_key_file=PATH``, the same key on every server) or, to run
+without authentication, ``KVXFER_CONFIG=auth=off`` on every server."""
 
 _TERMINAL = (RoomState.SUCCESS, RoomState.FAILED)
 
@@ -170,7 +172,7 @@ class KvxferKVManager(BaseKVManager):
                 raise ValueError(f"{CONFIG_ENV}: {item!r} is not key=value")
             cfg.set(key.strip(), value.strip())
         with cfg:
-            self.engine = Engine(cfg)
+            self.engine = self._start(cfg)
         try:
             self._register_buffers(args)
         except BaseException:
@@ -207,6 +209,23 @@ class KvxferKVManager(BaseKVManager):
             )
         if int(getattr(server_args, "attn_cp_size", 1) or 1) > 1:
             raise NotImplementedError("kvxfer backend: context parallelism is not supported yet")
+
+    def _start(self, cfg: kvxfer.Config) -> Engine:
+        """Starts the engine; a refusal to listen beyond this host without a key names
+        what to set here."""
+        try:
+            return Engine(cfg)
+        except kvxfer.BadValueError as e:
+            if "'listen'" not in e.message or "'auth'" not in e.message:
+                raise
+            raise kvxfer.BadValueError(
+                e.status,
+                f"{e.message}. kvxfer backend: the engine listens on {self._listen_host()!r} "
+                f"(the server's --host, or {LISTEN_HOST_ENV}); set "
+                f"{CONFIG_ENV}=auth_key_file=PATH with the same key on every server, or "
+                f"{CONFIG_ENV}=auth=off on every server to run without authentication",
+                e.function,
+            ) from e
 
     def _listen_host(self) -> str:
         host = os.environ.get(LISTEN_HOST_ENV)

@@ -99,6 +99,32 @@ impl<'a> FrameSink for Receiver<'a> {
     }
 
     fn admit(&self, runs: &[DataHeader]) -> Admit<Pages<'_>> {
+        self.admit_runs(runs, true)
+    }
+
+    fn admit_unverified(&self, runs: &[DataHeader]) -> Admit<Pages<'_>> {
+        self.admit_runs(runs, false)
+    }
+
+    fn done(&self, room: u64, generation: u64, pages_sent: u32, aux_sent: bool) {
+        self.engine
+            .on_done(self.peer, room, generation, pages_sent, aux_sent);
+    }
+
+    fn protocol_error(&self) {
+        self.engine
+            .core
+            .node
+            .metrics
+            .protocol_errors
+            .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Receiver<'_> {
+    /// [`FrameSink::admit`]; a protocol refusal fails the frame's room with the
+    /// reason only if `verified` (the header is known to be the peer's).
+    fn admit_runs(&self, runs: &[DataHeader], verified: bool) -> Admit<Pages<'_>> {
         // The codec gives at least one run, all of one room and generation.
         let h = &runs[0];
         #[cfg(feature = "test-hooks")]
@@ -125,33 +151,22 @@ impl<'a> FrameSink for Receiver<'a> {
                 Admit::Refuse(why)
             }
             Err(Refuse::Protocol(why)) => {
-                lifecycle::fail(
-                    engine,
-                    &room,
-                    FailureReason::local(Cause::Protocol, format!("{} sent {why}", self.peer.name)),
-                    None,
-                );
+                if verified {
+                    lifecycle::fail(
+                        engine,
+                        &room,
+                        FailureReason::local(
+                            Cause::Protocol,
+                            format!("{} sent {why}", self.peer.name),
+                        ),
+                        None,
+                    );
+                }
                 Admit::Refuse(why)
             }
         }
     }
 
-    fn done(&self, room: u64, generation: u64, pages_sent: u32, aux_sent: bool) {
-        self.engine
-            .on_done(self.peer, room, generation, pages_sent, aux_sent);
-    }
-
-    fn protocol_error(&self) {
-        self.engine
-            .core
-            .node
-            .metrics
-            .protocol_errors
-            .fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-impl Receiver<'_> {
     /// Drops the `n` runs of a frame (counted as frames dropped, one per run).
     fn discard(&self, n: usize) -> Admit<Pages<'_>> {
         self.engine
