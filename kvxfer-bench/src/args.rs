@@ -173,6 +173,11 @@ struct EngineArgs {
     /// The engines' transport [tcp]
     #[arg(long, value_parser = ["tcp", "rdma", "auto"])]
     transport: Option<String>,
+    /// The engines' same_host setting: off keeps two processes on one host on TCP (the
+    /// stream baseline's path); require makes them copy directly between the processes
+    /// (the run fails if they cannot) [off]
+    #[arg(long, value_parser = ["off", "auto", "require"])]
+    same_host: Option<String>,
     /// Engine worker threads [engine default]
     #[arg(long)]
     workers: Option<usize>,
@@ -409,6 +414,10 @@ pub enum Mode {
     Table,
 }
 
+fn same_host_off() -> String {
+    "off".into()
+}
+
 /// The parameters of a run, the same on both sides.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Params {
@@ -432,6 +441,9 @@ pub struct Params {
     pub dst_order: DstOrder,
     pub seed: u64,
     pub transport: String,
+    /// The engines' `same_host` setting.
+    #[serde(default = "same_host_off")]
+    pub same_host: String,
     pub workers: Option<usize>,
     pub conns: usize,
     pub log_level: String,
@@ -518,7 +530,7 @@ impl Cli {
         }
         over!(shape: layers, layout, kv_heads, head_dim, latent_dim, dtype_bytes, page_tokens, aux_bytes);
         over!(traffic: chunk_tokens, concurrency, rooms, repeat, abort_rate, dst_order, seed);
-        over!(engine: transport, conns, log_level, auth);
+        over!(engine: transport, same_host, conns, log_level, auth);
         over!(tp: prefill_tp, decode_tp, page_order);
         p.decode_page_tokens = self.tp.decode_page_tokens;
         p.layerwise = self.layerwise.layerwise;
@@ -587,6 +599,7 @@ impl Params {
             dst_order: DstOrder::Contiguous,
             seed: 1,
             transport: "tcp".into(),
+            same_host: same_host_off(),
             workers: None,
             conns: 2,
             log_level: "error".into(),

@@ -397,6 +397,7 @@ pub fn derive(r: &Report) -> Derived {
 struct Json<'a> {
     preset: &'a str,
     transport: &'a str,
+    same_host: &'a str,
     verify: &'static str,
     verify_priority: &'static str,
     bytes: u64,
@@ -617,6 +618,7 @@ pub fn json(p: &Params, r: &Report) -> String {
     let j = Json {
         preset: &p.preset,
         transport: &p.transport,
+        same_host: &p.same_host,
         verify: p.verify.name(),
         verify_priority: p.verify_priority.name(),
         bytes: k.bytes,
@@ -828,10 +830,11 @@ pub fn human(p: &Params, r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "\nkvxfer-bench {}  (transport {}, verify {} at {} priority, {} connection(s) per peer, \
-         workers {}, auth {}{})",
+        "\nkvxfer-bench {}  (transport {}, same_host {}, verify {} at {} priority, {} \
+         connection(s) per peer, workers {}, auth {}{})",
         p.preset,
         p.transport,
+        p.same_host,
         p.verify.name(),
         p.verify_priority.name(),
         p.conns,
@@ -1156,6 +1159,7 @@ mod tests {
     const KEYS: &[&str] = &[
         "preset",
         "transport",
+        "same_host",
         "verify",
         "verify_priority",
         "bytes",
