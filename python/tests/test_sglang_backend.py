@@ -33,29 +33,7 @@ TIMEOUTS = "bootstrap_timeout_ms=3000,waiting_timeout_ms=6000,transfer_timeout_m
 def test_scheduler_loops_with_random_cancellations(monkeypatch, seed):
     monkeypatch.setenv("KVXFER_CONFIG", TIMEOUTS)
     n = 120
-    ctx = mp.get_context("spawn")
-    pconn, pchild = ctx.Pipe()
-    dconn, dchild = ctx.Pipe()
-    pproc = ctx.Process(target=sglang_sched.prefill_main, args=(pchild, seed, n, 60.0), daemon=True)
-    pproc.start()
-    try:
-        assert pconn.poll(60), "prefill process did not start"
-        port = pconn.recv()
-        dproc = ctx.Process(target=sglang_sched.decode_main, args=(dchild, seed, n, port, 60.0),
-                            daemon=True)
-        dproc.start()
-        try:
-            assert dconn.poll(60), "decode process did not start"
-            assert dconn.recv() == "up"
-            pconn.send("go")
-            assert pconn.poll(90) and dconn.poll(90), "a scheduler loop did not report"
-            pre, dec = pconn.recv(), dconn.recv()
-            pconn.send("exit")
-            dconn.send("exit")
-        finally:
-            dproc.join(30)
-    finally:
-        pproc.join(30)
+    pre, dec = sglang_sched.run(seed, n)
 
     plan = sglang_sched.plan(seed, n)
     # Zero requests left non-terminal, on either side, and nothing left in either engine.
@@ -63,8 +41,10 @@ def test_scheduler_loops_with_random_cancellations(monkeypatch, seed):
     assert pre["engine_empty"] and dec["engine_empty"], (pre["metrics"], dec["metrics"])
     # Every poll answered a state the scheduler's queue accepts.
     assert pre["violations"] == [] and dec["violations"] == []
-    # Every success on decode arrived byte for byte (KV pages and the aux row).
+    # Every success on decode arrived byte for byte (KV pages and the aux row), and
+    # nothing wrote into pages or aux rows while they were free.
     assert dec["corrupt"] == []
+    assert dec["late_writes"] == []
     for side in (pre, dec):
         for i, reason in side["reasons"].items():
             assert reason and "no failure reason" not in reason, (i, reason)
