@@ -233,8 +233,11 @@ def test_random_client_cancellations_with_tp2_leave_no_request_live_and_no_write
     no freed page or aux row is written while free (decode poisons them when it frees
     them and checks when it allocates them again, and at the end)."""
     # A request cancelled on decode before its room was created leaves the prefill
-    # room waiting for its destination until bootstrap_timeout_ms.
-    monkeypatch.setenv(CONFIG_ENV, CONFIG.replace("bootstrap_timeout_ms=10000", "bootstrap_timeout_ms=3000"))
+    # room waiting for its destination until bootstrap_timeout_ms: short here, but in
+    # the emulated guest the decode ranks' first RDMA connections take longer than 3 s.
+    bootstrap_ms = 15000 if RDMA else 3000
+    monkeypatch.setenv(CONFIG_ENV, CONFIG.replace("bootstrap_timeout_ms=10000",
+                                                  f"bootstrap_timeout_ms={bootstrap_ms}"))
     n = 60 if RDMA else 300
     pre, dec = sglang_sched.run(seed, n, tp=2, deadline_s=90.0)
     assert pre["left"] == [] and dec["left"] == []
