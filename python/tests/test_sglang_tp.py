@@ -39,8 +39,12 @@ RDMA = TRANSPORT == "rdma"
 DRAIN_TIMEOUT_MS = 1000
 """Over RDMA a held (stopped) prefill never acknowledges the abort: the decode room
 drains when this passed and the engine cut the peer off (5000 by default)."""
-CONFIG = (f"transport={TRANSPORT},drain_timeout_ms={DRAIN_TIMEOUT_MS},bootstrap_timeout_ms=10000,"
-          "waiting_timeout_ms=20000,transfer_timeout_ms=20000")
+SAME_HOST = os.environ.get("KVXFER_TEST_SAME_HOST", "off")
+"""The engines' ``same_host`` setting: ``off`` tests the TCP path (whose receiver the
+scenarios stop mid-payload); ``make python-test`` runs the module again with
+``require``, where the decode rank copies from the prefill process directly."""
+CONFIG = (f"transport={TRANSPORT},same_host={SAME_HOST},drain_timeout_ms={DRAIN_TIMEOUT_MS},"
+          "bootstrap_timeout_ms=10000,waiting_timeout_ms=20000,transfer_timeout_ms=20000")
 # Per rank: 2 buffers of N_PAGES pages, all but the last sglang_tp.REST_PAGES in the
 # first chunk. Over TCP 32 MiB, so that a rank stopped at its first bytes (a few MB
 # later, on a busy host) is still in the middle of that chunk's payload; in the

@@ -469,8 +469,13 @@ class KvxferKVManager(BaseKVManager):
             if state not in _TERMINAL:
                 self.engine.room_abort(room, "request dropped by the scheduler while live")
                 return False
-            if not self.engine.room_drained(room) and time.monotonic() - since < 60:
-                return False
+            if not self.engine.room_drained(room):
+                if time.monotonic() - since < 60:
+                    return False
+                # The scheduler dropped the request (and its pages) long ago; clearing
+                # only releases the engine's record, which keeps draining the room.
+                logger.warning("kvxfer: dropped room %d has not drained after 60 s; "
+                               "released, still draining in the engine", room)
         except NotFoundError:
             pass
         self._release(room, token)
