@@ -30,6 +30,8 @@ pub struct Report {
     /// The prefill (sending) side's usage over each TCP baseline.
     pub tcp_send: Vec<Usage>,
     pub memcpy: Vec<Measured>,
+    /// With `--same-host`: memcpy of the pages, scattered, on `conns` threads.
+    pub memcpy_pages: Vec<Measured>,
     /// Both processes on one host: cross-process latencies are valid.
     pub same_host: bool,
     /// The 1-minute load average before and after the run (other work on the host).
@@ -374,6 +376,16 @@ pub fn run(p: &Params, prefill_addr: Option<&str>) -> Result<Report, String> {
             report
                 .memcpy
                 .push(baseline::memcpy(volume, secs, p.pool_pages));
+            if p.same_host != "off" {
+                progress_note(p, "baseline memcpy of the pages");
+                report.memcpy_pages.push(baseline::memcpy_pages(
+                    volume,
+                    secs,
+                    p.item_len(),
+                    p.conns,
+                    p.pool_pages,
+                ));
+            }
         }
         let Some((which, feed)) = step else {
             break;

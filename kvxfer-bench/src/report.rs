@@ -335,6 +335,8 @@ pub struct Derived {
     pub phase_ratios: Vec<f64>,
     pub tcp_gbps: f64,
     pub memcpy_gbps: f64,
+    /// With `--same-host`: the mean of the scattered, threaded memcpy of the pages.
+    pub memcpy_pages_gbps: Option<f64>,
     /// The TCP baselines together: receiving (decode) and sending (prefill) side, and
     /// their GB.
     pub tcp_recv: Usage,
@@ -388,6 +390,14 @@ pub fn derive(r: &Report) -> Derived {
         phase_ratios,
         tcp_gbps: mean(&r.tcp.iter().map(Measured::gbps).collect::<Vec<_>>()),
         memcpy_gbps: mean(&r.memcpy.iter().map(Measured::gbps).collect::<Vec<_>>()),
+        memcpy_pages_gbps: (!r.memcpy_pages.is_empty()).then(|| {
+            mean(
+                &r.memcpy_pages
+                    .iter()
+                    .map(Measured::gbps)
+                    .collect::<Vec<_>>(),
+            )
+        }),
         gb,
     }
 }
@@ -408,6 +418,8 @@ struct Json<'a> {
     baseline_memcpy_gbps: f64,
     baseline_tcp_runs_gbps: Vec<f64>,
     baseline_memcpy_runs_gbps: Vec<f64>,
+    baseline_memcpy_pages_gbps: Option<f64>,
+    ratio_vs_memcpy_pages: Option<f64>,
     ratio_vs_tcp: f64,
     kvxfer_runs_gbps: Vec<f64>,
     ratio_vs_tcp_per_phase: &'a [f64],
@@ -629,6 +641,8 @@ pub fn json(p: &Params, r: &Report) -> String {
         baseline_memcpy_gbps: d.memcpy_gbps,
         baseline_tcp_runs_gbps: r.tcp.iter().map(Measured::gbps).collect(),
         baseline_memcpy_runs_gbps: r.memcpy.iter().map(Measured::gbps).collect(),
+        baseline_memcpy_pages_gbps: d.memcpy_pages_gbps,
+        ratio_vs_memcpy_pages: d.memcpy_pages_gbps.map(|m| gbps / m),
         ratio_vs_tcp: gbps / d.tcp_gbps,
         kvxfer_runs_gbps: r.phases.iter().map(KvResult::gbps).collect(),
         ratio_vs_tcp_per_phase: &d.phase_ratios,
@@ -1021,6 +1035,15 @@ pub fn human(p: &Params, r: &Report) -> String {
             ratio(k.gbps(), d.memcpy_gbps)
         );
     }
+    if let Some(m) = d.memcpy_pages_gbps {
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>8.3} {:>9}",
+            format!("memcpy of the pages, {} threads", p.conns),
+            m,
+            ratio(k.gbps(), m)
+        );
+    }
     if !r.tcp.is_empty() {
         let _ = writeln!(
             o,
@@ -1170,6 +1193,8 @@ mod tests {
         "baseline_memcpy_gbps",
         "baseline_tcp_runs_gbps",
         "baseline_memcpy_runs_gbps",
+        "baseline_memcpy_pages_gbps",
+        "ratio_vs_memcpy_pages",
         "ratio_vs_tcp",
         "kvxfer_runs_gbps",
         "ratio_vs_tcp_per_phase",
