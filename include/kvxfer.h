@@ -234,6 +234,13 @@ enum kvxfer_failure_cause
    * An internal error (a library bug, caught).
    */
   KVXFER_CAUSE_INTERNAL = 10,
+  /**
+   * With `integrity=verify`: the bytes where a data run landed do not match the digest
+   * the prefill engine sent with it (corrupted on the way or on either host, written
+   * at the wrong place, or a run of an earlier use of the room id); the reason names
+   * the prefill engine, the buffer, the page and the byte range.
+   */
+  KVXFER_CAUSE_INTEGRITY = 11,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -551,6 +558,16 @@ typedef struct kvxfer_metrics {
    */
   uint64_t peer_limit_refusals;
   /**
+   * Decode engine: KV and aux bytes whose digest matched where they landed
+   * (`integrity=verify`).
+   */
+  uint64_t bytes_verified;
+  /**
+   * Rooms failed because a data run's digest did not match the bytes where it landed
+   * (decode: found; prefill: told by the decode engine).
+   */
+  uint64_t integrity_failures;
+  /**
    * Peer pairings whose data takes TCP (one per peer engine connected).
    */
   uint64_t pairings_tcp;
@@ -623,6 +640,14 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   rooms fail as MISMATCH, the reason naming why, such as `ptrace denied:
  *   ptrace_scope=2`). `off`: never. TCP transport only (RDMA engines use RDMA).
  *   `kvxfer_room_path` tells which path a room took.
+ * - `integrity` (default `verify`): `verify` | `off`. `verify`: the prefill engine sends
+ *   with every data run a CRC32C of the run's bytes bound to its room, generation and
+ *   destination (buffer, pages, offset), and the decode engine recomputes it over the
+ *   bytes where they landed, before it counts them: a room reaches SUCCESS only when
+ *   every run matched, and a mismatch fails it as `KVXFER_CAUSE_INTEGRITY` with a reason
+ *   naming the prefill engine, buffer, page and byte range (`kvxfer_room_verified`).
+ *   Over TCP and the same-host path; RDMA rooms are not verified yet. Both engines of a
+ *   pair must have the same setting, else their rooms fail as MISMATCH naming both.
  *
  * Authentication:
  * - `auth` (default `auto`): `auto` | `required` | `off`. `auto`: `required` when a key
@@ -1048,6 +1073,20 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const struct kvxfer_engine *en
  * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_room_path(const struct kvxfer_engine *engine, uint64_t room, kvxfer_path *path);
+
+/**
+ * Decode engine only: stores in `*verified` whether room `room` reached SUCCESS with
+ * every byte verified: with `integrity=verify` (see `kvxfer_config_set`), every data
+ * run of every prefill engine of the room carried a digest bound to the room, its
+ * generation and the run's destination, and each matched the bytes where they landed.
+ * False for a room that is live or FAILED (a mismatch fails it as
+ * `KVXFER_CAUSE_INTEGRITY`), with `integrity=off`, and over RDMA, whose writes are not
+ * verified yet. Never blocks.
+ *
+ * Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
+ * `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_room_verified(const struct kvxfer_engine *engine, uint64_t room, bool *verified);
 
 /**
  * Decode engine only: stores in `*n` how many of room `room`'s first layers have landed

@@ -144,6 +144,7 @@ enum class FailureCause : int32_t {
     Transfer = KVXFER_CAUSE_TRANSFER,
     Shutdown = KVXFER_CAUSE_SHUTDOWN,
     Internal = KVXFER_CAUSE_INTERNAL,
+    Integrity = KVXFER_CAUSE_INTEGRITY,
 };
 
 /// The cause's name without its prefix, such as "PEER_LOST" (from
@@ -442,6 +443,14 @@ class Engine {
             *from_peer = peer;
         }
         return static_cast<FailureCause>(c);
+    }
+
+    /// Decode only: whether the room reached SUCCESS with every byte verified
+    /// (kvxfer_room_verified).
+    bool verified(uint64_t room) const {
+        bool v = false;
+        check(kvxfer_room_verified(handle_.get(), room, &v));
+        return v;
     }
 
     /// The path the room's data takes with its peer engines (kvxfer_room_path).

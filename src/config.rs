@@ -89,6 +89,9 @@ pub struct Config {
     /// `same_host`: whether engines on one host copy KV directly between their
     /// processes instead of over TCP.
     pub same_host: SameHostSetting,
+    /// `integrity`: `true` for `verify` (a digest of every data run, checked where it
+    /// landed, before SUCCESS).
+    pub integrity: bool,
 }
 
 impl Default for Config {
@@ -116,6 +119,7 @@ impl Default for Config {
             tls_ca_file: None,
             encrypt_data: false,
             same_host: SameHostSetting::Auto,
+            integrity: true,
         }
     }
 }
@@ -198,6 +202,11 @@ pub const KEYS: &[ConfigKey] = &[
         "same_host",
         Some("auto"),
         Accepts::OneOf(&["auto", "require", "off"]),
+    ),
+    key(
+        "integrity",
+        Some("verify"),
+        Accepts::OneOf(&["verify", "off"]),
     ),
     key(
         "auth",
@@ -368,6 +377,13 @@ impl Config {
                     _ => return Err(bad(key, value, "expected 'true' or 'false'")),
                 }
             }
+            "integrity" => {
+                self.integrity = match v {
+                    "verify" => true,
+                    "off" => false,
+                    _ => return Err(bad(key, value, "expected 'verify' or 'off'")),
+                }
+            }
             "same_host" => {
                 self.same_host = match v {
                     "auto" => SameHostSetting::Auto,
@@ -514,7 +530,7 @@ mod tests {
     #[test]
     fn every_documented_key_accepts_a_good_value() {
         let key_file = private_file("good", &[7; 32]);
-        let good: [(&str, &str); 23] = [
+        let good: [(&str, &str); 24] = [
             ("role", "decode"),
             ("listen", "[::1]:0"),
             ("transport", "tcp"),
@@ -538,6 +554,7 @@ mod tests {
             ("tls_ca_file", "/etc/kvxfer/ca.pem"),
             ("encrypt_data", "true"),
             ("same_host", "require"),
+            ("integrity", "off"),
         ];
         assert_eq!(good.len(), KEYS.len());
         let mut c = Config::default();
@@ -701,6 +718,7 @@ mod tests {
             ("tls_ca_file", " "),
             ("encrypt_data", "yes"),
             ("same_host", "maybe"),
+            ("integrity", "sometimes"),
         ] {
             let e = c.set(k, v).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::BadValue, "{k}={v}");

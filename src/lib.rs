@@ -20,6 +20,7 @@ pub mod tls;
 pub mod config;
 pub(crate) mod control;
 pub mod engine;
+pub mod integrity;
 pub mod layout;
 pub mod log;
 pub(crate) mod metrics;

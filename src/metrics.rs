@@ -85,6 +85,12 @@ macro_rules! metrics_table {
             counter peer_limit_refusals (peer_limit_refusals)
                 "kvxfer_peer_limit_refusals_total"
                 "Authenticated connections refused past a bound: more decode engines than a prefill engine serves, a data connection index out of range or already live.";
+            counter bytes_verified (bytes_verified)
+                "kvxfer_bytes_verified_total"
+                "Decode: KV and aux bytes whose digest matched where they landed (integrity=verify).";
+            counter integrity_failures (integrity_failures)
+                "kvxfer_integrity_failures_total"
+                "Rooms failed because a data run's digest did not match (decode: found; prefill: told).";
             counter pairings_tcp (pairings_tcp)
                 "kvxfer_pairings_tcp_total" "Peer pairings whose data takes TCP.";
             counter pairings_rdma (pairings_rdma)
@@ -357,8 +363,8 @@ mod tests {
             s.rooms_by_state[2]
         )));
         assert!(line("# TYPE kvxfer_rooms gauge"));
-        // Every sample line carries one distinct value, none missing, none twice: 22
-        // counters, 10 causes, 5 states and 2 gauges.
+        // Every sample line carries one distinct value, none missing, none twice: 24
+        // counters, 11 causes, 5 states and 2 gauges.
         let mut values: Vec<u64> = text
             .lines()
             .filter(|l| !l.starts_with('#'))
@@ -367,11 +373,11 @@ mod tests {
         values.sort_unstable();
         let n = values.len() as u64;
         assert_eq!(values, (1..=n).collect::<Vec<_>>(), "{text}");
-        assert_eq!(n, 39, "{text}");
+        assert_eq!(n, 42, "{text}");
         // One HELP and one TYPE per series, every series prefixed.
         let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((types, helps), (26, 26), "{text}");
+        assert_eq!((types, helps), (28, 28), "{text}");
         assert!(text
             .lines()
             .all(|l| l.starts_with("kvxfer_") || l.starts_with("# ")));

@@ -60,6 +60,13 @@ impl Node {
     pub fn new(config: Config, log: Logger) -> Result<(Arc<Node>, TcpListener)> {
         let role = config.require_role()?;
         let (rdma, why_tcp) = choose_transport(&config, &log)?;
+        if rdma.is_some() && config.same_host == crate::proto::SameHostSetting::Require {
+            return Err(err!(
+                BadValue,
+                "same_host=require applies to engines that move data over TCP, and this \
+                 engine moves it over RDMA (set transport=tcp, or same_host=auto)"
+            ));
+        }
         let listener = bind(&config.listen)?;
         let local = listener
             .local_addr()

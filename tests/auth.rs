@@ -164,6 +164,7 @@ fn frames_without_the_handshake_change_no_room_and_each_refusal_is_counted_and_l
         n_pages: 1,
         byte_len: ITEM as u32,
         page_off: 0,
+        digest: 0,
     }
     .encode_frame(&mut data)
     .unwrap();

@@ -178,6 +178,10 @@ struct EngineArgs {
     /// (the run fails if they cannot) [off]
     #[arg(long, value_parser = ["off", "auto", "require"])]
     same_host: Option<String>,
+    /// The engines' integrity setting: verify (every data run's digest checked where it
+    /// landed, the engine's default) or off [verify]
+    #[arg(long, value_parser = ["verify", "off"])]
+    integrity: Option<String>,
     /// Engine worker threads [engine default]
     #[arg(long)]
     workers: Option<usize>,
@@ -418,6 +422,10 @@ fn same_host_off() -> String {
     "off".into()
 }
 
+fn integrity_verify() -> String {
+    "verify".into()
+}
+
 /// The parameters of a run, the same on both sides.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Params {
@@ -444,6 +452,9 @@ pub struct Params {
     /// The engines' `same_host` setting.
     #[serde(default = "same_host_off")]
     pub same_host: String,
+    /// The engines' `integrity` setting.
+    #[serde(default = "integrity_verify")]
+    pub integrity: String,
     pub workers: Option<usize>,
     pub conns: usize,
     pub log_level: String,
@@ -530,7 +541,7 @@ impl Cli {
         }
         over!(shape: layers, layout, kv_heads, head_dim, latent_dim, dtype_bytes, page_tokens, aux_bytes);
         over!(traffic: chunk_tokens, concurrency, rooms, repeat, abort_rate, dst_order, seed);
-        over!(engine: transport, same_host, conns, log_level, auth);
+        over!(engine: transport, same_host, integrity, conns, log_level, auth);
         over!(tp: prefill_tp, decode_tp, page_order);
         p.decode_page_tokens = self.tp.decode_page_tokens;
         p.layerwise = self.layerwise.layerwise;
@@ -600,6 +611,7 @@ impl Params {
             seed: 1,
             transport: "tcp".into(),
             same_host: same_host_off(),
+            integrity: integrity_verify(),
             workers: None,
             conns: 2,
             log_level: "error".into(),

@@ -49,6 +49,7 @@ pub fn make_engine(p: &Params, role: &str, listen: &str, auth: bool) -> Result<E
     set("listen", listen)?;
     set("transport", &p.transport)?;
     set("same_host", &p.same_host)?;
+    set("integrity", &p.integrity)?;
     if let Some(w) = p.workers {
         set("workers", &w.to_string())?;
     }

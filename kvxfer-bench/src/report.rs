@@ -408,6 +408,7 @@ struct Json<'a> {
     preset: &'a str,
     transport: &'a str,
     same_host: &'a str,
+    integrity: &'a str,
     verify: &'static str,
     verify_priority: &'static str,
     bytes: u64,
@@ -631,6 +632,7 @@ pub fn json(p: &Params, r: &Report) -> String {
         preset: &p.preset,
         transport: &p.transport,
         same_host: &p.same_host,
+        integrity: &p.integrity,
         verify: p.verify.name(),
         verify_priority: p.verify_priority.name(),
         bytes: k.bytes,
@@ -844,11 +846,12 @@ pub fn human(p: &Params, r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "\nkvxfer-bench {}  (transport {}, same_host {}, verify {} at {} priority, {} \
-         connection(s) per peer, workers {}, auth {}{})",
+        "\nkvxfer-bench {}  (transport {}, same_host {}, integrity {}, verify {} at {} \
+         priority, {} connection(s) per peer, workers {}, auth {}{})",
         p.preset,
         p.transport,
         p.same_host,
+        p.integrity,
         p.verify.name(),
         p.verify_priority.name(),
         p.conns,
@@ -1183,6 +1186,7 @@ mod tests {
         "preset",
         "transport",
         "same_host",
+        "integrity",
         "verify",
         "verify_priority",
         "bytes",

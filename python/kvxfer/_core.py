@@ -764,6 +764,15 @@ class Engine:
             c = cause.value
         return c, bool(from_peer.value)
 
+    @_wraps("kvxfer_room_verified")
+    def room_verified(self, room: int) -> bool:
+        """Decode only: whether room ``room`` reached SUCCESS with every byte verified
+        (``integrity=verify``: each data run's digest matched where it landed)."""
+        name = "kvxfer_room_verified"
+        v = ctypes.c_bool()
+        self._call(name, _room_id(room, name), ctypes.byref(v))
+        return bool(v.value)
+
     @_wraps("kvxfer_room_path")
     def room_path(self, room: int) -> DataPath | int:
         """The path room ``room``'s data takes with its peer engines (:class:`DataPath`:

@@ -72,6 +72,7 @@ impl Control {
             kv: rdma::buffer_infos(m.kv.get(), |i| inbound.and_then(|k| k.key(false, i))),
             aux: rdma::buffer_infos(m.aux.get(), |i| inbound.and_then(|k| k.key(true, i))),
             layout: m.kv_layout.get().copied(),
+            integrity: self.node.config.integrity,
         }
     }
 
@@ -90,7 +91,19 @@ impl Control {
             crate::Role::Decode => (&ours, theirs),
             crate::Role::Prefill => (theirs, &ours),
         };
-        pairing::pair_kv(decode, prefill)
+        let setting = |on: bool| if on { "verify" } else { "off" };
+        let agreed = if decode.integrity == prefill.integrity {
+            Ok(())
+        } else {
+            Err(format!(
+                "integrity={} on the decode engine, integrity={} on the prefill engine \
+                 (both must verify, or neither)",
+                setting(decode.integrity),
+                setting(prefill.integrity)
+            ))
+        };
+        agreed
+            .and_then(|()| pairing::pair_kv(decode, prefill))
             .and_then(|p| pairing::check_aux(&decode.aux, &prefill.aux).map(|()| p))
             .map_err(|why| {
                 let why = format!("registration mismatch with {peer}: {why}");

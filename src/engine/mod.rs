@@ -359,6 +359,21 @@ impl Engine {
         with_side!(self, s => core::path(&**s, id))
     }
 
+    /// Decode only: whether room `id` reached SUCCESS with every byte verified: with
+    /// `integrity=verify` (which both engines of each pairing then have), every data run
+    /// landed over a path that carries digests (TCP, same host) and each matched where it
+    /// landed. False for a live or failed room, with `integrity=off`, or over RDMA.
+    pub fn room_verified(&self, id: u64) -> Result<bool> {
+        let Side::Decode(d) = &self.side else {
+            return Err(wrong_role(Role::Decode, "kvxfer_room_verified"));
+        };
+        let state = core::poll(&**d, id)?;
+        let path = core::path(&**d, id)?;
+        Ok(state == State::Success
+            && self.node.config.integrity
+            && matches!(path, DataPath::Tcp | DataPath::SameHost))
+    }
+
     /// Decode only: how many of room `id`'s first layers (in layer order: the layer ids
     /// the kv buffers were registered with, or their positions) have landed whole, every
     /// byte every prefill engine owes them for the whole destination. For a decode server

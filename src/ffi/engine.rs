@@ -475,6 +475,12 @@ pub struct kvxfer_metrics {
     /// (`connections_per_peer` is at most 64) or is already live for its engine. Each is
     /// closed and logged (warn level the first time per address, debug after).
     pub peer_limit_refusals: u64,
+    /// Decode engine: KV and aux bytes whose digest matched where they landed
+    /// (`integrity=verify`).
+    pub bytes_verified: u64,
+    /// Rooms failed because a data run's digest did not match the bytes where it landed
+    /// (decode: found; prefill: told by the decode engine).
+    pub integrity_failures: u64,
     /// Peer pairings whose data takes TCP (one per peer engine connected).
     pub pairings_tcp: u64,
     /// Peer pairings whose data takes RDMA.

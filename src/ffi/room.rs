@@ -378,6 +378,34 @@ pub unsafe extern "C" fn kvxfer_room_path(
     })
 }
 
+/// Decode engine only: stores in `*verified` whether room `room` reached SUCCESS with
+/// every byte verified: with `integrity=verify` (see `kvxfer_config_set`), every data
+/// run of every prefill engine of the room carried a digest bound to the room, its
+/// generation and the run's destination, and each matched the bytes where they landed.
+/// False for a room that is live or FAILED (a mismatch fails it as
+/// `KVXFER_CAUSE_INTEGRITY`), with `integrity=off`, and over RDMA, whose writes are not
+/// verified yet. Never blocks.
+///
+/// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
+/// `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_verified(
+    engine: *const kvxfer_engine,
+    room: u64,
+    verified: *mut bool,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        let out = try_out(verified, "verified")?;
+        let v = engine.room_verified(room)?;
+        // SAFETY: checked by try_out; writable by contract.
+        unsafe { out.write(v) };
+        Ok(())
+    })
+}
+
 /// Decode engine only: stores in `*n` how many of room `room`'s first layers have landed
 /// whole, in layer order (the layer ids the KV buffers were registered with, or without
 /// ids their positions): layers 0 .. n-1 hold every byte that every prefill engine of

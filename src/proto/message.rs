@@ -406,6 +406,9 @@ pub struct Registration {
     /// The layout of the KV pages, if the engine registered one
     /// (`kvxfer_register_kv_layout`); `None`: the buffers are copied byte for byte.
     pub layout: Option<KvLayout>,
+    /// The sender's `integrity` setting: `true` for `verify` (every data run carries a
+    /// digest, checked where it landed). Both engines of a pair must agree.
+    pub integrity: bool,
 }
 
 /// An engine's `same_host` setting, as sent in [`HostInfo`].
@@ -664,7 +667,7 @@ impl Message {
         let n = |len: usize, size: u64| (len as u64).saturating_mul(size);
         match self {
             Message::Hello { .. } => 14,
-            Message::Registration(reg) => (1 + reg.layout.map_or(0, |_| LAYOUT_LEN as u64) + 8)
+            Message::Registration(reg) => (1 + reg.layout.map_or(0, |_| LAYOUT_LEN as u64) + 8 + 1)
                 .saturating_add(n(reg.kv.len(), BUFFER_INFO_LEN as u64))
                 .saturating_add(n(reg.aux.len(), BUFFER_INFO_LEN as u64)),
             Message::Destination { pages, .. } => 28u64.saturating_add(n(pages.len(), 4)),
@@ -877,6 +880,7 @@ impl Message {
                         b.encode(out);
                     }
                 }
+                out.push(u8::from(reg.integrity));
             }
             Message::Destination {
                 room,
@@ -1052,7 +1056,22 @@ impl Message {
                 };
                 let kv = decode_buffers(&mut r, KV_LIST, limits)?;
                 let aux = decode_buffers(&mut r, AUX_LIST, limits)?;
-                Message::Registration(Registration { kv, aux, layout })
+                let integrity = match r.u8("Registration.integrity")? {
+                    0 => false,
+                    1 => true,
+                    found => {
+                        return Err(ProtoError::BadBool {
+                            field: "Registration.integrity",
+                            found,
+                        })
+                    }
+                };
+                Message::Registration(Registration {
+                    kv,
+                    aux,
+                    layout,
+                    integrity,
+                })
             }
             Kind::Destination => {
                 let room = r.u64("Destination.room")?;
@@ -1433,6 +1452,7 @@ pub(super) fn sample_messages() -> Vec<Message> {
                 order: PageOrder::Hnd,
                 kind: KvKind::Heads,
             }),
+            integrity: false,
         }),
         Message::Destination {
             room: 7,
@@ -1587,6 +1607,7 @@ pub(super) fn sample_messages() -> Vec<Message> {
                 order: PageOrder::Nhd,
                 kind: KvKind::Latent,
             }),
+            integrity: false,
         }),
     ]
 }
@@ -1724,6 +1745,7 @@ mod tests {
             kv,
             aux,
             layout: None,
+            integrity: false,
         })
     }
 
@@ -1779,7 +1801,7 @@ mod tests {
                 field: "Registration.kv",
                 count: u32::MAX,
                 elem_size: 32,
-                remaining: 36
+                remaining: 37
             })
         );
     }
@@ -2093,6 +2115,7 @@ mod tests {
             kv: vec![GOOD],
             aux: vec![],
             layout,
+            integrity: false,
         })
     }
 
@@ -2104,16 +2127,18 @@ mod tests {
         buffer.extend_from_slice(&0u64.to_le_bytes());
         buffer.extend_from_slice(&(-1i32).to_le_bytes());
         buffer.extend_from_slice(&0u32.to_le_bytes());
+        // The lists, then the integrity setting (off in these).
         let lists = |want: &mut Vec<u8>| {
             want.extend_from_slice(&1u32.to_le_bytes());
             want.extend_from_slice(&buffer);
             want.extend_from_slice(&0u32.to_le_bytes());
+            want.push(0);
         };
         // Without a layout: its presence byte 0, then the lists.
         let mut want = vec![0];
         lists(&mut want);
         assert_eq!(payload(&with_layout(None)), want);
-        assert_eq!(with_layout(None).payload_len(), 1 + 8 + 32);
+        assert_eq!(with_layout(None).payload_len(), 1 + 8 + 32 + 1);
         // With: 1, six u32 fields, the order and the kind.
         let mut want = vec![1];
         for v in [8u32, 128, 2, 1, 4, 16] {
@@ -2123,7 +2148,7 @@ mod tests {
         lists(&mut want);
         let m = with_layout(Some(LAYOUT));
         assert_eq!(payload(&m), want);
-        assert_eq!(m.payload_len(), 1 + 26 + 8 + 32);
+        assert_eq!(m.payload_len(), 1 + 26 + 8 + 32 + 1);
         assert_eq!(
             Message::decode(Kind::Registration, &want, &Limits::default()),
             Ok(m)

@@ -113,7 +113,7 @@ pub const PROTO_VERSION: u16 = 6;
 pub const FRAME_HEADER_LEN: usize = 16;
 
 /// Length in bytes of the fixed [`DataHeader`] that starts every data frame's payload.
-pub const DATA_HEADER_LEN: usize = 40;
+pub const DATA_HEADER_LEN: usize = 48;
 
 /// Length in bytes of a data frame's prefix: frame header plus data header. The frame's
 /// `byte_len` data bytes follow it.

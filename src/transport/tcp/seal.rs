@@ -473,6 +473,7 @@ mod tests {
             n_pages: 1,
             byte_len: len as u32,
             page_off: 0,
+            digest: 0,
         };
         let mut prefix = [0u8; DATA_FRAME_PREFIX_LEN];
         h.encode_frame(&mut prefix).unwrap();
