@@ -640,14 +640,17 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   rooms fail as MISMATCH, the reason naming why, such as `ptrace denied:
  *   ptrace_scope=2`). `off`: never. TCP transport only (RDMA engines use RDMA).
  *   `kvxfer_room_path` tells which path a room took.
- * - `integrity` (default `verify`): `verify` | `off`. `verify`: the prefill engine sends
+ * - `integrity` (default `off`): `verify` | `off`. `verify`: the prefill engine sends
  *   with every data run a CRC32C of the run's bytes bound to its room, generation and
  *   destination (buffer, pages, offset), and the decode engine recomputes it over the
  *   bytes where they landed, before it counts them: a room reaches SUCCESS only when
  *   every run matched, and a mismatch fails it as `KVXFER_CAUSE_INTEGRITY` with a reason
  *   naming the prefill engine, buffer, page and byte range (`kvxfer_room_verified`).
  *   Over TCP and the same-host path; RDMA rooms are not verified yet. Both engines of a
- *   pair must have the same setting, else their rooms fail as MISMATCH naming both.
+ *   pair must have the same setting, else their rooms fail as MISMATCH naming both. Off
+ *   by default because it costs a CRC32C pass over every byte on each side (about
+ *   0.15 CPU s per GB per side on the 2-core host it was measured on, as much as the
+ *   whole TCP path; docs/BENCHMARKS.md).
  *
  * Authentication:
  * - `auth` (default `auto`): `auto` | `required` | `off`. `auto`: `required` when a key

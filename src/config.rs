@@ -119,7 +119,7 @@ impl Default for Config {
             tls_ca_file: None,
             encrypt_data: false,
             same_host: SameHostSetting::Auto,
-            integrity: true,
+            integrity: false,
         }
     }
 }
@@ -203,11 +203,7 @@ pub const KEYS: &[ConfigKey] = &[
         Some("auto"),
         Accepts::OneOf(&["auto", "require", "off"]),
     ),
-    key(
-        "integrity",
-        Some("verify"),
-        Accepts::OneOf(&["verify", "off"]),
-    ),
+    key("integrity", Some("off"), Accepts::OneOf(&["verify", "off"])),
     key(
         "auth",
         Some("auto"),
@@ -554,7 +550,7 @@ mod tests {
             ("tls_ca_file", "/etc/kvxfer/ca.pem"),
             ("encrypt_data", "true"),
             ("same_host", "require"),
-            ("integrity", "off"),
+            ("integrity", "verify"),
         ];
         assert_eq!(good.len(), KEYS.len());
         let mut c = Config::default();

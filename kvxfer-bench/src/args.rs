@@ -179,7 +179,7 @@ struct EngineArgs {
     #[arg(long, value_parser = ["off", "auto", "require"])]
     same_host: Option<String>,
     /// The engines' integrity setting: verify (every data run's digest checked where it
-    /// landed, the engine's default) or off [verify]
+    /// landed) or off (the engine's default) [off]
     #[arg(long, value_parser = ["verify", "off"])]
     integrity: Option<String>,
     /// Engine worker threads [engine default]
@@ -422,8 +422,8 @@ fn same_host_off() -> String {
     "off".into()
 }
 
-fn integrity_verify() -> String {
-    "verify".into()
+fn integrity_off() -> String {
+    "off".into()
 }
 
 /// The parameters of a run, the same on both sides.
@@ -453,7 +453,7 @@ pub struct Params {
     #[serde(default = "same_host_off")]
     pub same_host: String,
     /// The engines' `integrity` setting.
-    #[serde(default = "integrity_verify")]
+    #[serde(default = "integrity_off")]
     pub integrity: String,
     pub workers: Option<usize>,
     pub conns: usize,
@@ -611,7 +611,7 @@ impl Params {
             seed: 1,
             transport: "tcp".into(),
             same_host: same_host_off(),
-            integrity: integrity_verify(),
+            integrity: integrity_off(),
             workers: None,
             conns: 2,
             log_level: "error".into(),
