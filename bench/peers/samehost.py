@@ -152,7 +152,7 @@ def table(cells, variants):
     for c in cells:
         s = c["summary"]
         b = s["best"]
-        cores = "/".join(peers.fmt(s[k], 2).split(" ")[0] for k in ("cores_kvxfer", "cores " + b if b else "-"))
+        cores = "/".join(peers.fmt(s.get(k), 2).split(" ")[0] for k in ("cores_kvxfer", f"cores {b}"))
         row = [peers.size_name(c["page_bytes"]), str(c["inflight"]), peers.fmt(s["kvxfer"]),
                peers.fmt(s[b]) if b else "-", f"`{b}`" if b else "-", peers.fmt(s["kvxfer/best"])]
         row += [peers.fmt(s[t]) for t in variants]
@@ -193,7 +193,8 @@ def run(a, engines, pages, inflight, skipped):
                                        pair_args=["--nixl-err-mode", "none"])
                     proto = ucx_protocols(a, tag)
                     r["ucx_protocols"] = proto
-                    seen = f"put {'; '.join(proto.get('put', ['?']))}"
+                    seen = (f"put {'; '.join(proto['put'])}" if proto.get("put")
+                            else "no intra-node ucp_put* table in the UCX log")
                     if seen not in protocols[tls]:
                         protocols[tls].append(seen)
                     name = variant_name(tls)
