@@ -267,6 +267,58 @@ fn an_abort_while_a_layer_is_written_ends_failed_and_writes_nothing_after() {
     }
 }
 
+/// A link behind the compute: the layers enqueued while the room's batches are still
+/// queued for a sender wait, join, and go out as one call's batches once the sender
+/// takes the room's last queued batch; the room lands whole, as if sent layer by layer.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn layers_enqueued_while_the_rooms_batches_are_queued_join_and_go_out_together() {
+    use common::LIMIT;
+    use kvxfer::testing;
+    const MID: &str = "worker.mid_chunk";
+    let t = Pair::builder()
+        .config(&[
+            ("transport", "tcp"),
+            ("workers", "1"),
+            ("connections_per_peer", "1"),
+        ])
+        .bufs(LAYERS as usize)
+        .pages(64)
+        .item(1024)
+        .build();
+    let room = 9;
+    t.ready(room, &DST);
+    let chunks = t.p.metrics().chunks;
+    // Layer 0 of chunk 0: two runs (one frame per batch while the pause is armed); the
+    // sender writes the first and pauses, the second stays queued.
+    testing::pause_at(MID, room);
+    t.p.enqueue_layers(room, &SRC[0], 0, 1, false, None)
+        .unwrap();
+    assert!(
+        testing::wait_paused(MID, room, LIMIT),
+        "the sender never paused"
+    );
+    // Layers 1, 2 and 3 come one call each while that batch is queued: they join. The
+    // second chunk's call goes behind them.
+    for l in 1..LAYERS {
+        t.p.enqueue_layers(room, &SRC[0], l, 1, false, None)
+            .unwrap();
+    }
+    t.p.enqueue_layers(room, &SRC[1], 0, LAYERS, true, None)
+        .unwrap();
+    assert_eq!(
+        t.p.metrics().bytes_sent,
+        1024,
+        "only the first frame went out"
+    );
+    testing::release(MID, room);
+    assert_eq!(wait_terminal(&t.p, room), State::Success);
+    assert_eq!(wait_terminal(&t.d, room), State::Success);
+    t.assert_pages(&all_src(), &DST);
+    // Layer 0, layers 1-3 joined, chunk 1: three calls planned, not five.
+    assert_eq!(t.p.metrics().chunks - chunks, 3);
+}
+
 /// The decode side sees layers land in layer order: a layer counts once every page of
 /// the whole destination holds it, from every chunk.
 #[test]

@@ -1,8 +1,11 @@
-//! The prefill's data path. A small chunk is planned by the thread that hands it on
-//! (the scheduler's enqueue, or the control reader when the destination makes the room
-//! ready) when nothing of its room waits for a worker; workers take the other chunks of
-//! the rooms hashed to them. Either way a room's chunks are planned in order, each
-//! chunk's data frames for each destination ([`plan`]), in batches
+//! The prefill's data path. One thread at a time plans a room's chunks, in order: the
+//! thread that hands on a small chunk while nothing of its room waits (the scheduler's
+//! enqueue, or the control reader when the destination makes the room ready), or the
+//! worker the room is hashed to for the others. A layer call also waits while the room
+//! has batches queued for a sender; the layers that come meanwhile join it, and the
+//! sender that takes the room's last queued batch plans them together
+//! ([`PrefillEngine::taken`]). Each chunk becomes its data frames for each destination
+//! ([`plan`]), in batches
 //! queued in the destination engine's outbox; a sender thread per link of that engine
 //! writes them ([`PrefillEngine::send_loop`]), so one room's frames go out over every
 //! connection (or RDMA queue pair) at once. Whoever ends the last batch of a room's last
@@ -13,7 +16,7 @@ use std::sync::{mpsc, Arc};
 
 use super::outbox::{Batch, Item, Outbox, Ticket};
 use super::plan::{batches, plan, Grouped, Place};
-use super::{ext, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
+use super::{ext, layers, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
 use crate::control::Peer;
 use crate::engine::lifecycle;
 use crate::proto::{Message, Target};
@@ -29,46 +32,47 @@ const PLAN_HERE_RUNS: usize = 1024;
 
 /// What became of a chunk handed on ([`PrefillEngine::hand_on`]).
 pub(super) enum Handed {
-    /// Queued for the room's worker, or after a chunk being planned here (false: the
-    /// engine is shutting down, the caller fails the room).
+    /// Waiting behind the room's earlier chunks or queued batches, or handed to the
+    /// room's worker (false: the engine is shutting down, the caller fails the room).
     Queued(bool),
     /// The caller plans it, once it holds no lock of the room ([`PrefillEngine::plan_here`]).
     Here(Job),
 }
 
 impl PrefillEngine {
-    /// Hands on the next chunk of a ready room, in order (under the room's lock `p`): a
-    /// small chunk when nothing of the room waits for a worker is the caller's to plan
-    /// ([`Handed::Here`]); one that comes while the caller plans waits for it; any other
-    /// goes to the room's worker.
+    /// Hands on the next chunk of a ready room, in order (under the room's lock `p`).
+    /// It waits while the room's earlier chunks are planned, and a layer call also while
+    /// the room has batches queued for a sender: the layers that come meanwhile join it
+    /// and are planned together once a sender takes the room's last queued batch
+    /// ([`PrefillEngine::taken`]). Otherwise a small chunk is the caller's to plan
+    /// ([`Handed::Here`]), and any other goes to the room's worker.
     pub(super) fn hand_on(&self, p: &mut PrefillRoom, job: Job) -> Handed {
-        if p.here {
-            p.after_here.push_back(job.chunk);
+        let behind_batches = job.chunk.buffers.is_some() && p.queued > 0;
+        if p.planning || !p.waiting.is_empty() || behind_batches {
+            layers::join(&mut p.waiting, job.chunk);
             return Handed::Queued(true);
         }
-        if p.at_worker == 0 && self.small(p, &job) {
-            p.here = true;
+        p.planning = true;
+        if self.small(p, &job.room, &job.chunk) {
             return Handed::Here(job);
         }
-        let sent = self.dispatch(job);
-        if sent {
-            p.at_worker += 1;
-        }
-        Handed::Queued(sent)
+        p.waiting.push_back(job.chunk);
+        Handed::Queued(self.dispatch(&job.room))
     }
 
-    /// Whether `job` is small enough to plan here ([`PLAN_HERE_RUNS`]) and not empty,
-    /// with workers running (not stopping) and no test pause point armed in a worker's
-    /// path.
-    fn small(&self, p: &PrefillRoom, job: &Job) -> bool {
+    /// Whether `chunk` is small enough to plan on the thread that hands it on
+    /// ([`PLAN_HERE_RUNS`]) and not empty, with workers running (not stopping) and no
+    /// test pause point armed in a worker's path.
+    fn small(&self, p: &PrefillRoom, room: &PRoom, chunk: &Chunk) -> bool {
         #[cfg(feature = "test-hooks")]
         if ["worker.mid_chunk", "worker.before_complete"]
             .iter()
-            .any(|h| crate::testing::is_armed(h, job.room.id()))
+            .any(|h| crate::testing::is_armed(h, room.id()))
         {
             return false;
         }
-        let buffers = match &job.chunk.buffers {
+        let _ = room;
+        let buffers = match &chunk.buffers {
             Some(b) => b.iter().filter(|on| **on).count(),
             None => self
                 .core
@@ -80,49 +84,90 @@ impl PrefillEngine {
         };
         // An empty chunk stays with the worker: there is nothing to plan, and it only
         // completes the room.
-        let runs = job.chunk.pages.len() * buffers * p.dests.len();
+        let runs = chunk.pages.len() * buffers * p.dests.len();
         (1..=PLAN_HERE_RUNS).contains(&runs) && !self.workers.read().is_empty()
     }
 
-    /// Plans a chunk [`PrefillEngine::hand_on`] gave the caller, then hands the chunks
-    /// that came meanwhile to the room's worker, in order.
+    /// Plans a chunk [`PrefillEngine::hand_on`] gave the caller, then the chunks that
+    /// came meanwhile ([`PrefillEngine::plan_waiting`]).
     pub(super) fn plan_here(&self, job: Job) {
-        let room = job.room.clone();
         #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("prefill.plan_here", room.id());
-        self.plan_job(&job);
-        let mut p = ext(&room).lock();
-        p.here = false;
-        let mut sent = true;
-        while let Some(chunk) = p.after_here.pop_front() {
-            let ok = self.dispatch(Job {
-                room: room.clone(),
-                chunk,
-            });
-            if ok {
-                p.at_worker += 1;
+        crate::testing::pause_point("prefill.plan_here", job.room.id());
+        self.plan_waiting(&job.room, job.chunk, false);
+    }
+
+    /// A worker thread: plans the waiting chunks of the rooms handed to it, until the
+    /// engine stops.
+    pub(super) fn worker(&self, _index: usize, rooms: mpsc::Receiver<Arc<PRoom>>) {
+        for room in rooms {
+            let first = ext(&room).lock().waiting.pop_front();
+            match first {
+                Some(chunk) => self.plan_waiting(&room, chunk, true),
+                None => ext(&room).lock().planning = false,
             }
-            sent &= ok;
         }
+    }
+
+    /// Plans `chunk` of `room` (this thread is the room's planner), then each chunk that
+    /// waits behind it while it may go: a whole chunk at once, a layer call once nothing
+    /// of the room is queued for a sender (else the sender that takes the room's last
+    /// queued batch plans it, with the layers that join it meanwhile). A worker
+    /// (`on_worker`) plans any chunk; another thread only small ones, and hands the room
+    /// to its worker for the rest.
+    fn plan_waiting(&self, room: &Arc<PRoom>, mut chunk: Chunk, on_worker: bool) {
+        loop {
+            self.plan_job(room, &chunk);
+            let mut p = ext(room).lock();
+            let next = match p.waiting.front() {
+                Some(c) if c.buffers.is_none() || p.queued == 0 => p.waiting.pop_front(),
+                _ => None,
+            };
+            let Some(next) = next else {
+                p.planning = false;
+                return;
+            };
+            if on_worker || self.small(&p, room, &next) {
+                chunk = next;
+                continue;
+            }
+            p.waiting.push_front(next);
+            drop(p);
+            if !self.dispatch(room) {
+                self.fail_undispatched(room);
+            }
+            return;
+        }
+    }
+
+    /// A sender took one of `room`'s batches: once none is left queued, the layers that
+    /// waited for it are planned, on this thread if small (before it writes the batch it
+    /// took, so the room's next batches are queued while it does).
+    pub(super) fn taken(&self, room: &Arc<PRoom>) {
+        let mut p = ext(room).lock();
+        p.queued -= 1;
+        if p.queued > 0 || p.planning {
+            return;
+        }
+        let Some(chunk) = p.waiting.pop_front() else {
+            return;
+        };
+        p.planning = true;
+        if self.small(&p, room, &chunk) {
+            drop(p);
+            self.plan_waiting(room, chunk, false);
+            return;
+        }
+        p.waiting.push_front(chunk);
         drop(p);
-        if !sent {
-            self.fail_undispatched(&room);
+        if !self.dispatch(room) {
+            self.fail_undispatched(room);
         }
     }
 
-    /// A worker thread: plans chunks in order until the engine stops.
-    pub(super) fn worker(&self, _index: usize, jobs: mpsc::Receiver<Job>) {
-        for job in jobs {
-            self.plan_job(&job);
-            ext(&job.room).lock().at_worker -= 1;
-        }
-    }
-
-    /// Plans `job`'s chunk; a failure, or a panic, fails its room with the reason.
-    pub(super) fn plan_job(&self, job: &Job) {
-        let room = &job.room;
+    /// Plans `chunk` of `room`; a failure, or a panic, fails the room with the reason.
+    fn plan_job(&self, room: &Arc<PRoom>, chunk: &Chunk) {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.plan_chunk(room, &job.chunk)
+            self.plan_chunk(room, chunk)
         }));
         let failure = match r {
             Ok(Ok(())) => None,
@@ -265,6 +310,7 @@ impl PrefillEngine {
         {
             let mut p = ext(room).lock();
             p.outstanding += batches_planned;
+            p.queued += batches_planned;
             if chunk.is_last {
                 p.sealed = true;
                 p.finishes = finishes;
@@ -317,7 +363,10 @@ impl PrefillEngine {
     pub(super) fn send_loop(&self, peer: &Arc<Peer>, link: &Arc<dyn DataLink>, outbox: &Outbox) {
         while let Some(item) = outbox.pop() {
             match item {
-                Item::Batch(batch) => self.send_batch(link, &batch),
+                Item::Batch(batch) => {
+                    self.taken(&batch.room);
+                    self.send_batch(link, &batch)
+                }
                 Item::Done { room, frame } => self.write_done(&room, peer, link, &frame),
             }
             if link.is_broken() {
@@ -478,6 +527,10 @@ impl PrefillEngine {
         {
             let mut p = ext(&batch.room).lock();
             p.outstanding -= 1;
+            if link.is_none() {
+                // Dropped from its outbox, never taken.
+                p.queued -= 1;
+            }
         }
         if batch.room.state().is_terminal() {
             // Its writes are complete: acknowledgements waiting for them go.
