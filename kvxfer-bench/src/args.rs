@@ -154,17 +154,18 @@ struct Traffic {
 struct LayerWise {
     /// Simulate a prefill that computes layer by layer (a wait of --compute-us-per-layer
     /// per model layer of each chunk, on the prefill scheduler thread) and alternate, in
-    /// the same run, phases that enqueue each layer as soon as it is computed
-    /// (enqueue_layers) with phases that enqueue each chunk after its last layer
-    /// (enqueue_chunk); then both again with no compute (bulk GB/s). Reports
-    /// time-to-first-token (first layer computed -> decode SUCCESS) of each. One host
-    /// only (TTFT compares the two processes' CLOCK_MONOTONIC), TP 1 -> 1
+    /// the same run and at each compute value, phases that enqueue each layer as soon as
+    /// it is computed (enqueue_layers) with phases that enqueue each chunk after its last
+    /// layer (enqueue_chunk); also with no compute (bulk GB/s). Reports
+    /// time-to-first-token (first layer computed -> decode SUCCESS) of each at each
+    /// value. One host only (TTFT compares the two processes' CLOCK_MONOTONIC), TP 1 -> 1
     #[arg(long)]
     layerwise: bool,
     /// --layerwise: microseconds of simulated compute per model layer (its K and V
-    /// buffers, or its latent buffer with --layout mla), per chunk
-    #[arg(long, value_name = "N")]
-    compute_us_per_layer: Option<u64>,
+    /// buffers, or its latent buffer with --layout mla), per chunk; a comma-separated
+    /// list sweeps them in one run (0, no compute, is added when absent)
+    #[arg(long, value_name = "N[,N...]", value_delimiter = ',')]
+    compute_us_per_layer: Option<Vec<u64>>,
 }
 
 #[derive(Debug, Args)]
@@ -462,10 +463,10 @@ pub struct Params {
     pub page_order: Order,
     /// `--decode-page-tokens`, when given.
     pub decode_page_tokens: Option<usize>,
-    /// `--layerwise`: the phases alternate layer-wise and whole-chunk sending, with
-    /// `compute_us_per_layer` of simulated compute per model layer and with none.
+    /// `--layerwise`: the phases alternate layer-wise and whole-chunk sending at each
+    /// value of `compute_us_per_layer` (simulated compute per model layer) and with none.
     pub layerwise: bool,
-    pub compute_us_per_layer: u64,
+    pub compute_us_per_layer: Vec<u64>,
 }
 
 /// How the prefill scheduler feeds a phase's rooms to its engine.
@@ -612,7 +613,7 @@ impl Params {
             page_order: Order::Hnd,
             decode_page_tokens: None,
             layerwise: false,
-            compute_us_per_layer: 0,
+            compute_us_per_layer: Vec::new(),
         };
         match name {
             "llama3-8b" => {
@@ -725,21 +726,40 @@ impl Params {
 
     /// The checks of `--layerwise` and `--compute-us-per-layer`.
     fn validate_layerwise(&self) -> Result<(), String> {
-        let n = self.compute_us_per_layer;
+        let list = &self.compute_us_per_layer;
+        let shown = || {
+            let v: Vec<String> = list.iter().map(u64::to_string).collect();
+            v.join(",")
+        };
         if !self.layerwise {
-            if n != 0 {
+            if !list.is_empty() {
                 return Err(format!(
-                    "--compute-us-per-layer {n} applies to --layerwise runs (the simulated \
-                     compute of a prefill that computes layer by layer)"
+                    "--compute-us-per-layer {} applies to --layerwise runs (the simulated \
+                     compute of a prefill that computes layer by layer)",
+                    shown()
                 ));
             }
             return Ok(());
         }
-        if n == 0 || n > MAX_COMPUTE_US {
+        if !list.iter().any(|&n| n > 0) || list.iter().any(|&n| n > MAX_COMPUTE_US) {
             return Err(format!(
-                "--layerwise needs --compute-us-per-layer N, 1..={MAX_COMPUTE_US} (microseconds \
-                 of compute per model layer; the run adds phases with no compute itself), \
-                 not {n}"
+                "--layerwise needs --compute-us-per-layer N[,N...], each 0..={MAX_COMPUTE_US} \
+                 and one at least 1 (microseconds of compute per model layer; the run adds \
+                 phases with no compute itself), not {}",
+                if list.is_empty() {
+                    "none".into()
+                } else {
+                    shown()
+                }
+            ));
+        }
+        if let Some(n) = list
+            .iter()
+            .enumerate()
+            .find_map(|(i, n)| list[..i].contains(n).then_some(n))
+        {
+            return Err(format!(
+                "--compute-us-per-layer lists {n} twice: each value is a point of the sweep"
             ));
         }
         if self.layouts() {
@@ -779,6 +799,16 @@ impl Params {
         pages.div_ceil(self.chunk_pages())
     }
 
+    /// The compute values of a `--layerwise` run in order: those given, then 0 (the bulk
+    /// phases) if it was not among them.
+    pub fn sweep(&self) -> Vec<u64> {
+        let mut v = self.compute_us_per_layer.clone();
+        if !v.contains(&0) {
+            v.push(0);
+        }
+        v
+    }
+
     /// The compute alone of a room of `pages` pages under `feed`, in nanoseconds: every
     /// layer of every chunk.
     pub fn compute_ns(&self, feed: Feed, pages: usize) -> u64 {
@@ -786,9 +816,9 @@ impl Params {
     }
 
     /// The kinds of the kvxfer phases in order, each with the engine set it runs on
-    /// (`sets`: one per --auth pair or per TP kind). `--layerwise`: layer-wise and
-    /// whole-chunk with compute, then both with none, the order of each pair swapped
-    /// every repeat (LW WC lw wc, WC LW wc lw, ...) so neither always runs first. Else
+    /// (`sets`: one per --auth pair or per TP kind). `--layerwise`: a layer-wise and a
+    /// whole-chunk phase at each value of the sweep in turn, the order of each pair
+    /// swapped every repeat (LW WC lw wc, WC LW wc lw, ...) so neither always runs first. Else
     /// the sets take turns, --repeat phases of each, in the order 0 1, 1 0, 0 1, ... (two
     /// sets) so that neither always runs first (the first phase also pays for first
     /// touches and connection setup) or drifts with the host.
@@ -799,16 +829,14 @@ impl Params {
                 by_layer,
                 compute_us_per_layer: us,
             };
-            let n = self.compute_us_per_layer;
+            let sweep = self.sweep();
             return (0..self.repeat)
                 .flat_map(|rep| {
                     let first = rep % 2 == 0;
-                    [
-                        feed(first, n),
-                        feed(!first, n),
-                        feed(first, 0),
-                        feed(!first, 0),
-                    ]
+                    sweep
+                        .iter()
+                        .flat_map(move |&n| [feed(first, n), feed(!first, n)])
+                        .collect::<Vec<_>>()
                 })
                 .map(|f| (0, f))
                 .collect();
@@ -1225,18 +1253,27 @@ mod tests {
     fn layerwise_options_are_checked_with_the_reason() {
         let p = params("--layerwise --compute-us-per-layer 4000 --chunk-tokens 4096");
         assert!(p.layerwise);
-        assert_eq!(p.compute_us_per_layer, 4000);
+        assert_eq!(p.compute_us_per_layer, [4000]);
+        assert_eq!(p.sweep(), [4000, 0]);
         assert_eq!((p.buffers_per_layer(), p.chunks_for(256)), (2, 1));
         let d = params("");
         assert!(!d.layerwise);
-        assert_eq!(d.compute_us_per_layer, 0);
+        assert!(d.compute_us_per_layer.is_empty());
+        // A list is swept in its order; 0 stays where it was given.
+        let s = params("--layerwise --compute-us-per-layer 3000,0,1500");
+        assert_eq!(s.sweep(), [3000, 0, 1500]);
         for (bad, why) in [
-            ("--layerwise", "--layerwise needs --compute-us-per-layer N"),
+            (
+                "--layerwise",
+                "--layerwise needs --compute-us-per-layer N[,N...]",
+            ),
             (
                 "--layerwise --compute-us-per-layer 0",
-                "--layerwise needs --compute-us-per-layer N, 1..=1000000",
+                "each 0..=1000000 and one at least 1",
             ),
             ("--layerwise --compute-us-per-layer 1000001", "not 1000001"),
+            ("--layerwise --compute-us-per-layer 5,x", "invalid digit"),
+            ("--layerwise --compute-us-per-layer 5,0,5", "lists 5 twice"),
             (
                 "--compute-us-per-layer 5",
                 "--compute-us-per-layer 5 applies to --layerwise runs",
@@ -1324,6 +1361,27 @@ mod tests {
         };
         let both = params("--auth both --repeat 3");
         assert_eq!(sets(&both, 2), [0, 1, 1, 0, 0, 1]);
+        // A sweep: a pair at each value, in the list's order, each pair's order swapped
+        // every repeat.
+        let s = params("--layerwise --compute-us-per-layer 0,200 --repeat 2");
+        let kinds: Vec<(bool, u64)> = s
+            .phase_plan(1)
+            .into_iter()
+            .map(|(_, f)| (f.by_layer, f.compute_us_per_layer))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (true, 0),
+                (false, 0),
+                (true, 200),
+                (false, 200),
+                (false, 0),
+                (true, 0),
+                (false, 200),
+                (true, 200),
+            ]
+        );
         assert_eq!(sets(&params("--repeat 3"), 1), [0, 0, 0]);
     }
 
@@ -1336,6 +1394,8 @@ mod tests {
             "--preset llama3-8b --quick --prefill-tp 2 --decode-tp 1 --json",
             "--preset llama3-8b --quick --layerwise --compute-us-per-layer 1000 --json",
             "--layerwise --compute-us-per-layer 4000 --chunk-tokens 4096 --verify sample --json",
+            "--layerwise --compute-us-per-layer 0,1500,3000,4500,6000 --chunk-tokens 4096 \
+             --verify sample --json",
             "--preset deepseek-mla --json --quick",
             "--preset table --json",
             "--transport rdma --json --preset llama3-8b --prompt 1024 --rooms 6 --concurrency 2 \

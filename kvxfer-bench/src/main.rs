@@ -11,6 +11,7 @@ mod pattern;
 mod pool;
 mod prefill;
 mod report;
+mod sweep;
 mod sys;
 mod table;
 mod tls;

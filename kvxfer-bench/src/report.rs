@@ -22,11 +22,11 @@ pub fn pct_ms(sorted: &[u64], q: f64) -> f64 {
 /// Percentiles of a latency, in milliseconds.
 #[derive(Serialize)]
 pub struct Latency {
-    p50: f64,
-    p99: f64,
-    p999: f64,
-    max: f64,
-    n: usize,
+    pub p50: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+    pub n: usize,
 }
 
 impl Latency {
@@ -43,7 +43,7 @@ impl Latency {
     }
 }
 
-fn sorted(v: &[u64]) -> Vec<u64> {
+pub(crate) fn sorted(v: &[u64]) -> Vec<u64> {
     let mut v = v.to_vec();
     v.sort_unstable();
     v
@@ -156,7 +156,7 @@ pub fn tp_split(p: &Params, r: &Report) -> Option<TpSplit> {
 }
 
 /// Nearest-rank percentile of sorted values (NaN when empty).
-fn pct(sorted: &[f64], q: f64) -> f64 {
+pub(crate) fn pct(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
@@ -164,165 +164,7 @@ fn pct(sorted: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
-/// Percentiles of how late the prefill scheduler woke after a layer's end, in µs.
-#[derive(Serialize)]
-pub struct LateUs {
-    p50: f64,
-    p99: f64,
-    max: f64,
-    n: usize,
-}
-
-/// `--layerwise`: time-to-first-token (first layer's compute -> decode SUCCESS) of the
-/// layer-wise phases against the whole-chunk phases, both with simulated compute, and
-/// the bulk GB/s of both with none; measured in turn in the same run.
-#[derive(Serialize)]
-pub struct LayerwiseSplit {
-    compute_us_per_layer: u64,
-    /// The compute alone of a room (every layer of every chunk), ms: the median room.
-    compute_ms: f64,
-    layerwise_ttft_ms: Latency,
-    whole_chunk_ttft_ms: Latency,
-    /// Each room's TTFT over its compute alone: the median and the 99th percentile room.
-    layerwise_over_compute_p50: f64,
-    layerwise_over_compute_p99: f64,
-    whole_chunk_over_compute_p50: f64,
-    whole_chunk_over_compute_p99: f64,
-    /// 1 - layer-wise TTFT / whole-chunk TTFT, at the median and at p99.
-    reduction_p50: f64,
-    reduction_p99: f64,
-    /// For each pair of adjacent phases with compute (one of each), in order: the
-    /// layer-wise phase's median TTFT over compute, and the reduction at the median.
-    layerwise_over_compute_p50_per_pair: Vec<f64>,
-    reduction_p50_per_pair: Vec<f64>,
-    /// The phases without compute: GB/s delivered layer-wise and whole-chunk, their
-    /// ratio all phases together and pair by pair.
-    bulk_layerwise_gbps: f64,
-    bulk_whole_chunk_gbps: f64,
-    bulk_gbps_ratio: f64,
-    bulk_gbps_ratio_per_pair: Vec<f64>,
-    /// How late the prefill scheduler woke after each layer's end (its sleep's overshoot,
-    /// plus whatever else held the thread), over the phases with compute.
-    compute_late_us: LateUs,
-    /// Where a layer-wise room's time goes past its compute: TTFT = compute + the
-    /// scheduler's late wake after the last layer + the rest (the last layer's transfer,
-    /// whatever earlier layers still had to move, SUCCESS reaching the decode poll); ms,
-    /// median and p99 room of each part.
-    layerwise_last_wake_ms: [f64; 2],
-    layerwise_after_last_enqueue_ms: [f64; 2],
-    whole_chunk_last_wake_ms: [f64; 2],
-    whole_chunk_after_last_enqueue_ms: [f64; 2],
-}
-
-/// The parts of TTFT past the compute ([`LayerwiseSplit`]): the last wake's lateness and
-/// the rest, ns per room.
-fn tail(k: &KvResult) -> (Vec<u64>, Vec<u64>) {
-    let rest = k
-        .ttft
-        .iter()
-        .zip(&k.compute)
-        .zip(&k.last_late)
-        .map(|((&t, &c), &l)| t.saturating_sub(c + l))
-        .collect();
-    (k.last_late.clone(), rest)
-}
-
-/// Median and p99 of nanoseconds, in ms.
-fn p50_p99(ns: &[u64]) -> [f64; 2] {
-    let v = sorted(ns);
-    [pct_ms(&v, 0.5), pct_ms(&v, 0.99)]
-}
-
-/// Each room's TTFT over its compute alone, sorted.
-fn over_compute(k: &KvResult) -> Vec<f64> {
-    let mut v: Vec<f64> = k
-        .ttft
-        .iter()
-        .zip(&k.compute)
-        .map(|(&t, &c)| t as f64 / c as f64)
-        .collect();
-    v.sort_unstable_by(f64::total_cmp);
-    v
-}
-
-pub fn layerwise_split(p: &Params, r: &Report) -> Option<LayerwiseSplit> {
-    if !p.layerwise {
-        return None;
-    }
-    let total = |computing: bool, by_layer: bool| {
-        let mut t = KvResult::default();
-        r.phases
-            .iter()
-            .filter(|k| {
-                (k.feed.compute_us_per_layer > 0) == computing && k.feed.by_layer == by_layer
-            })
-            .for_each(|k| t.absorb(k));
-        t
-    };
-    let (lw, wc) = (total(true, true), total(true, false));
-    let (bulk_lw, bulk_wc) = (total(false, true), total(false, false));
-    // Adjacent phases of one kind (with or without compute), one of each way of sending.
-    let per_pair = |computing: bool, f: &dyn Fn(&KvResult, &KvResult) -> f64| -> Vec<f64> {
-        r.phases
-            .chunks_exact(2)
-            .filter(|w| (w[0].feed.compute_us_per_layer > 0) == computing)
-            .filter_map(|w| {
-                let (l, c) = if w[0].feed.by_layer {
-                    (&w[0], &w[1])
-                } else {
-                    (&w[1], &w[0])
-                };
-                (l.feed.by_layer && !c.feed.by_layer).then(|| f(l, c))
-            })
-            .collect()
-    };
-    let p50 = |k: &KvResult| pct_ms(&sorted(&k.ttft), 0.5);
-    let p99 = |k: &KvResult| pct_ms(&sorted(&k.ttft), 0.99);
-    let (lw_over, wc_over) = (over_compute(&lw), over_compute(&wc));
-    let late = sorted(&lw.late.iter().chain(&wc.late).copied().collect::<Vec<_>>());
-    let late_us = |q: f64| pct_ms(&late, q) * 1e3;
-    let (lw_wake, lw_rest) = tail(&lw);
-    let (wc_wake, wc_rest) = tail(&wc);
-    Some(LayerwiseSplit {
-        compute_us_per_layer: p.compute_us_per_layer,
-        compute_ms: pct_ms(
-            &sorted(
-                &lw.compute
-                    .iter()
-                    .chain(&wc.compute)
-                    .copied()
-                    .collect::<Vec<_>>(),
-            ),
-            0.5,
-        ),
-        layerwise_ttft_ms: Latency::of(&lw.ttft),
-        whole_chunk_ttft_ms: Latency::of(&wc.ttft),
-        layerwise_over_compute_p50: pct(&lw_over, 0.5),
-        layerwise_over_compute_p99: pct(&lw_over, 0.99),
-        whole_chunk_over_compute_p50: pct(&wc_over, 0.5),
-        whole_chunk_over_compute_p99: pct(&wc_over, 0.99),
-        reduction_p50: 1.0 - p50(&lw) / p50(&wc),
-        reduction_p99: 1.0 - p99(&lw) / p99(&wc),
-        layerwise_over_compute_p50_per_pair: per_pair(true, &|l, _| pct(&over_compute(l), 0.5)),
-        reduction_p50_per_pair: per_pair(true, &|l, c| 1.0 - p50(l) / p50(c)),
-        bulk_layerwise_gbps: bulk_lw.gbps(),
-        bulk_whole_chunk_gbps: bulk_wc.gbps(),
-        bulk_gbps_ratio: bulk_lw.gbps() / bulk_wc.gbps(),
-        bulk_gbps_ratio_per_pair: per_pair(false, &|l, c| l.gbps() / c.gbps()),
-        compute_late_us: LateUs {
-            p50: late_us(0.5),
-            p99: late_us(0.99),
-            max: late_us(1.0),
-            n: late.len(),
-        },
-        layerwise_last_wake_ms: p50_p99(&lw_wake),
-        layerwise_after_last_enqueue_ms: p50_p99(&lw_rest),
-        whole_chunk_last_wake_ms: p50_p99(&wc_wake),
-        whole_chunk_after_last_enqueue_ms: p50_p99(&wc_rest),
-    })
-}
-
-fn min_max(v: &[f64]) -> (f64, f64) {
+pub(crate) fn min_max(v: &[f64]) -> (f64, f64) {
     v.iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
             (a.min(x), b.max(x))
@@ -423,7 +265,7 @@ struct Json<'a> {
     page_order: Option<&'static str>,
     decode_page_tokens: usize,
     tp_vs_equal: Option<TpSplit>,
-    layerwise: Option<LayerwiseSplit>,
+    layerwise: Option<crate::sweep::LayerwiseSplit>,
     cpu_ratio_vs_tcp: f64,
     cores_busy: CoresBusy,
     loadavg: [f64; 2],
@@ -641,7 +483,7 @@ pub fn json(p: &Params, r: &Report) -> String {
         page_order: p.layouts().then(|| p.page_order.name()),
         decode_page_tokens: p.side_page_tokens(Side::Decode),
         tp_vs_equal: tp_split(p, r),
-        layerwise: layerwise_split(p, r),
+        layerwise: crate::sweep::layerwise_split(p, r, d.tcp_gbps),
         cpu_ratio_vs_tcp: d.cpu_ratio,
         cores_busy: CoresBusy {
             kvxfer: d.kv_cores,
@@ -737,76 +579,6 @@ pub fn json(p: &Params, r: &Report) -> String {
         errors: &k.errors,
     };
     serde_json::to_string(&j).expect("a report is plain data")
-}
-
-/// The rows of the `--layerwise` comparison.
-fn layerwise_rows(p: &Params, l: &LayerwiseSplit) -> String {
-    let mut o = String::new();
-    let chunks = p.chunks_for(p.pages_for(p.prompt_max));
-    let _ = writeln!(
-        o,
-        "  layer by layer: {} us x {} layers x {} chunk(s) = {:.3} ms of compute per room \
-         (median room)",
-        l.compute_us_per_layer, p.layers, chunks, l.compute_ms
-    );
-    let ttft = |name: &str, t: &Latency, r50: f64, r99: f64| {
-        format!(
-            "  {name:<36} p50 {:>9.3}  p99 {:>9.3} ms   {r50:.3}x / {r99:.3}x the compute alone \
-             (median / p99 room)\n",
-            t.p50, t.p99
-        )
-    };
-    o.push_str(&ttft(
-        "TTFT, layer-wise",
-        &l.layerwise_ttft_ms,
-        l.layerwise_over_compute_p50,
-        l.layerwise_over_compute_p99,
-    ));
-    o.push_str(&ttft(
-        "TTFT, whole-chunk",
-        &l.whole_chunk_ttft_ms,
-        l.whole_chunk_over_compute_p50,
-        l.whole_chunk_over_compute_p99,
-    ));
-    let (lo, hi) = min_max(&l.reduction_p50_per_pair);
-    let (clo, chi) = min_max(&l.layerwise_over_compute_p50_per_pair);
-    let _ = writeln!(
-        o,
-        "  {:<36} p50 {:>8.1}%  p99 {:>8.1}%      pairs of phases: {:.1}%..{:.1}% lower, \
-         layer-wise {clo:.3}x..{chi:.3}x the compute",
-        "TTFT, layer-wise lower by",
-        l.reduction_p50 * 100.0,
-        l.reduction_p99 * 100.0,
-        lo * 100.0,
-        hi * 100.0
-    );
-    let (blo, bhi) = min_max(&l.bulk_gbps_ratio_per_pair);
-    let _ = writeln!(
-        o,
-        "  {:<36} {:>8.3} {:>9}   whole-chunk {:.3} GB/s; pairs of phases {blo:.3}x..{bhi:.3}x",
-        "kvxfer, no compute, layer-wise / whole",
-        l.bulk_layerwise_gbps,
-        format!("{:.3}x", l.bulk_gbps_ratio),
-        l.bulk_whole_chunk_gbps
-    );
-    let part = |x: [f64; 2]| format!("{:.3} / {:.3}", x[0], x[1]);
-    let _ = writeln!(
-        o,
-        "  TTFT past the compute, p50 / p99 ms: layer-wise: last wake late {}, after the last \
-         enqueue {}; whole-chunk: {}, {}",
-        part(l.layerwise_last_wake_ms),
-        part(l.layerwise_after_last_enqueue_ms),
-        part(l.whole_chunk_last_wake_ms),
-        part(l.whole_chunk_after_last_enqueue_ms)
-    );
-    let c = &l.compute_late_us;
-    let _ = writeln!(
-        o,
-        "  compute sleeps (clock_nanosleep to each layer's end, 1 ns timer slack) woke late by \
-         p50 {:.1} p99 {:.1} max {:.1} us over {} layers",
-        c.p50, c.p99, c.max, c.n
-    );
-    o
 }
 
 fn ratio(x: f64, base: f64) -> String {
@@ -959,8 +731,8 @@ pub fn human(p: &Params, r: &Report) -> String {
             );
         }
     }
-    if let Some(l) = layerwise_split(p, r) {
-        o.push_str(&layerwise_rows(p, &l));
+    if let Some(l) = crate::sweep::layerwise_split(p, r, d.tcp_gbps) {
+        o.push_str(&crate::sweep::rows(p, &l));
     }
     if let Some(a) = auth_split(r) {
         let _ = writeln!(
@@ -1433,38 +1205,49 @@ mod tests {
         }
         let v: serde_json::Value = serde_json::from_str(&json(&p, &r)).unwrap();
         let l = &v["layerwise"];
-        assert_eq!(l["compute_us_per_layer"], 1000);
-        assert_eq!(l["compute_ms"], 32.0);
+        // 256 pages of a 4096-token chunk x 32 KiB x K and V.
+        assert_eq!(l["layer_bytes"], 16 << 20);
+        assert!(l["layer_us_at_tcp"].is_null(), "no baselines: {l}");
+        let sweep = l["sweep"].as_array().unwrap();
+        assert_eq!(sweep.len(), 2);
+        let s = &sweep[0];
+        assert_eq!(s["compute_us_per_layer"], 1000);
+        assert_eq!(s["compute_ms"], 32.0);
+        assert_eq!(s["pairs"], 2);
         // Layer-wise 32 34 36 36 36 40, whole-chunk 48 48 48 64 64 80.
-        assert_eq!(l["layerwise_ttft_ms"]["p50"], 36.0);
-        assert_eq!(l["layerwise_ttft_ms"]["n"], 6);
-        assert_eq!(l["whole_chunk_ttft_ms"]["p50"], 48.0);
-        assert_eq!(l["whole_chunk_ttft_ms"]["p99"], 80.0);
-        assert_eq!(l["layerwise_over_compute_p50"], 36.0 / 32.0);
-        assert_eq!(l["layerwise_over_compute_p99"], 40.0 / 32.0);
-        assert_eq!(l["whole_chunk_over_compute_p50"], 1.5);
-        assert_eq!(l["reduction_p50"], 0.25);
-        assert_eq!(l["reduction_p99"], 0.5);
-        // Pair 1: 34 against 64; pair 2: 36 against 48.
+        assert_eq!(s["layerwise_ttft_ms"]["p50"], 36.0);
+        assert_eq!(s["layerwise_ttft_ms"]["n"], 6);
+        assert_eq!(s["whole_chunk_ttft_ms"]["p50"], 48.0);
+        assert_eq!(s["whole_chunk_ttft_ms"]["p99"], 80.0);
+        assert_eq!(s["ttft_ratio_p50"], 0.75);
+        assert_eq!(s["ttft_ratio_p99"], 0.5);
+        assert_eq!(s["layerwise_over_compute_p50"], 36.0 / 32.0);
+        assert_eq!(s["layerwise_over_compute_p99"], 40.0 / 32.0);
+        assert_eq!(s["whole_chunk_over_compute_p50"], 1.5);
+        // Pair 1: 34 against 64 (p99 40 against 80); pair 2: 36 against 48.
         assert_eq!(
-            l["reduction_p50_per_pair"],
-            serde_json::json!([1.0 - 34.0 / 64.0, 0.25])
+            s["ttft_ratio_p50_per_pair"],
+            serde_json::json!([34.0 / 64.0, 0.75])
         );
-        assert_eq!(
-            l["layerwise_over_compute_p50_per_pair"],
-            serde_json::json!([34.0 / 32.0, 36.0 / 32.0])
-        );
-        // Bulk: layer-wise 4 + 4 against whole-chunk 5 + 4 GB in 2 s each.
-        assert_eq!(l["bulk_layerwise_gbps"], 4.0);
-        assert_eq!(l["bulk_whole_chunk_gbps"], 4.5);
-        assert_eq!(l["bulk_gbps_ratio_per_pair"], serde_json::json!([0.8, 1.0]));
+        assert_eq!(s["ttft_ratio_p99_per_pair"], serde_json::json!([0.5, 0.75]));
+        assert_eq!(s["ttft_ratio_p50_median"], (34.0 / 64.0 + 0.75) / 2.0);
+        assert_eq!(s["ttft_ratio_p99_median"], 0.625);
+        assert_eq!(s["reduction_p50"], 1.0 - (34.0 / 64.0 + 0.75) / 2.0);
         assert_eq!(l["compute_late_us"]["p50"], 50.0);
         assert_eq!(l["compute_late_us"]["max"], 150.0);
         assert_eq!(l["compute_late_us"]["n"], 8);
         // Layer-wise 36 ms = 32 of compute + 1 of late wake + 3 after the last enqueue.
-        assert_eq!(l["layerwise_last_wake_ms"], serde_json::json!([1.0, 1.0]));
-        assert_eq!(l["layerwise_after_last_enqueue_ms"][0], 3.0);
-        assert_eq!(l["whole_chunk_after_last_enqueue_ms"][1], 47.0);
+        assert_eq!(s["layerwise_last_wake_ms"], serde_json::json!([1.0, 1.0]));
+        assert_eq!(s["layerwise_after_last_enqueue_ms"][0], 3.0);
+        assert_eq!(s["whole_chunk_after_last_enqueue_ms"][1], 47.0);
+        // No compute: GB/s layer-wise 4 + 4 against whole-chunk 5 + 4 in 2 s each, and
+        // no TTFT over a compute of 0.
+        let b = &sweep[1];
+        assert_eq!(b["compute_us_per_layer"], 0);
+        assert_eq!(b["layerwise_gbps"], 4.0);
+        assert_eq!(b["whole_chunk_gbps"], 4.5);
+        assert_eq!(b["gbps_ratio_per_pair"], serde_json::json!([0.8, 1.0]));
+        assert!(b["layerwise_over_compute_p50"].is_null(), "{b}");
         let ph = &v["phases"];
         assert_eq!(ph[1]["layerwise"], false);
         assert_eq!(ph[2]["compute_us_per_layer"], 0);
@@ -1473,11 +1256,8 @@ mod tests {
         for row in [
             "kvxfer, phase 1, layer-wise, 1000 us/layer",
             "kvxfer, phase 8, layer-wise, 0 us/layer",
-            "1000 us x 32 layers x 1 chunk(s) = 32.000 ms of compute per room",
-            "1.125x / 1.250x the compute alone",
-            "p50     25.0%  p99     50.0%",
-            "pairs of phases: 25.0%..46.9% lower",
-            "pairs of phases 0.800x..1.000x",
+            "32 layers x 1 chunk(s) a room, 16.0 MiB a layer",
+            "2 pairs, LW/WC p50 0.531x..0.750x; x the compute alone, p50: 1.125 / 1.500",
         ] {
             assert!(text.contains(row), "{row}: {text}");
         }
