@@ -335,7 +335,7 @@ impl PrefillEngine {
                     })
                 })
                 .collect();
-            for item in outbox.push_all(batches) {
+            for item in outbox.push_all(room.generation(), batches) {
                 // The engine was lost meanwhile (its loss fails the room).
                 if let Item::Batch(batch) = item {
                     self.batch_ended(&batch, false, None);
@@ -573,10 +573,13 @@ impl PrefillEngine {
                 }
                 _ => match self.outbox(&peer) {
                     // Closed meanwhile: the engine is lost, and the decode side with it.
-                    Some(outbox) => drop(outbox.push_all(vec![Item::Done {
-                        room: room.clone(),
-                        frame,
-                    }])),
+                    Some(outbox) => drop(outbox.push_all(
+                        room.generation(),
+                        vec![Item::Done {
+                            room: room.clone(),
+                            frame,
+                        }],
+                    )),
                     None => self.core.control.lose(
                         &peer,
                         format!("no data connection left to send Done of room {}", room.id()),
