@@ -6,9 +6,9 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::args::Params;
-use crate::decode::{KvResult, Report};
+use crate::params::Params;
 use crate::report::{min_max, pct, pct_ms, sorted, Latency};
+use crate::results::{KvResult, Report};
 
 /// Percentiles of how late the prefill scheduler woke after a layer's end, in µs.
 #[derive(Serialize)]
