@@ -11,9 +11,10 @@
 //!
 //! Calls that wait to be planned join ([`join`]): while a room's earlier chunks are
 //! being planned, or its batches are still queued for a sender, the layers that come are
-//! planned together once a sender takes the room's last queued batch, so a link that
-//! falls behind the compute gets whole batches, not one small job per layer. A layer is
-//! never held for a later one: with nothing of its room queued, it is planned at once.
+//! planned together once a sender takes the room's queued batches down to one, so a link
+//! that falls behind the compute gets whole batches, not one small job per layer. A layer
+//! is never held for a later one: with (at most one batch) of its room queued, it is
+//! planned at once.
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -71,13 +71,13 @@ pub(crate) struct PrefillRoom {
     /// transition was applied): chunks are planned from now on, not before.
     ready: bool,
     /// A thread plans the room's chunks (the one that handed on a small chunk, or a
-    /// sender that took the room's last queued batch), or a worker was handed the room
+    /// sender that took one of the room's batches), or a worker was handed the room
     /// ([`PrefillEngine::hand_on`]); chunks that come meanwhile wait in `waiting`.
     planning: bool,
     /// Chunks handed on and not planned yet, in order. The layers of one chunk join while
     /// they wait ([`layers::join`]), and a layer call waits while the room has batches
-    /// queued (`queued`), so that a link that falls behind the compute sends the layers
-    /// that came meanwhile together, in full batches.
+    /// queued (`queued`, beyond one), so that a link that falls behind the compute sends
+    /// the layers that came meanwhile together, in full batches.
     waiting: VecDeque<Chunk>,
     /// Batches planned and not yet taken by a sender (nor dropped), every destination.
     queued: usize,

@@ -3,7 +3,7 @@
 //! enqueue, or the control reader when the destination makes the room ready), or the
 //! worker the room is hashed to for the others. A layer call also waits while the room
 //! has batches queued for a sender; the layers that come meanwhile join it, and the
-//! sender that takes the room's last queued batch plans them together
+//! sender that takes the room's queued batches down to one plans them together
 //! ([`PrefillEngine::taken`]). Each chunk becomes its data frames for each destination
 //! ([`plan`]), in batches
 //! queued in the destination engine's outbox; a sender thread per link of that engine
@@ -39,31 +39,54 @@ pub(super) enum Handed {
     Here(Job),
 }
 
+/// How many of a room's batches may stay queued while its waiting layers are planned: a
+/// layer call waits while more are queued, and the sender that takes the batch that
+/// leaves this many plans the layers that waited. One batch stays queued, for another
+/// link to take while that sender plans.
+const QUEUED_RESERVE: usize = 1;
+
+/// The thread that plans a room's chunks: the one that handed a chunk on (the
+/// scheduler's enqueue, a control reader; small chunks only, [`PLAN_HERE_RUNS`]), a
+/// sender that took one of the room's batches, or the room's worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Planner {
+    Caller,
+    Sender,
+    Worker,
+}
+
 impl PrefillEngine {
     /// Hands on the next chunk of a ready room, in order (under the room's lock `p`).
     /// It waits while the room's earlier chunks are planned, and a layer call also while
-    /// the room has batches queued for a sender: the layers that come meanwhile join it
-    /// and are planned together once a sender takes the room's last queued batch
-    /// ([`PrefillEngine::taken`]). Otherwise a small chunk is the caller's to plan
-    /// ([`Handed::Here`]), and any other goes to the room's worker.
+    /// the room has batches queued for a sender (more than [`QUEUED_RESERVE`]): the
+    /// layers that come meanwhile join it and are planned together when a sender takes
+    /// the room's batches down to the reserve ([`PrefillEngine::taken`]). Otherwise a
+    /// small chunk is the caller's to plan ([`Handed::Here`]), and any other goes to the
+    /// room's worker.
     pub(super) fn hand_on(&self, p: &mut PrefillRoom, job: Job) -> Handed {
-        let behind_batches = job.chunk.buffers.is_some() && p.queued > 0;
+        let behind_batches = job.chunk.buffers.is_some() && p.queued > QUEUED_RESERVE;
         if p.planning || !p.waiting.is_empty() || behind_batches {
             layers::join(&mut p.waiting, job.chunk);
             return Handed::Queued(true);
         }
         p.planning = true;
-        if self.small(p, &job.room, &job.chunk) {
+        if self.plans(Planner::Caller, p, &job.room, &job.chunk) {
             return Handed::Here(job);
         }
         p.waiting.push_back(job.chunk);
         Handed::Queued(self.dispatch(&job.room))
     }
 
-    /// Whether `chunk` is small enough to plan on the thread that hands it on
-    /// ([`PLAN_HERE_RUNS`]) and not empty, with workers running (not stopping) and no
-    /// test pause point armed in a worker's path.
-    fn small(&self, p: &PrefillRoom, room: &PRoom, chunk: &Chunk) -> bool {
+    /// Whether `planner` plans `chunk` itself rather than the room's worker: a worker
+    /// plans any chunk; a sender any that is not empty (a plan takes microseconds per
+    /// thousand page runs, less than the worker's wakeup on the room's path, and the
+    /// sender was about to write one of the room's batches anyway); a caller only a
+    /// small one (it is the scheduler's thread). None but a worker plans while the
+    /// workers stop, or while a test pause point is armed in a worker's path.
+    fn plans(&self, planner: Planner, p: &PrefillRoom, room: &PRoom, chunk: &Chunk) -> bool {
+        if planner == Planner::Worker {
+            return true;
+        }
         #[cfg(feature = "test-hooks")]
         if ["worker.mid_chunk", "worker.before_complete"]
             .iter()
@@ -85,7 +108,11 @@ impl PrefillEngine {
         // An empty chunk stays with the worker: there is nothing to plan, and it only
         // completes the room.
         let runs = chunk.pages.len() * buffers * p.dests.len();
-        (1..=PLAN_HERE_RUNS).contains(&runs) && !self.workers.read().is_empty()
+        let most = match planner {
+            Planner::Caller => PLAN_HERE_RUNS,
+            _ => usize::MAX,
+        };
+        (1..=most).contains(&runs) && !self.workers.read().is_empty()
     }
 
     /// Plans a chunk [`PrefillEngine::hand_on`] gave the caller, then the chunks that
@@ -93,7 +120,7 @@ impl PrefillEngine {
     pub(super) fn plan_here(&self, job: Job) {
         #[cfg(feature = "test-hooks")]
         crate::testing::pause_point("prefill.plan_here", job.room.id());
-        self.plan_waiting(&job.room, job.chunk, false);
+        self.plan_waiting(Planner::Caller, &job.room, job.chunk);
     }
 
     /// A worker thread: plans the waiting chunks of the rooms handed to it, until the
@@ -102,31 +129,32 @@ impl PrefillEngine {
         for room in rooms {
             let first = ext(&room).lock().waiting.pop_front();
             match first {
-                Some(chunk) => self.plan_waiting(&room, chunk, true),
+                Some(chunk) => self.plan_waiting(Planner::Worker, &room, chunk),
                 None => ext(&room).lock().planning = false,
             }
         }
     }
 
-    /// Plans `chunk` of `room` (this thread is the room's planner), then each chunk that
-    /// waits behind it while it may go: a whole chunk at once, a layer call once nothing
-    /// of the room is queued for a sender (else the sender that takes the room's last
-    /// queued batch plans it, with the layers that join it meanwhile). A worker
-    /// (`on_worker`) plans any chunk; another thread only small ones, and hands the room
-    /// to its worker for the rest.
-    fn plan_waiting(&self, room: &Arc<PRoom>, mut chunk: Chunk, on_worker: bool) {
+    /// Plans `chunk` of `room` (`planner` is the room's planner), then each chunk that
+    /// waits behind it while it may go: a whole chunk at once, a layer call once the
+    /// room's queued batches are down to the reserve (else the sender that takes them
+    /// there plans it, with the layers that join it meanwhile). What `planner` does not
+    /// plan itself ([`PrefillEngine::plans`]) goes to the room's worker.
+    fn plan_waiting(&self, planner: Planner, room: &Arc<PRoom>, mut chunk: Chunk) {
         loop {
             self.plan_job(room, &chunk);
             let mut p = ext(room).lock();
             let next = match p.waiting.front() {
-                Some(c) if c.buffers.is_none() || p.queued == 0 => p.waiting.pop_front(),
+                Some(c) if c.buffers.is_none() || p.queued <= QUEUED_RESERVE => {
+                    p.waiting.pop_front()
+                }
                 _ => None,
             };
             let Some(next) = next else {
                 p.planning = false;
                 return;
             };
-            if on_worker || self.small(&p, room, &next) {
+            if self.plans(planner, &p, room, &next) {
                 chunk = next;
                 continue;
             }
@@ -139,22 +167,22 @@ impl PrefillEngine {
         }
     }
 
-    /// A sender took one of `room`'s batches: once none is left queued, the layers that
-    /// waited for it are planned, on this thread if small (before it writes the batch it
-    /// took, so the room's next batches are queued while it does).
+    /// A sender took one of `room`'s batches: once they are down to the reserve, the
+    /// layers that waited are planned, on this thread (before it writes the batch it
+    /// took, so that the room's next batches are queued while it does).
     pub(super) fn taken(&self, room: &Arc<PRoom>) {
         let mut p = ext(room).lock();
         p.queued -= 1;
-        if p.queued > 0 || p.planning {
+        if p.queued > QUEUED_RESERVE || p.planning {
             return;
         }
         let Some(chunk) = p.waiting.pop_front() else {
             return;
         };
         p.planning = true;
-        if self.small(&p, room, &chunk) {
+        if self.plans(Planner::Sender, &p, room, &chunk) {
             drop(p);
-            self.plan_waiting(room, chunk, false);
+            self.plan_waiting(Planner::Sender, room, chunk);
             return;
         }
         p.waiting.push_front(chunk);
