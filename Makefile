@@ -47,7 +47,11 @@ rust-checks: deps
 	# The reported silent-pin interleaving and its neighbours, held open by test-only
 	# pause points (feature test-hooks, never in a release build).
 	cargo test --locked --features test-hooks --test pin_regression --test hooks_complete --test hardening \
-	  --test hardening_again --test hetero
+	  --test hardening_again --test hetero --test integrity
+	# The byte-exact suites again over the same-host path (a direct copy between the
+	# processes; any pairing that cannot take it fails its rooms).
+	KVXFER_TEST_SAME_HOST=require cargo test --locked --features test-hooks --test transfer \
+	  --test hetero --test layerwise --test layers --test layout --test two_process
 
 ctest: build
 	ctest --test-dir build --output-on-failure -j $(NPROC)

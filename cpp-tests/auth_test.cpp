@@ -43,10 +43,11 @@ class KeyFile {
 
 } // namespace
 
-TEST(ConfigAuth, AuthTakesRequiredOrOffAndNamesABadValue) {
+TEST(ConfigAuth, AuthTakesAutoRequiredOrOffAndNamesABadValue) {
     ConfigPtr c = new_config();
     EXPECT_TRUE(ok(kvxfer_config_set(c.get(), "auth", "off")));
     EXPECT_TRUE(ok(kvxfer_config_set(c.get(), "auth", "required")));
+    EXPECT_TRUE(ok(kvxfer_config_set(c.get(), "auth", "auto")));
     for (const char *bad : {"on", "Required", "yes", ""}) {
         Result r = result(kvxfer_config_set(c.get(), "auth", bad));
         EXPECT_EQ(r.status, KVXFER_ERR_BAD_VALUE) << bad << ": " << r;
@@ -146,6 +147,22 @@ TEST(ConfigAuth, AuthRequiredWithoutAKeyFailsEngineNewNamingTheKeys) {
     ConfigPtr off = config("prefill", {{"auth_key", kKeyHex}, {"auth", "off"}});
     EnginePtr ok_engine = new_engine(off.get());
     EXPECT_NE(ok_engine.get(), nullptr);
+}
+
+// Protected by default: without a key (or TLS), an engine keeps to loopback unless
+// auth=off says otherwise.
+TEST(ConfigAuth, WithoutAKeyAListenBeyondLoopbackFailsEngineNewUnlessAuthIsOff) {
+    ConfigPtr c = config("prefill", {{"listen", "0.0.0.0:0"}});
+    kvxfer_engine *e = nullptr;
+    Result r = result(kvxfer_engine_new(c.get(), &e));
+    EXPECT_EQ(r.status, KVXFER_ERR_BAD_VALUE) << r;
+    EXPECT_TRUE(contains(r.message, "'listen'")) << r;
+    EXPECT_TRUE(contains(r.message, "'auth'")) << r;
+    EXPECT_EQ(e, nullptr);
+    ConfigPtr off = config("prefill", {{"listen", "0.0.0.0:0"}, {"auth", "off"}});
+    EXPECT_NE(new_engine(off.get()).get(), nullptr);
+    ConfigPtr keyed = config("prefill", {{"listen", "0.0.0.0:0"}, {"auth_key", kKeyHex}});
+    EXPECT_NE(new_engine(keyed.get()).get(), nullptr);
 }
 
 namespace {

@@ -140,6 +140,29 @@ TEST_F(Transfer, ChunksArriveInTheGrantedPagesWithTheAuxRowAndBothSidesSucceed) 
     EXPECT_EQ(poll(d_.get(), 1), KVXFER_ROOM_SUCCESS);
 }
 
+// integrity=verify on both engines over TCP: the room succeeds verified, the path is
+// TCP, and the metrics count the bytes verified.
+TEST_F(Transfer, AVerifiedRoomSaysSoAndItsPathIsReported) {
+    start({{"integrity", "verify"}, {"same_host", "off"}});
+    create(2);
+    std::vector<uint32_t> dst = {9, 10}, src = {3, 4};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 2, dst.data(), dst.size(), -1)));
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 2, src.data(), src.size(), true, -1)));
+    ASSERT_EQ(wait_terminal(d_.get(), 2), KVXFER_ROOM_SUCCESS) << failure(d_.get(), 2);
+    EXPECT_TRUE(pages_equal(src, dst));
+    bool verified = false;
+    ASSERT_TRUE(ok(kvxfer_room_verified(d_.get(), 2, &verified)));
+    EXPECT_TRUE(verified);
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_ROLE, kvxfer_room_verified(p_.get(), 2, &verified)));
+    kvxfer_path path = KVXFER_PATH_UNKNOWN;
+    ASSERT_TRUE(ok(kvxfer_room_path(d_.get(), 2, &path)));
+    EXPECT_EQ(path, KVXFER_PATH_TCP);
+    kvxfer_metrics m{};
+    ASSERT_TRUE(ok(kvxfer_engine_metrics(d_.get(), &m, sizeof m)));
+    EXPECT_EQ(m.bytes_verified, 2 * kBuffers * kPageBytes);
+    EXPECT_EQ(m.pairings_tcp, 1u);
+}
+
 TEST_F(Transfer, ChunksEnqueuedBeforeTheDestinationAreSentWhenItArrives) {
     create(2);
     std::vector<uint32_t> src = {10, 11, 12, 13};
@@ -453,6 +476,10 @@ TEST(TransferHpp, ARoundTripThroughTheWrapper) {
     ASSERT_EQ(d.poll(42), kvxfer::RoomState::Success);
     ASSERT_EQ(p.poll(42), kvxfer::RoomState::Success);
     EXPECT_TRUE(d.drained(42));
+    // One process: the same-host path (same_host=auto), not verified (integrity=off).
+    EXPECT_EQ(d.path(42), kvxfer::Path::SameHost);
+    EXPECT_EQ(p.path(42), kvxfer::Path::SameHost);
+    EXPECT_FALSE(d.verified(42));
     for (std::size_t b = 0; b < kBuffers; ++b) {
         EXPECT_EQ(std::memcmp(dst.page(b, 5), src.page(b, 9), kPageBytes), 0) << b;
     }

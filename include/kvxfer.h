@@ -234,12 +234,58 @@ enum kvxfer_failure_cause
    * An internal error (a library bug, caught).
    */
   KVXFER_CAUSE_INTERNAL = 10,
+  /**
+   * With `integrity=verify`: the bytes where a data run landed do not match the digest
+   * the prefill engine sent with it (corrupted on the way or on either host, written
+   * at the wrong place, or a run of an earlier use of the room id); the reason names
+   * the prefill engine, the buffer, the page and the byte range.
+   */
+  KVXFER_CAUSE_INTEGRITY = 11,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
 typedef enum kvxfer_failure_cause kvxfer_failure_cause;
 #else
 typedef int32_t kvxfer_failure_cause;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * The path a room's data takes with its peer engines (`kvxfer_room_path`).
+ */
+enum kvxfer_path
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * No peer engine of the room is paired yet (a prefill room before its destination
+   * arrived, a decode room still connecting).
+   */
+  KVXFER_PATH_UNKNOWN = 0,
+  /**
+   * Data frames over the TCP data connections.
+   */
+  KVXFER_PATH_TCP = 1,
+  /**
+   * RDMA writes.
+   */
+  KVXFER_PATH_RDMA = 2,
+  /**
+   * Both engines on one host: the decode engine copies the pages directly from the
+   * prefill process's memory (`same_host`).
+   */
+  KVXFER_PATH_SAME_HOST = 3,
+  /**
+   * The room's peer engines took different paths.
+   */
+  KVXFER_PATH_MIXED = 15,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvxfer_path kvxfer_path;
+#else
+typedef int32_t kvxfer_path;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -486,7 +532,8 @@ typedef struct kvxfer_metrics {
    * Connections refused at authentication, on either side (see `auth` and the `tls_*`
    * keys in `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete
    * or malformed handshake, too many connections authenticating at once, a failed TLS
-   * handshake (a certificate not of the CA, an alert), or TLS on one side only.
+   * handshake (a certificate not of the CA, an alert), TLS on one side only, or another
+   * host where an engine without a key serves only its own (`auth=auto`).
    */
   uint64_t auth_failures;
   /**
@@ -502,6 +549,42 @@ typedef struct kvxfer_metrics {
    * segment, so runs per page tell how finely a transfer was cut.
    */
   uint64_t data_runs_sent;
+  /**
+   * Prefill engine: authenticated connections refused past a bound on what one decode
+   * engine, or all of them, may hold: a control connection from a new decode engine
+   * while the engine already serves 1024, a data connection whose index is 64 or more
+   * (`connections_per_peer` is at most 64) or is already live for its engine. Each is
+   * closed and logged (warn level the first time per address, debug after).
+   */
+  uint64_t peer_limit_refusals;
+  /**
+   * Decode engine: KV and aux bytes whose digest matched where they landed
+   * (`integrity=verify`).
+   */
+  uint64_t bytes_verified;
+  /**
+   * Rooms failed because a data run's digest did not match the bytes where it landed
+   * (decode: found; prefill: told by the decode engine).
+   */
+  uint64_t integrity_failures;
+  /**
+   * Peer pairings whose data takes TCP (one per peer engine connected).
+   */
+  uint64_t pairings_tcp;
+  /**
+   * Peer pairings whose data takes RDMA.
+   */
+  uint64_t pairings_rdma;
+  /**
+   * Peer pairings on one host whose data the decode engine copies directly from the
+   * prefill process (`same_host`).
+   */
+  uint64_t pairings_same_host;
+  /**
+   * Pairings on one host that took TCP because the same-host path could not be used
+   * (each also logged at WARN with the reason).
+   */
+  uint64_t same_host_fallbacks;
 } kvxfer_metrics;
 
 #ifdef __cplusplus
@@ -523,7 +606,8 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * - `role`: `prefill` | `decode`. No default: must be set.
  * - `listen` (default `127.0.0.1:0`): `host:port` to listen on, port 0 = any; IPv6 as
  *   `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
- *   reports this machine's host name.
+ *   reports this machine's host name. An address that is not loopback needs a key, TLS
+ *   or `auth=off` (see `auth`).
  * - `transport` (default `auto`): `auto` | `tcp` | `rdma`.
  * - `workers` (default `4`, 1..256): worker threads.
  * - `connections_per_peer` (default `2`, 1..64): data connections to each peer engine
@@ -545,10 +629,38 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * - `drain_timeout_ms` (default `5000`, 1..86400000): RDMA: longest a failed decode room
  *   waits for the prefill's acknowledgement before its peer's queue pairs are shut.
  * - `log_level` (default `warn`): `error` | `warn` | `info` | `debug` | `trace`.
+ * - `same_host` (default `auto`): `auto` | `require` | `off`. Engines on one host (the
+ *   same boot id and network namespace, learnt in the handshake after authentication)
+ *   move KV without the network: the decode engine copies the pages straight from the
+ *   prefill process's registered memory (`process_vm_readv`). It needs the same PID
+ *   namespace and permission to read the prefill process (same user and Yama
+ *   `ptrace_scope` 0, or `CAP_SYS_PTRACE`), which the pairing proves by reading a probe.
+ *   `auto`: that path when it can be used, TCP otherwise (logged at WARN with the
+ *   reason, counted in `same_host_fallbacks`). `require`: that path or no pairing (the
+ *   rooms fail as MISMATCH, the reason naming why, such as `ptrace denied:
+ *   ptrace_scope=2`). `off`: never. TCP transport only (RDMA engines use RDMA).
+ *   `kvxfer_room_path` tells which path a room took.
+ * - `integrity` (default `off`): `verify` | `off`. `verify`: the prefill engine sends
+ *   with every data run a CRC32C of the run's bytes bound to its room, generation and
+ *   destination (buffer, pages, offset), and the decode engine recomputes it over the
+ *   bytes where they landed, before it counts them: a room reaches SUCCESS only when
+ *   every run matched, and a mismatch fails it as `KVXFER_CAUSE_INTEGRITY` with a reason
+ *   naming the prefill engine, buffer, page and byte range (`kvxfer_room_verified`).
+ *   Over TCP and the same-host path; RDMA rooms are not verified yet. Both engines of a
+ *   pair must have the same setting, else their rooms fail as MISMATCH naming both. Off
+ *   by default because it costs a CRC32C pass over every byte on each side (about
+ *   0.15 CPU s per GB per side on the 2-core host it was measured on, as much as the
+ *   whole TCP path; docs/BENCHMARKS.md).
  *
  * Authentication:
- * - `auth`: `required` | `off`. No fixed default: `required` when a key is set, `off`
- *   otherwise.
+ * - `auth` (default `auto`): `auto` | `required` | `off`. `auto`: `required` when a key
+ *   is set; without a key or TLS, the engine works only with engines on its own host:
+ *   it must listen on a loopback address (else `kvxfer_engine_new` fails with
+ *   `KVXFER_ERR_BAD_VALUE` naming `listen` and `auth`), a prefill engine refuses
+ *   connections from other addresses (counted in `auth_failures`), a decode engine
+ *   does not connect to a prefill engine elsewhere (its rooms fail with
+ *   `KVXFER_CAUSE_MISMATCH`, the reason naming `auth`). `required`: every connection
+ *   proves the key. `off`: no authentication, any address, any peer.
  * - `auth_key_file`: path of the cluster key: the file's whole content, 32 to 4096
  *   bytes, best 32 random bytes such as `head -c 32 /dev/urandom`; the file must be a
  *   regular file that grants nothing to group or others, mode 0600 or 0400, else the
@@ -562,7 +674,8 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   leaf must be signed (through the chain) by a CA of `tls_ca_file` and allow
  *   TLS server and client use (extended key usages serverAuth and clientAuth, or none).
  * - `tls_key_file`: path of that certificate's private key, PEM (PKCS#8, PKCS#1 or
- *   SEC1).
+ *   SEC1); like `auth_key_file`, a regular file that grants nothing to group or
+ *   others (mode 0600 or 0400), else the message names the path and its mode.
  * - `tls_ca_file`: path of the cluster CA's certificate(s), PEM. Host names are not
  *   checked: any certificate it signed is a member of the cluster.
  * - `encrypt_data` (default `false`): `true` | `false`. `true` seals every KV payload on
@@ -576,11 +689,11 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * it), and data connections prove the control session they belong to even without a
  * key. The files are read by `kvxfer_engine_new`, which fails with
  * `KVXFER_ERR_BAD_VALUE` naming the key and the path when only some of the three are
- * set, a file cannot be read or holds no usable PEM, the key does not fit the
- * certificate, the certificate is not signed by the CA, or `encrypt_data=true` has no
- * TLS. An engine with TLS and one without fail their rooms as with different `auth`
- * settings, the reasons naming TLS; so do engines that differ in `encrypt_data`, the
- * reasons naming it.
+ * set, a file cannot be read or holds no usable PEM, the key's file grants anything to
+ * group or others, the key does not fit the certificate, the certificate is not signed
+ * by the CA, or `encrypt_data=true` has no TLS. An engine with TLS and one without
+ * fail their rooms as with different `auth` settings, the reasons naming TLS; so do
+ * engines that differ in `encrypt_data`, the reasons naming it.
  *
  * Whichever of `auth_key_file` and `auth_key` is set last is the key. With
  * `auth=required` every connection between two engines proves, both ways, that both
@@ -588,7 +701,8 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * in key fail their rooms (decode side: `KVXFER_CAUSE_MISMATCH`, the reason naming
  * authentication and both settings; prefill side: at `bootstrap_timeout_ms`, the
  * reason naming the refused connection). `auth=required` without a key makes
- * `kvxfer_engine_new` fail with `KVXFER_ERR_BAD_VALUE`.
+ * `kvxfer_engine_new` fail with `KVXFER_ERR_BAD_VALUE`. A keyless `auto` engine and an
+ * `off` one on the same host work together (neither authenticates).
  *
  * Errors: `KVXFER_ERR_UNKNOWN_KEY` for a key not listed, `KVXFER_ERR_BAD_VALUE` for a
  * value the key does not accept (the message names both), `KVXFER_ERR_NULL_POINTER`.
@@ -639,10 +753,12 @@ void kvxfer_config_free(struct kvxfer_config *cfg);
  * it in `*out`. The engine binds its listening socket and starts its threads before
  * this returns.
  *
- * Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set or `auth` is `required` without a
- * key, `KVXFER_ERR_TRANSPORT_UNAVAILABLE`
- * if the requested transport cannot run here, `KVXFER_ERR_IO` if the address cannot be
- * bound, `KVXFER_ERR_NULL_POINTER`. `*out` is written only on success.
+ * Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set, `auth` is `required` without a
+ * key, `listen` is not a loopback address while the engine has neither a key nor TLS
+ * and `auth` is not `off` (the message names both keys), or a TLS file is unusable;
+ * `KVXFER_ERR_TRANSPORT_UNAVAILABLE` if the requested transport cannot run here,
+ * `KVXFER_ERR_IO` if the address cannot be bound, `KVXFER_ERR_NULL_POINTER`. `*out` is
+ * written only on success.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_engine_new(const struct kvxfer_config *cfg, struct kvxfer_engine **out);
 
@@ -939,12 +1055,41 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_failure_cause(const struct kvxfer_engi
  * true as soon as the `recv` in progress returns; over RDMA, once every prefill engine
  * of the room acknowledged that its writes completed, or was lost, or
  * `drain_timeout_ms` passed and its queue pairs were shut; a room that succeeded is
- * drained at once). Prefill engine: no worker is still reading its source pages. A
- * live room is never drained. Never blocks.
+ * drained at once; on the same-host path, as over TCP: no copy of its own into the
+ * pages is in progress). Prefill engine: no worker is still reading its source pages
+ * (on the same-host path: the decode engine answered every copy of them, or its link
+ * was given up after the stall). A live room is never drained. Never blocks.
  *
  * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const struct kvxfer_engine *engine, uint64_t room, bool *drained);
+
+/**
+ * Stores in `*path` the path room `room`'s data takes with its peer engines: TCP, RDMA
+ * or `KVXFER_PATH_SAME_HOST` (a direct copy between the two processes on one host,
+ * `same_host` in `kvxfer_config_set`) when every peer engine of the room agrees;
+ * `KVXFER_PATH_MIXED` when they differ; `KVXFER_PATH_UNKNOWN` while none is paired yet.
+ * A path is never changed silently: a same-host pairing that could not take the direct
+ * copy is logged at WARN with the reason and counted (`same_host_fallbacks`), and with
+ * `same_host=require` its rooms fail as MISMATCH instead. Never blocks.
+ *
+ * Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_room_path(const struct kvxfer_engine *engine, uint64_t room, kvxfer_path *path);
+
+/**
+ * Decode engine only: stores in `*verified` whether room `room` reached SUCCESS with
+ * every byte verified: with `integrity=verify` (see `kvxfer_config_set`), every data
+ * run of every prefill engine of the room carried a digest bound to the room, its
+ * generation and the run's destination, and each matched the bytes where they landed.
+ * False for a room that is live or FAILED (a mismatch fails it as
+ * `KVXFER_CAUSE_INTEGRITY`), with `integrity=off`, and over RDMA, whose writes are not
+ * verified yet. Never blocks.
+ *
+ * Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
+ * `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_room_verified(const struct kvxfer_engine *engine, uint64_t room, bool *verified);
 
 /**
  * Decode engine only: stores in `*n` how many of room `room`'s first layers have landed

@@ -144,6 +144,7 @@ enum class FailureCause : int32_t {
     Transfer = KVXFER_CAUSE_TRANSFER,
     Shutdown = KVXFER_CAUSE_SHUTDOWN,
     Internal = KVXFER_CAUSE_INTERNAL,
+    Integrity = KVXFER_CAUSE_INTEGRITY,
 };
 
 /// The cause's name without its prefix, such as "PEER_LOST" (from
@@ -152,6 +153,15 @@ inline const char *to_string(FailureCause c) noexcept {
     return detail::without_prefix(kvxfer_failure_cause_str(static_cast<int32_t>(c)),
                                   "KVXFER_CAUSE_");
 }
+
+/// The path a room's data takes with its peer engines (values of kvxfer_path).
+enum class Path : int32_t {
+    Unknown = KVXFER_PATH_UNKNOWN,
+    Tcp = KVXFER_PATH_TCP,
+    Rdma = KVXFER_PATH_RDMA,
+    SameHost = KVXFER_PATH_SAME_HOST,
+    Mixed = KVXFER_PATH_MIXED,
+};
 
 /// A log line's level (values of kvxfer_log_level), most severe first.
 enum class LogLevel : int32_t {
@@ -433,6 +443,21 @@ class Engine {
             *from_peer = peer;
         }
         return static_cast<FailureCause>(c);
+    }
+
+    /// Decode only: whether the room reached SUCCESS with every byte verified
+    /// (kvxfer_room_verified).
+    bool verified(uint64_t room) const {
+        bool v = false;
+        check(kvxfer_room_verified(handle_.get(), room, &v));
+        return v;
+    }
+
+    /// The path the room's data takes with its peer engines (kvxfer_room_path).
+    Path path(uint64_t room) const {
+        kvxfer_path p{};
+        check(kvxfer_room_path(handle_.get(), room, &p));
+        return static_cast<Path>(p);
     }
 
     /// Whether the room is terminal and its memory may be reused (decode: no write can

@@ -119,22 +119,7 @@ impl Key {
     /// [`MAX_KEY_LEN`] bytes, in a regular file that grants no permission to its group or
     /// to others (mode `0600` or `0400`). Errors name the path (and the mode).
     pub fn from_file(path: &str) -> Result<Key, String> {
-        use std::os::unix::fs::PermissionsExt;
-        let file = File::open(path).map_err(|e| format!("cannot open '{path}': {e}"))?;
-        // The checks are on the open file, so the file read is the file checked.
-        let meta = file
-            .metadata()
-            .map_err(|e| format!("cannot stat '{path}': {e}"))?;
-        if !meta.is_file() {
-            return Err(format!("'{path}' is not a regular file"));
-        }
-        let mode = meta.permissions().mode() & 0o7777;
-        if mode & 0o077 != 0 {
-            return Err(format!(
-                "'{path}' has mode {mode:04o}: a key file must be readable only by its owner, \
-                 with no permission for group or others (chmod 600 '{path}')"
-            ));
-        }
+        let file = open_private(path)?;
         let mut bytes = Vec::new();
         file.take(MAX_KEY_LEN as u64 + 1)
             .read_to_end(&mut bytes)
@@ -146,6 +131,29 @@ impl Key {
     pub fn id(&self) -> [u8; AUTH_KEY_ID_LEN] {
         key_id(&self.0)
     }
+}
+
+/// Opens secret file `path` (a key) for reading, after checking the open file: a
+/// regular file that grants no permission to its group or to others (mode `0600` or
+/// `0400`). The checks are on the open file, so the file read is the file checked.
+/// Errors name the path (and the mode).
+pub(crate) fn open_private(path: &str) -> Result<File, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let file = File::open(path).map_err(|e| format!("cannot open '{path}': {e}"))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot stat '{path}': {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("'{path}' is not a regular file"));
+    }
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "'{path}' has mode {mode:04o}: a key file must be readable only by its owner, \
+             with no permission for group or others (chmod 600 '{path}')"
+        ));
+    }
+    Ok(file)
 }
 
 /// The secret of an authenticated control session, from which its data connections
@@ -346,6 +354,9 @@ pub enum Reason {
     TlsMismatch,
     /// The TLS handshake failed: a certificate not of the cluster's CA, an alert.
     Tls,
+    /// The peer is on another host, and one of the two engines has neither a key nor
+    /// TLS and `auth` at `auto`, so it works only with engines on its own host.
+    NotLocal,
 }
 
 impl Reason {
@@ -363,6 +374,7 @@ impl Reason {
             Reason::Malformed => "malformed handshake",
             Reason::TlsMismatch => "TLS on one side only",
             Reason::Tls => "TLS handshake failed",
+            Reason::NotLocal => "not on this host",
         }
     }
 
@@ -371,7 +383,12 @@ impl Reason {
     pub fn is_config_mismatch(self) -> bool {
         matches!(
             self,
-            Reason::NoKey | Reason::Mismatch | Reason::WrongKey | Reason::TlsMismatch | Reason::Tls
+            Reason::NoKey
+                | Reason::Mismatch
+                | Reason::WrongKey
+                | Reason::TlsMismatch
+                | Reason::Tls
+                | Reason::NotLocal
         )
     }
 }
@@ -397,7 +414,7 @@ impl Failure {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let word = match self.reason {
-            Reason::Mismatch | Reason::NoKey => "authentication mismatch",
+            Reason::Mismatch | Reason::NoKey | Reason::NotLocal => "authentication mismatch",
             Reason::TlsMismatch => "TLS mismatch",
             Reason::Tls => "TLS authentication failed",
             _ => "authentication failed",
@@ -627,6 +644,12 @@ pub fn read_hello<S: Conn>(s: &mut S, deadline: Instant) -> Result<Message, Fail
     read_frame(&mut Timed { s, deadline }, &[Kind::Hello])
 }
 
+/// Why a prefill engine refused us from another host ([`AuthRefusal::NotLocal`]).
+pub const NOT_LOCAL_PEER: &str =
+    "the peer accepts only engines on its own host: it has no cluster key and no TLS, and \
+     'auth' at its default ('auto'). Give every engine the same key ('auth_key_file'), or \
+     set 'auth' to 'off' on both to run without authentication";
+
 /// What the peer's refusal means, seen from `me`.
 fn refused(me: &Local<'_>, reason: AuthRefusal, theirs: AuthMode) -> Failure {
     let ours = me.mode;
@@ -677,6 +700,7 @@ fn refused(me: &Local<'_>, reason: AuthRefusal, theirs: AuthMode) -> Failure {
                 me.name()
             ),
         ),
+        AuthRefusal::NotLocal => (Reason::NotLocal, NOT_LOCAL_PEER.into()),
     };
     Failure::new(r, detail)
 }

@@ -8,6 +8,7 @@ use crate::err;
 use crate::error::Result;
 use crate::log::Level;
 pub use crate::proto::AuthMode;
+pub use crate::proto::SameHostSetting;
 
 /// Which side of the transfer an engine is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -71,8 +72,9 @@ pub struct Config {
     pub drain_timeout_ms: u64,
     /// `log_level`: the least severe level passed to the log sink.
     pub log_level: Level,
-    /// `auth`: `None` until set, meaning required when a key is set and off otherwise
-    /// (see [`Config::auth_mode`]).
+    /// `auth`: `None` for `auto` (the default): required when a key is set; without a
+    /// key or TLS, only engines on this host (see [`Config::auth_mode`] and
+    /// [`Config::local_only`]).
     pub auth: Option<AuthMode>,
     /// The cluster key, from `auth_key_file` or `auth_key` (whichever was set last).
     pub auth_key: Option<Key>,
@@ -84,6 +86,12 @@ pub struct Config {
     pub tls_ca_file: Option<String>,
     /// `encrypt_data`: seal KV payloads on TCP data connections (needs TLS).
     pub encrypt_data: bool,
+    /// `same_host`: whether engines on one host copy KV directly between their
+    /// processes instead of over TCP.
+    pub same_host: SameHostSetting,
+    /// `integrity`: `true` for `verify` (a digest of every data run, checked where it
+    /// landed, before SUCCESS).
+    pub integrity: bool,
 }
 
 impl Default for Config {
@@ -110,6 +118,8 @@ impl Default for Config {
             tls_key_file: None,
             tls_ca_file: None,
             encrypt_data: false,
+            same_host: SameHostSetting::Auto,
+            integrity: false,
         }
     }
 }
@@ -120,8 +130,7 @@ pub struct ConfigKey {
     /// The key.
     pub name: &'static str,
     /// Its default as a value `set` takes (setting it changes nothing), or `None` where
-    /// there is no default value: `role` must be set, `auth` follows whether a key is
-    /// set, the key files have none.
+    /// there is no default value: `role` must be set, the key files have none.
     pub default: Option<&'static str>,
     /// What it accepts.
     pub accepts: Accepts,
@@ -189,7 +198,17 @@ pub const KEYS: &[ConfigKey] = &[
         Some("warn"),
         Accepts::OneOf(&["error", "warn", "info", "debug", "trace"]),
     ),
-    key("auth", None, Accepts::OneOf(&["required", "off"])),
+    key(
+        "same_host",
+        Some("auto"),
+        Accepts::OneOf(&["auto", "require", "off"]),
+    ),
+    key("integrity", Some("off"), Accepts::OneOf(&["verify", "off"])),
+    key(
+        "auth",
+        Some("auto"),
+        Accepts::OneOf(&["auto", "required", "off"]),
+    ),
     key("auth_key_file", None, Accepts::Text),
     key("auth_key", None, Accepts::Text),
     key("tls_cert_file", None, Accepts::Text),
@@ -201,6 +220,10 @@ pub const KEYS: &[ConfigKey] = &[
         Accepts::OneOf(&["true", "false"]),
     ),
 ];
+
+/// The most data connections one engine opens to a peer (`connections_per_peer`), which
+/// is also the most a prefill engine accepts from one decode engine.
+pub const MAX_CONNECTIONS_PER_PEER: usize = range("connections_per_peer").1 as usize;
 
 /// The range of integer key `name` in [`KEYS`]. Meant for `const` contexts, where a name
 /// without a range fails the build.
@@ -310,11 +333,12 @@ impl Config {
                     .ok_or_else(|| bad(key, value, "expected error, warn, info, debug or trace"))?
             }
             "auth" => {
-                self.auth = Some(match v {
-                    "required" => AuthMode::Required,
-                    "off" => AuthMode::Off,
-                    _ => return Err(bad(key, value, "expected 'required' or 'off'")),
-                })
+                self.auth = match v {
+                    "auto" => None,
+                    "required" => Some(AuthMode::Required),
+                    "off" => Some(AuthMode::Off),
+                    _ => return Err(bad(key, value, "expected 'auto', 'required' or 'off'")),
+                }
             }
             "auth_key_file" => {
                 let k = Key::from_file(v)
@@ -349,6 +373,21 @@ impl Config {
                     _ => return Err(bad(key, value, "expected 'true' or 'false'")),
                 }
             }
+            "integrity" => {
+                self.integrity = match v {
+                    "verify" => true,
+                    "off" => false,
+                    _ => return Err(bad(key, value, "expected 'verify' or 'off'")),
+                }
+            }
+            "same_host" => {
+                self.same_host = match v {
+                    "auto" => SameHostSetting::Auto,
+                    "require" => SameHostSetting::Require,
+                    "off" => SameHostSetting::Off,
+                    _ => return Err(bad(key, value, "expected 'auto', 'require' or 'off'")),
+                }
+            }
             _ => {
                 return Err(err!(
                     UnknownKey,
@@ -360,8 +399,8 @@ impl Config {
         Ok(())
     }
 
-    /// The effective `auth` setting: as set, or `required` when a key is set and `off`
-    /// otherwise. `auth=required` without a key is an error.
+    /// The authentication the handshake runs: as set, or with `auth=auto` `required`
+    /// when a key is set and `off` otherwise. `auth=required` without a key is an error.
     pub fn auth_mode(&self) -> Result<AuthMode> {
         match (self.auth, &self.auth_key) {
             (Some(AuthMode::Required), None) => Err(err!(
@@ -373,6 +412,18 @@ impl Config {
             (None, Some(_)) => Ok(AuthMode::Required),
             (None, None) => Ok(AuthMode::Off),
         }
+    }
+
+    /// Whether this engine works only with engines on its own host: `auth=auto` with
+    /// neither a key nor TLS, so that nothing would prove who a peer is. It then listens
+    /// on a loopback address only, accepts connections only from loopback addresses and
+    /// connects only to them; `auth=off` lifts this explicitly.
+    pub fn local_only(&self) -> bool {
+        self.auth.is_none()
+            && self.auth_key.is_none()
+            && self.tls_cert_file.is_none()
+            && self.tls_key_file.is_none()
+            && self.tls_ca_file.is_none()
     }
 
     /// The TLS settings: loaded from the three files when all three are set, `None`
@@ -475,7 +526,7 @@ mod tests {
     #[test]
     fn every_documented_key_accepts_a_good_value() {
         let key_file = private_file("good", &[7; 32]);
-        let good: [(&str, &str); 22] = [
+        let good: [(&str, &str); 24] = [
             ("role", "decode"),
             ("listen", "[::1]:0"),
             ("transport", "tcp"),
@@ -498,6 +549,8 @@ mod tests {
             ("tls_key_file", "/etc/kvxfer/engine.key"),
             ("tls_ca_file", "/etc/kvxfer/ca.pem"),
             ("encrypt_data", "true"),
+            ("same_host", "require"),
+            ("integrity", "verify"),
         ];
         assert_eq!(good.len(), KEYS.len());
         let mut c = Config::default();
@@ -530,7 +583,7 @@ mod tests {
         }
         // The keys without a default value are absent until set.
         let c = Config::default();
-        assert_eq!((c.role, c.auth, c.auth_key.is_some()), (None, None, false));
+        assert_eq!((c.role, c.auth_key.is_some()), (None, false));
     }
 
     #[test]
@@ -573,6 +626,9 @@ mod tests {
     fn auth_defaults_to_required_with_a_key_and_off_without() {
         let mut c = Config::default();
         assert_eq!(c.auth_mode().unwrap(), AuthMode::Off);
+        c.set("auth", "off").unwrap();
+        c.set("auth", "auto").unwrap();
+        assert_eq!(c, Config::default());
         c.set("auth", "required").unwrap();
         let e = c.auth_mode().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::BadValue);
@@ -582,6 +638,20 @@ mod tests {
         assert_eq!(c.auth_mode().unwrap(), AuthMode::Required);
         c.set("auth", "off").unwrap();
         assert_eq!(c.auth_mode().unwrap(), AuthMode::Off);
+    }
+
+    #[test]
+    fn only_auto_without_a_key_or_tls_keeps_to_this_host() {
+        let mut c = Config::default();
+        assert!(c.local_only());
+        c.set("auth", "off").unwrap();
+        assert!(!c.local_only(), "auth=off");
+        c.set("auth", "auto").unwrap();
+        c.set("auth_key", &"01".repeat(32)).unwrap();
+        assert!(!c.local_only(), "a key");
+        let mut c = Config::default();
+        c.set("tls_ca_file", "/etc/kvxfer/ca.pem").unwrap();
+        assert!(!c.local_only(), "TLS");
     }
 
     #[test]
@@ -643,6 +713,8 @@ mod tests {
             ("auth_key_file", "/nonexistent/kvxfer.key"),
             ("tls_ca_file", " "),
             ("encrypt_data", "yes"),
+            ("same_host", "maybe"),
+            ("integrity", "sometimes"),
         ] {
             let e = c.set(k, v).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::BadValue, "{k}={v}");

@@ -20,6 +20,7 @@ pub mod tls;
 pub mod config;
 pub(crate) mod control;
 pub mod engine;
+pub mod integrity;
 pub mod layout;
 pub mod log;
 pub(crate) mod metrics;
@@ -35,7 +36,7 @@ pub mod transport;
 pub mod ffi;
 
 pub use config::{Config, Role};
-pub use engine::{BufferDesc, Engine, RoomPeers};
+pub use engine::{BufferDesc, DataPath, Engine, RoomPeers};
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{KvKind, KvLayout, PageOrder};
 pub use room::{Cause, FailureReason, State};

@@ -75,13 +75,32 @@ macro_rules! metrics_table {
                 "Rooms cleared before they drained, draining in the background.";
             counter auth_failures (auth_failures)
                 "kvxfer_auth_failures_total"
-                "Connections refused at authentication (no key, wrong key, bad proof, replay, TLS, ...).";
+                "Connections refused at authentication (no key, wrong key, bad proof, replay, TLS, not on this host, ...).";
             counter binding_refusals (binding_refusals)
                 "kvxfer_binding_refusals_total"
                 "Destinations and aborts refused: the room is bound to other decode engines.";
             counter data_runs_sent (data_runs_sent)
                 "kvxfer_data_runs_sent_total"
                 "Data runs written to peers (TCP data frames, RDMA writes), KV and aux.";
+            counter peer_limit_refusals (peer_limit_refusals)
+                "kvxfer_peer_limit_refusals_total"
+                "Authenticated connections refused past a bound: more decode engines than a prefill engine serves, a data connection index out of range or already live.";
+            counter bytes_verified (bytes_verified)
+                "kvxfer_bytes_verified_total"
+                "Decode: KV and aux bytes whose digest matched where they landed (integrity=verify).";
+            counter integrity_failures (integrity_failures)
+                "kvxfer_integrity_failures_total"
+                "Rooms failed because a data run's digest did not match (decode: found; prefill: told).";
+            counter pairings_tcp (pairings_tcp)
+                "kvxfer_pairings_tcp_total" "Peer pairings whose data takes TCP.";
+            counter pairings_rdma (pairings_rdma)
+                "kvxfer_pairings_rdma_total" "Peer pairings whose data takes RDMA.";
+            counter pairings_same_host (pairings_same_host)
+                "kvxfer_pairings_same_host_total"
+                "Peer pairings whose data is copied directly between the two processes.";
+            counter same_host_fallbacks (same_host_fallbacks)
+                "kvxfer_same_host_fallbacks_total"
+                "Pairings on one host that took TCP because the same-host path could not be used.";
         }
     };
 }
@@ -344,8 +363,8 @@ mod tests {
             s.rooms_by_state[2]
         )));
         assert!(line("# TYPE kvxfer_rooms gauge"));
-        // Every sample line carries one distinct value, none missing, none twice: 17
-        // counters, 10 causes, 5 states and 2 gauges.
+        // Every sample line carries one distinct value, none missing, none twice: 24
+        // counters, 11 causes, 5 states and 2 gauges.
         let mut values: Vec<u64> = text
             .lines()
             .filter(|l| !l.starts_with('#'))
@@ -354,11 +373,11 @@ mod tests {
         values.sort_unstable();
         let n = values.len() as u64;
         assert_eq!(values, (1..=n).collect::<Vec<_>>(), "{text}");
-        assert_eq!(n, 34, "{text}");
+        assert_eq!(n, 42, "{text}");
         // One HELP and one TYPE per series, every series prefixed.
         let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((types, helps), (21, 21), "{text}");
+        assert_eq!((types, helps), (28, 28), "{text}");
         assert!(text
             .lines()
             .all(|l| l.starts_with("kvxfer_") || l.starts_with("# ")));

@@ -3,7 +3,7 @@
 //! address, clock, metrics, library threads, registered memory (and the layout of its KV
 //! pages) and RDMA device.
 
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -38,6 +38,10 @@ pub(crate) struct Node {
     pub rdma: Option<Arc<Device>>,
     pub metrics: Metrics,
     pub memory: Registry,
+    /// 16 random bytes a decode engine on this host reads to prove it may copy from
+    /// this process, and that it is this process (`transport::samehost`). Boxed: its
+    /// address is sent to peers and must not move.
+    pub probe: Box<[u8; 16]>,
     clock: Instant,
     /// Set once, when the engine stops. Release/Acquire: a thread that sees it set also
     /// sees everything the stopping thread did before (the rooms it failed).
@@ -56,10 +60,28 @@ impl Node {
     pub fn new(config: Config, log: Logger) -> Result<(Arc<Node>, TcpListener)> {
         let role = config.require_role()?;
         let (rdma, why_tcp) = choose_transport(&config, &log)?;
+        if rdma.is_some() && config.same_host == crate::proto::SameHostSetting::Require {
+            return Err(err!(
+                BadValue,
+                "same_host=require applies to engines that move data over TCP, and this \
+                 engine moves it over RDMA (set transport=tcp, or same_host=auto)"
+            ));
+        }
         let listener = bind(&config.listen)?;
         let local = listener
             .local_addr()
             .map_err(|e| err!(Io, "cannot read the listening address: {e}"))?;
+        if config.local_only() && !is_local(local.ip()) {
+            return Err(err!(
+                BadValue,
+                "config key 'listen' is '{}', which is not a loopback address, and this engine \
+                 has no cluster key: with 'auth' at its default ('auto') and neither a key nor \
+                 TLS, an engine works only with engines on its own host. Give every engine \
+                 the same key ('auth_key_file'), or set 'auth' to 'off' to run without \
+                 authentication on this address",
+                config.listen
+            ));
+        }
         let address = advertised(local);
         match &rdma {
             Some(dev) => crate::log!(
@@ -84,6 +106,7 @@ impl Node {
             rdma,
             metrics: Metrics::default(),
             memory: Registry::default(),
+            probe: Box::new(probe()?),
             clock: Instant::now(),
             stopping: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
@@ -91,6 +114,13 @@ impl Node {
             threads: Mutex::new(Vec::new()),
         };
         Ok((Arc::new(node), listener))
+    }
+
+    /// This engine's identity for the same-host path, with its setting (and, on a
+    /// prefill engine, its probe).
+    pub fn host_info(&self) -> crate::proto::HostInfo {
+        let probe = (self.role == Role::Prefill).then_some(&*self.probe);
+        crate::transport::samehost::local(self.config.same_host, probe)
     }
 
     /// Milliseconds on the engine's monotonic clock.
@@ -335,6 +365,15 @@ fn choose_transport(config: &Config, log: &Logger) -> Result<(Option<Arc<Device>
     }
 }
 
+/// Whether `ip` is a loopback address (an IPv4-mapped one included): a peer there is on
+/// this host.
+pub(crate) fn is_local(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(a) => a.is_loopback(),
+        IpAddr::V6(a) => a.is_loopback() || a.to_ipv4_mapped().is_some_and(|a| a.is_loopback()),
+    }
+}
+
 /// The address peers should connect to: the bound one, except that a wildcard host
 /// (`0.0.0.0`, `[::]`) is replaced by this machine's host name, which peers can resolve,
 /// when it resolves here.
@@ -453,4 +492,11 @@ fn pipe() -> Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: both descriptors were just created and are owned by nothing else.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Fresh random bytes for [`Node::probe`].
+fn probe() -> Result<[u8; 16]> {
+    let mut p = [0u8; 16];
+    getrandom::fill(&mut p).map_err(|e| err!(Io, "no random bytes for the probe: {e}"))?;
+    Ok(p)
 }

@@ -97,6 +97,19 @@ fn load_certs(key: &str, path: &str) -> Result<Vec<CertificateDer<'static>>> {
     Ok(certs)
 }
 
+/// The private key in `path`, a file readable by its owner only (as `auth_key_file`).
+fn load_key(path: &str) -> Result<PrivateKeyDer<'static>> {
+    let bad = |why: String| err!(BadValue, "config key 'tls_key_file': {why}");
+    let file = crate::auth::open_private(path).map_err(bad)?;
+    let mut pem = Vec::new();
+    // A PEM private key is a few KiB: a file of a MiB holds none.
+    file.take(1 << 20)
+        .read_to_end(&mut pem)
+        .map_err(|e| bad(format!("cannot read '{path}': {e}")))?;
+    PrivateKeyDer::from_pem_slice(&pem)
+        .map_err(|e| bad(format!("cannot read a PEM private key from '{path}': {e}")))
+}
+
 impl Tls {
     /// Loads the certificate chain, the private key and the CA certificates, and checks
     /// that the chain is signed by the CA and matches the key. Every error names the
@@ -104,12 +117,7 @@ impl Tls {
     pub fn load(cert_file: &str, key_file: &str, ca_file: &str) -> Result<Tls> {
         let provider = provider();
         let chain = load_certs("tls_cert_file", cert_file)?;
-        let key = PrivateKeyDer::from_pem_file(key_file).map_err(|e| {
-            err!(
-                BadValue,
-                "config key 'tls_key_file': cannot read a PEM private key from '{key_file}': {e}"
-            )
-        })?;
+        let key = load_key(key_file)?;
         let mut roots = RootCertStore::empty();
         for ca in load_certs("tls_ca_file", ca_file)? {
             roots.add(ca).map_err(|e| {

@@ -164,6 +164,7 @@ fn frames_without_the_handshake_change_no_room_and_each_refusal_is_counted_and_l
         n_pages: 1,
         byte_len: ITEM as u32,
         page_off: 0,
+        digest: 0,
     }
     .encode_frame(&mut data)
     .unwrap();
@@ -656,4 +657,219 @@ fn an_engine_of_the_cluster_cannot_take_over_another_engines_data_connection() {
     }
     assert!(read_until_closed(&mut s).is_empty());
     assert!(read_until_closed(&mut s2).is_empty());
+}
+
+/// A member of the cluster (it holds the key) on raw sockets, as decode engine `id`:
+/// its authenticated control connection, once the prefill answered it (so the prefill
+/// knows the engine), and its session.
+struct Member {
+    id: u64,
+    key: kvxfer::auth::Key,
+    ctrl: TcpStream,
+    session: Option<kvxfer::auth::SessionSecret>,
+}
+
+impl Member {
+    /// Connects to `addr` as decode engine `id`; `None` if the prefill closed the control
+    /// connection after authenticating it instead of answering.
+    fn join(addr: &str, id: u64) -> Option<Member> {
+        use kvxfer::auth::{self, Key};
+        let key = Key::from_hex(KEY_A).unwrap();
+        let mut ctrl = TcpStream::connect(addr).unwrap();
+        ctrl.write_all(&hello(ConnKind::Control, id)).unwrap();
+        let me = member(&key, id);
+        let session = auth::initiate(&mut ctrl, &me, ConnKind::Control, 0, None, soon()).unwrap();
+        answered(&mut ctrl).then_some(Member {
+            id,
+            key,
+            ctrl,
+            session,
+        })
+    }
+
+    /// Opens data connection `index` of its session: `Some` if the prefill answered it
+    /// (it is a link), `None` if it closed it once authenticated.
+    fn data(&self, addr: &str, index: u16) -> Option<TcpStream> {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&encode(&fake::hello(
+            Role::Decode,
+            ConnKind::Data,
+            self.id,
+            index,
+        )))
+        .unwrap();
+        let me = member(&self.key, self.id);
+        kvxfer::auth::initiate(
+            &mut s,
+            &me,
+            ConnKind::Data,
+            index,
+            self.session.as_ref(),
+            soon(),
+        )
+        .unwrap();
+        answered(&mut s).then_some(s)
+    }
+}
+
+fn member(key: &kvxfer::auth::Key, engine_id: u64) -> kvxfer::auth::Local<'_> {
+    kvxfer::auth::Local {
+        mode: AuthMode::Required,
+        key: Some(key),
+        role: Role::Decode,
+        engine_id,
+    }
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+/// After authentication: true if the prefill answers with its Hello, false if it
+/// closes the connection instead.
+fn answered(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut hdr = [0u8; 16];
+    match s.read_exact(&mut hdr) {
+        Ok(()) => {
+            let h = proto::read_frame_header(&mut &hdr[..], &Limits::default()).unwrap();
+            assert_eq!(h.kind, Kind::Hello);
+            true
+        }
+        Err(e) => {
+            assert_ne!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock,
+                "neither answered nor closed"
+            );
+            false
+        }
+    }
+}
+
+#[test]
+fn a_member_gets_at_most_64_data_connections_and_never_two_with_one_index() {
+    let t = pair(
+        &[("auth_key", KEY_A), ("bootstrap_timeout_ms", "60000")],
+        &[("auth_key", KEY_A)],
+    );
+    let addr = t.p.address().to_string();
+    let m = Member::join(&addr, 0x0BAD).expect("the member's control connection");
+    // 200 data connections, indices 0 to 199: the prefill makes a link (and a sender
+    // thread) of the first 64 only, the most a decode engine opens; the others are
+    // closed once authenticated, counted and logged.
+    let mut links = Vec::new();
+    let mut refused = Vec::new();
+    for index in 0..200u16 {
+        match m.data(&addr, index) {
+            Some(s) => links.push((index, s)),
+            None => refused.push(index),
+        }
+    }
+    let accepted: Vec<u16> = links.iter().map(|(i, _)| *i).collect();
+    assert_eq!(accepted, (0..64).collect::<Vec<u16>>());
+    assert_eq!(refused, (64..200).collect::<Vec<u16>>());
+    assert_eq!(t.p.metrics().peer_limit_refusals, 136);
+    t.plog
+        .wait_for(&["refused data connection 64 from decode engine", "up to 63"]);
+    // An index already live is refused too, whichever it is.
+    for index in [0, 5, 63] {
+        assert!(
+            m.data(&addr, index).is_none(),
+            "a second data connection {index}"
+        );
+    }
+    assert_eq!(t.p.metrics().peer_limit_refusals, 139);
+    t.plog.wait_for(&["data connection 5 is already up"]);
+    // Refusals are authenticated: none counts as an authentication failure, and the
+    // real decode engine is served as before.
+    assert_eq!(t.p.metrics().auth_failures, 0);
+    assert_eq!(
+        t.transfer(1, &[1, 2], &[3, 4]),
+        (State::Success, State::Success)
+    );
+    assert!(t.delivered(&[1, 2], &[3, 4]));
+    drop((links, m));
+}
+
+#[test]
+fn a_prefill_engine_serves_at_most_1024_decode_engines_and_refuses_one_more() {
+    let mem = common::source(BUFS, PAGES, ITEM);
+    let log = common::Log::default();
+    let p = common::start(
+        "prefill",
+        &[("auth_key", KEY_A), ("bootstrap_timeout_ms", "60000")],
+        log.logger(Level::Debug),
+    );
+    p.register_kv(common::descs(&mem)).unwrap();
+    let addr = p.address().to_string();
+    // 1024 members, each with its own engine id: each one is a peer of the prefill
+    // (its control connection waits for our Registration).
+    let mut members: Vec<Member> = (1..=1024u64)
+        .map(|id| Member::join(&addr, id).unwrap_or_else(|| panic!("member {id} refused")))
+        .collect();
+    // One more is refused once authenticated, counted and logged.
+    assert!(Member::join(&addr, 1025).is_none());
+    assert_eq!(p.metrics().peer_limit_refusals, 1);
+    assert_eq!(p.metrics().auth_failures, 0);
+    log.wait_for(&[
+        "refused decode engine",
+        "already serves 1024 decode engines",
+    ]);
+    // An engine already served may connect again (its new session replaces the old).
+    let again = Member::join(&addr, 7).expect("a served engine reconnecting");
+    // Once one goes (its setup fails, and the prefill forgets it), there is room again.
+    let gone = members.remove(9);
+    let _ = gone.ctrl.shutdown(Shutdown::Both);
+    drop(gone);
+    let start = Instant::now();
+    let late = loop {
+        if let Some(m) = Member::join(&addr, 1026) {
+            break m;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no room came back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(late.id, 1026);
+    drop((members, again, late));
+}
+
+#[test]
+fn without_a_key_an_engine_listens_beyond_this_host_only_with_auth_off() {
+    let start = |extra: &[(&str, &str)]| {
+        let mut c = Config::default();
+        c.set("role", "prefill").unwrap();
+        for (k, v) in extra {
+            c.set(k, v).unwrap();
+        }
+        Engine::new(c, common::quiet())
+    };
+    // A wildcard (or any address not loopback) without a key is refused, naming the
+    // settings and the ways out.
+    for extra in [
+        &[("listen", "0.0.0.0:0")][..],
+        &[("listen", "0.0.0.0:0"), ("auth", "auto")][..],
+    ] {
+        let e = start(extra)
+            .err()
+            .expect("a keyless engine listening everywhere");
+        assert_eq!(e.kind(), kvxfer::ErrorKind::BadValue, "{e}");
+        for part in ["'listen'", "0.0.0.0:0", "'auth'", "auth_key_file", "'off'"] {
+            assert!(e.message().contains(part), "{part}: {e}");
+        }
+    }
+    // auth=off says so explicitly; a key protects the address.
+    let off = start(&[("listen", "0.0.0.0:0"), ("auth", "off")]).unwrap();
+    let keyed = start(&[("listen", "0.0.0.0:0"), ("auth_key", KEY_A)]).unwrap();
+    // Any loopback address is this host.
+    let local = start(&[("listen", "127.0.0.2:0")]).unwrap();
+    assert!(
+        local.address().starts_with("127.0.0.2:"),
+        "{}",
+        local.address()
+    );
+    drop((off, keyed, local));
 }

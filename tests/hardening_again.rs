@@ -1,5 +1,7 @@
-//! The findings of the second invariants review (shared/reviews/invariants-2026-12-05.md,
-//! F2..F8; F1 is the Python SGLang backend's and is tested in python/tests). Each test
+//! The findings of the second invariants review (shared/reviews/invariants-2026-12-05.md)
+//! whose tests live here: F2, F3 and F7/F8 (F1 is the Python SGLang backend's, tested in
+//! python/tests; F4's is in tests/hetero.rs, F5's in tests/auth.rs and the sealed
+//! receiver's unit tests, F6's in tests/tls.rs). Each test
 //! builds the input the finding describes, or holds its interleaving open with a
 //! test-only pause point (src/testing.rs), and fails without its fix.
 //!

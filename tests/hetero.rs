@@ -286,6 +286,15 @@ fn transfer(model: Model, p: Side, d: Side) {
         let why = e.room_failure(1).map(|w| w.to_string()).unwrap_or_default();
         assert_eq!(state, State::Success, "{model:?} {p:?} -> {d:?}: {why}");
     }
+    // Every head slice verified where it landed (integrity=verify; RDMA is not yet).
+    let verifies = common::test_integrity() == "verify" && common::test_transport() != "rdma";
+    for (e, _) in &t.decodes {
+        assert_eq!(
+            e.room_verified(1).unwrap(),
+            verifies,
+            "{model:?} {p:?} -> {d:?}"
+        );
+    }
     t.assert_delivered();
 }
 
@@ -446,7 +455,12 @@ fn a_peer_writing_outside_the_heads_it_sends_is_cut_off_and_nothing_lands() {
     let mem: Vec<Region> = (0..BUFS)
         .map(|_| Region::new(POOL_PAGES, page, |_| POISON))
         .collect();
-    let tcp = [("transport", "tcp"), ("connections_per_peer", "1")];
+    // The fake speaks TCP data frames only.
+    let tcp = [
+        ("transport", "tcp"),
+        ("connections_per_peer", "1"),
+        ("same_host", "off"),
+    ];
     let d = common::start("decode", &tcp, common::quiet());
     register(&d, common::descs(&mem), GQA8, 0, d_side);
     // Prefill rank 0 (heads 0..2) is a real engine; rank 1 the fake.
@@ -472,6 +486,7 @@ fn a_peer_writing_outside_the_heads_it_sends_is_cut_off_and_nothing_lands() {
         n_pages: 1,
         byte_len: 256,
         page_off,
+        digest: 0,
     };
     // Its own heads of page 3 land.
     f.data[0]
@@ -592,4 +607,39 @@ fn the_scheduler_s_enqueue_never_writes_done_on_a_data_connection() {
         assert_eq!(wait_terminal(e, 7), State::Success, "{why}");
     }
     t.assert_delivered();
+}
+
+/// Inv. 10: a run written at a wrong offset inside the right page (here 8 bytes, one
+/// head of one token, further into a decode page of 64 tokens that 16-token prefill
+/// pages fill in parts) lands where its header says, and its digest, made for where it
+/// should have gone, does not match there: the room fails as INTEGRITY.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_run_written_at_a_wrong_offset_inside_its_page_fails_as_integrity() {
+    if common::test_integrity() != "verify" || common::test_transport() == "rdma" {
+        return;
+    }
+    let t = Deployment::new(
+        GQA8,
+        side(2, 16, Order::Hnd),
+        side(2, 64, Order::Hnd),
+        100,
+        9,
+    );
+    kvxfer::testing::inject_fault("integrity.wrong_offset", 9);
+    t.send(9, 3);
+    // The decode rank the run went to fails; the other may have finished first.
+    let mut causes = Vec::new();
+    for (e, _) in &t.decodes {
+        if wait_terminal(e, 9) == State::Failed {
+            let why = e.room_failure(9).unwrap();
+            causes.push((why.cause, why.from_peer, why.message));
+        }
+    }
+    assert!(
+        causes
+            .iter()
+            .any(|(c, peer, m)| *c == Cause::Integrity && !peer && m.contains("digest")),
+        "{causes:?}"
+    );
 }

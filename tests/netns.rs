@@ -5,14 +5,19 @@
 //!
 //! The namespace and the veth pair are created by the test and deleted when it ends,
 //! also when it fails. Both engines authenticate with one cluster key (a key file),
-//! as a deployment across hosts would.
+//! as a deployment across hosts would; without one, an engine serves only its own host
+//! unless `auth=off` says otherwise, which the last test checks from both sides.
 
 mod common;
 
+use std::io::Read;
+use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
+use kvxfer::log::Level;
+use kvxfer::proto::{AuthMode, AuthRefusal, Message};
 use kvxfer::{Cause, RoomPeers, State};
 
 #[test]
@@ -39,12 +44,17 @@ struct Host {
     ns: String,
     here: String,
     inside: String,
+    /// The namespace's address.
     addr: String,
+    /// This side's address (not loopback, on this host).
+    near: String,
 }
 
 impl Host {
-    fn new(tag: &str) -> Host {
-        let n = (std::process::id() % 200) as u8 + 20;
+    /// Host `slot` (0 or 1) of this process: each test of the file has its own subnet,
+    /// since they run at once.
+    fn new(tag: &str, slot: u8) -> Host {
+        let n = (std::process::id() % 110) as u8 * 2 + 20 + slot;
         let ns = format!("kvx-{tag}-{}", std::process::id());
         let here = format!("kvx{tag}h{n}");
         let inside = format!("kvx{tag}i{n}");
@@ -56,12 +66,13 @@ impl Host {
             here,
             inside,
             addr: format!("10.99.{n}.1"),
+            near: format!("10.99.{n}.2"),
         };
         ip(&[
             "link", "add", &h.here, "type", "veth", "peer", "name", &h.inside,
         ]);
         ip(&["link", "set", &h.inside, "netns", &h.ns]);
-        ip(&["addr", "add", &format!("10.99.{n}.2/24"), "dev", &h.here]);
+        ip(&["addr", "add", &format!("{}/24", h.near), "dev", &h.here]);
         ip(&["link", "set", &h.here, "up"]);
         ip(&[
             "-n",
@@ -101,7 +112,7 @@ impl Drop for Host {
 #[test]
 #[ignore = "needs root and iproute2: run by make test (cargo test --test netns -- --ignored)"]
 fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {
-    let host = Host::new("p");
+    let host = Host::new("p", 0);
     let listen = format!("{}:0", host.addr);
     // A cluster key of 32 bytes.
     let seed = std::process::id() as u64 ^ 0x9E37_79B9_7F4A_7C15;
@@ -112,7 +123,10 @@ fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {
     let mut child = ChildPrefill::start_in(
         &["ip", "netns", "exec", &host.ns],
         Some(&listen),
-        &[("KVXFER_TEST_AUTH_KEY_FILE", &key.path)],
+        &[
+            ("KVXFER_TEST_AUTH_KEY_FILE", &key.path),
+            ("KVXFER_TEST_SAME_HOST", "auto"),
+        ],
     );
     assert!(child.addr.starts_with(&host.addr), "{}", child.addr);
     // A fresh veth pair takes a moment to carry traffic: wait until a plain TCP connect
@@ -129,6 +143,9 @@ fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {
             ("heartbeat_interval_ms", "100"),
             ("heartbeat_misses", "5"),
             ("auth_key_file", &key.path),
+            // Both engines would take the same-host path if they could: another host
+            // (network namespace) must never pick it.
+            ("same_host", "auto"),
         ],
     );
 
@@ -141,6 +158,14 @@ fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {
     child.send("room 1");
     assert_eq!(wait_terminal(&d, 1), State::Success);
     assert_eq!(first_unlike_source(&mem, &src, &dst), None);
+    assert_eq!(d.room_path(1).unwrap(), kvxfer::DataPath::Tcp);
+    assert_eq!(
+        (
+            d.metrics().pairings_same_host,
+            d.metrics().same_host_fallbacks
+        ),
+        (0, 0)
+    );
 
     // 2. Cut the link while rooms wait: no RST, no FIN; the heartbeat deadline fails them.
     for r in 2..=4u64 {
@@ -174,5 +199,122 @@ fn a_transfer_crosses_hosts_and_a_cut_link_fails_rooms_then_heals() {
     assert_eq!(wait_terminal(&d, 5), State::Success);
     // Every connection, the reconnection after the heal included, authenticated.
     assert_eq!(d.metrics().auth_failures, 0);
+    child.send("quit");
+}
+
+/// A TCP connection to `to` from `from`, an address of this host (any port).
+fn connect_from(from: Ipv4Addr, to: SocketAddrV4) -> TcpStream {
+    use std::os::fd::FromRawFd;
+    let sin = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a new socket, owned by the TcpStream from here on.
+    let s = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        TcpStream::from_raw_fd(fd)
+    };
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
+    let (a, b) = (sin(from, 0), sin(*to.ip(), to.port()));
+    // SAFETY: `fd` is open; each address is a local sockaddr_in of `len` bytes.
+    unsafe {
+        let bound = libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len);
+        assert_eq!(bound, 0, "bind {from}: {}", std::io::Error::last_os_error());
+        let connected = libc::connect(fd, (&b as *const libc::sockaddr_in).cast(), len);
+        assert_eq!(
+            connected,
+            0,
+            "connect {to}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    s
+}
+
+#[test]
+#[ignore = "needs root and iproute2: run by make test (cargo test --test netns -- --ignored)"]
+fn without_a_key_engines_serve_only_their_own_host_unless_auth_is_off() {
+    let host = Host::new("l", 1);
+    // 1. A keyless prefill engine here, on loopback: a connection to it from this host's
+    //    non-loopback address (as another host's would look) is told why and closed,
+    //    before anything of it is read, and counted; one from loopback is served.
+    let log = Log::default();
+    let pmem = source(BUFS, PAGES, ITEM);
+    let p = start("prefill", &[], log.logger(Level::Info));
+    p.register_kv(descs(&pmem)).unwrap();
+    let to: SocketAddrV4 = p.address().parse().unwrap();
+    let mut s = connect_from(host.near.parse().unwrap(), to);
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).unwrap();
+    assert_eq!(
+        fake::frames(&got),
+        vec![Message::AuthRefused {
+            reason: AuthRefusal::NotLocal,
+            auth: AuthMode::Off
+        }]
+    );
+    wait_until("the refusal to be counted", || {
+        p.metrics().auth_failures == 1
+    });
+    let line = log.wait_for(&["refused connection from", "not on this host"]);
+    assert!(
+        line.contains(&host.near) && line.contains("'auth'"),
+        "{line}"
+    );
+    let dmem = poisoned(BUFS, PAGES, ITEM);
+    let d = engine("decode", &dmem, &[]);
+    p.room_create(1, RoomPeers::Decoders(1)).unwrap();
+    d.room_create(1, RoomPeers::Prefills(vec![p.address().to_string()]))
+        .unwrap();
+    d.room_set_destination(1, &[7], None).unwrap();
+    p.enqueue_chunk(1, &[3], true, None).unwrap();
+    assert_eq!(wait_terminal(&d, 1), State::Success);
+    assert_eq!(first_unlike_source(&dmem, &[3], &[7]), None);
+    assert_eq!(p.metrics().auth_failures, 1);
+
+    // 2. A prefill engine on the other host that turned authentication off explicitly:
+    //    the keyless decode engine here does not connect to it (another host), its room
+    //    fails at once naming the setting; with auth=off on the decode side too, the
+    //    pages cross.
+    let mut child = ChildPrefill::start_in(
+        &["ip", "netns", "exec", &host.ns],
+        Some(&format!("{}:0", host.addr)),
+        &[("KVXFER_TEST_AUTH", "off")],
+    );
+    let sock: std::net::SocketAddr = child.addr.parse().unwrap();
+    wait_until_within("the veth link to come up", Duration::from_secs(10), || {
+        TcpStream::connect_timeout(&sock, Duration::from_millis(200)).is_ok()
+    });
+    d.room_create(2, RoomPeers::Prefills(vec![child.addr.clone()]))
+        .unwrap();
+    assert_eq!(wait_terminal(&d, 2), State::Failed);
+    let why = d.room_failure(2).unwrap();
+    assert_eq!(why.cause, Cause::Mismatch, "{why}");
+    for part in ["not on this host", child.addr.as_str(), "'auth'", "'off'"] {
+        assert!(why.message.contains(part), "{part}: {why}");
+    }
+    assert_eq!(d.metrics().auth_failures, 1);
+    let omem = poisoned(BUFS, PAGES, ITEM);
+    let open = engine(
+        "decode",
+        &omem,
+        &[("auth", "off"), ("heartbeat_interval_ms", "100")],
+    );
+    let (src, _) = plan(3);
+    let dst: Vec<u32> = (0..src.len() as u32).map(|i| 100 + i).collect();
+    open.room_create(3, RoomPeers::Prefills(vec![child.addr.clone()]))
+        .unwrap();
+    open.room_set_destination(3, &dst, None).unwrap();
+    child.send("room 3");
+    assert_eq!(wait_terminal(&open, 3), State::Success);
+    assert_eq!(first_unlike_source(&omem, &src, &dst), None);
+    assert_eq!(open.metrics().auth_failures, 0);
     child.send("quit");
 }

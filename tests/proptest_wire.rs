@@ -149,11 +149,13 @@ fn seeds() -> Vec<Vec<u8>> {
                 order: PageOrder::Nhd,
                 kind: KvKind::Heads,
             }),
+            integrity: true,
         })),
         encode(&Message::Registration(Registration {
             kv: vec![buffer(4096, 1024)],
             aux: vec![],
             layout: None,
+            integrity: false,
         })),
         encode(&Message::Destination {
             room: 1,
@@ -194,6 +196,7 @@ fn seeds() -> Vec<Vec<u8>> {
             n_pages: 2,
             byte_len: 32,
             page_off: 0,
+            digest: 0,
         }),
         runs_frame(&[
             DataHeader {
@@ -206,6 +209,7 @@ fn seeds() -> Vec<Vec<u8>> {
                 byte_len: 16,
                 // A slice of the page (layouts that differ).
                 page_off: 8,
+                digest: 0,
             },
             DataHeader {
                 room: 1,
@@ -216,6 +220,7 @@ fn seeds() -> Vec<Vec<u8>> {
                 n_pages: 1,
                 byte_len: 8,
                 page_off: 0,
+                digest: 0,
             },
         ]),
     ]
@@ -433,6 +438,7 @@ fn arb_registration() -> impl Strategy<Value = Message> {
             kv: vec![buffer(4096, 1024)],
             aux: vec![],
             layout,
+            integrity: false,
         })
     })
 }

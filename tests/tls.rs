@@ -9,6 +9,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
 use std::sync::{Arc, Mutex};
 
 use common::fake::{self, encode, frames, read_until_closed};
@@ -471,6 +472,8 @@ fn a_partial_or_unreadable_tls_configuration_is_refused_when_the_engine_starts()
     // certificate of another CA: each names its key and path.
     let garbage = pki.path("garbage.pem");
     std::fs::write(&garbage, "not a certificate\n").unwrap();
+    // Private, so that as tls_key_file it fails for holding no key, not for its mode.
+    std::fs::set_permissions(&garbage, std::fs::Permissions::from_mode(0o600)).unwrap();
     let missing = pki.path("missing.pem");
     let (_, other_key) = pki.issue("other");
     let foreign = Pki::new("config-foreign");
@@ -505,4 +508,45 @@ fn a_partial_or_unreadable_tls_configuration_is_refused_when_the_engine_starts()
         c.set(k, v).unwrap();
     }
     assert!(Engine::new(c, common::quiet()).is_ok());
+}
+
+#[test]
+fn a_tls_key_file_that_group_or_others_may_read_is_refused_naming_its_mode() {
+    let pki = Pki::new("key-mode");
+    let keys = pki.keys("prefill");
+    let key_file = keys[1].1.clone();
+    for (mode, refused) in [(0o644, true), (0o640, true), (0o604, true), (0o400, false)] {
+        std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(mode)).unwrap();
+        let mut c = Config::default();
+        c.set("role", "prefill").unwrap();
+        for (k, v) in refs(&keys) {
+            c.set(k, v).unwrap();
+        }
+        let r = Engine::new(c, common::quiet());
+        if !refused {
+            assert!(r.is_ok(), "mode {mode:04o}: {:?}", r.err());
+            continue;
+        }
+        let e = r
+            .err()
+            .expect("the engine started with a key file others may read");
+        assert_eq!(e.kind(), ErrorKind::BadValue, "{e}");
+        for part in [
+            "tls_key_file",
+            key_file.as_str(),
+            &format!("mode {mode:04o}"),
+            "chmod 600",
+        ] {
+            assert!(e.message().contains(part), "{part}: {e}");
+        }
+    }
+    // Nor is a key that is not a regular file (a directory here).
+    let mut c = Config::default();
+    c.set("role", "prefill").unwrap();
+    for (k, v) in refs(&keys) {
+        c.set(k, if k == "tls_key_file" { "/tmp" } else { v })
+            .unwrap();
+    }
+    let e = Engine::new(c, common::quiet()).err().unwrap();
+    assert!(e.message().contains("not a regular file"), "{e}");
 }

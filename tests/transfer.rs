@@ -603,7 +603,10 @@ fn a_destination_for_a_room_failed_and_cleared_before_it_arrived_is_answered_at_
 
 #[test]
 fn a_wildcard_listen_address_is_advertised_with_a_reachable_host() {
-    let t = pair_with(&[("listen", "0.0.0.0:0")], &[]);
+    // Beyond loopback, an engine needs a key (or auth=off): as a deployment would.
+    let key = ("auth_key", "5a".repeat(32));
+    let key = (key.0, key.1.as_str());
+    let t = pair_with(&[("listen", "0.0.0.0:0"), key], &[key]);
     let (p, d) = (&t.p, &t.d);
     let addr = p.address().to_string();
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();

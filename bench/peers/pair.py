@@ -24,6 +24,7 @@ normal interpreter exit.
 import argparse
 import collections
 import concurrent.futures
+import ctypes
 import json
 import os
 import resource
@@ -92,16 +93,29 @@ def since(a, b):
 
 # --- the engines -------------------------------------------------------------------
 
+# NIXL's UCX backend parameter ucx_error_handling_mode (--nixl-err-mode); None keeps the
+# backend's default (peer). UCX's shared-memory transports (posix, sysv, cma) have no peer
+# failure handler, so with the default UCX refuses them for the endpoints ("no active
+# messages transport ... no peer failure handler") and same-host runs need "none".
+NIXL_ERR_MODE = None
+
+
+def nixl_agent_for(name: str, prog_thread: bool):
+    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+    if NIXL_ERR_MODE is None:
+        return nixl_agent(name, nixl_agent_config(enable_prog_thread=prog_thread, backends=["UCX"]))
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=prog_thread, backends=[]))
+    params = agent.get_plugin_params("UCX")
+    params["ucx_error_handling_mode"] = NIXL_ERR_MODE
+    agent.create_backend("UCX", params)
+    return agent
+
 
 class NixlTarget:
     def __init__(self, pool: kvwork.Pool):
-        from nixl_cu12 import nixl_agent, nixl_agent_config
-
         # The progress thread receives while the scheduler loop sleeps or checks.
-        self.agent = nixl_agent(
-            f"target-{os.getpid()}",
-            nixl_agent_config(enable_prog_thread=True, backends=["UCX"]),
-        )
+        self.agent = nixl_agent_for(f"target-{os.getpid()}", prog_thread=True)
         self.agent.register_memory([(pool.region.addr, pool.region.len, 0, "")], "DRAM")
 
     def hello(self, pool) -> str:
@@ -118,14 +132,9 @@ class NixlTarget:
 
 class NixlInitiator:
     def __init__(self, pool: kvwork.Pool, hello: list[str], dst_pages: int, page_bytes: int, perm, concurrency: int):
-        from nixl_cu12 import nixl_agent, nixl_agent_config
-
         # No progress thread: the scheduler loop progresses the worker by polling
         # check_xfer_state (a progress thread busy-polls a core).
-        self.agent = nixl_agent(
-            f"initiator-{os.getpid()}",
-            nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
-        )
+        self.agent = nixl_agent_for(f"initiator-{os.getpid()}", prog_thread=False)
         self.agent.register_memory([(pool.region.addr, pool.region.len, 0, "")], "DRAM")
         meta, dst_base = bytes.fromhex(hello[0]), int(hello[1])
         self.remote = self.agent.add_remote_agent(meta)
@@ -438,7 +447,11 @@ def main():
     ap.add_argument("--phases", type=int, default=1)
     ap.add_argument("--poll-us", type=float, default=100)
     ap.add_argument("--marks", action="store_true", help="target: say on stderr when a phase starts and ends")
+    ap.add_argument("--nixl-err-mode", choices=["peer", "none"],
+                    help="NIXL: the UCX backend's ucx_error_handling_mode [the backend's default, peer]")
     a = ap.parse_args()
+    global NIXL_ERR_MODE
+    NIXL_ERR_MODE = a.nixl_err_mode
     code = 0
     try:
         (run_target if a.role == "target" else run_initiator)(a)
@@ -448,6 +461,8 @@ def main():
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    # C stdio too (UCX's log with UCX_LOG_FILE, which os._exit would drop).
+    ctypes.CDLL(None).fflush(None)
     os._exit(code)
 
 

@@ -19,6 +19,10 @@ alternation the engines run back to back, in an order rotated each time:
 Ratios are taken inside each alternation, then summarised as median [min-max]. Run it
 through `make bench-peers` (bench/peers/run.sh), which installs the peers into a virtual
 environment and runs this inside a private network namespace.
+
+With --same-host the same cells and work compare libkvxfer's same-host path
+(`--same-host require`) with NIXL on UCX's same-host transports instead (samehost.py):
+`make bench-peers PEERS_ARGS=--same-host`.
 """
 
 import argparse
@@ -56,7 +60,7 @@ def kvxfer_cmd(a, page_bytes, conc, rooms):
         "--chunk-tokens", str(SLOT_PAGES * tokens), "--dst-order", "shuffled",
         "--verify", "sample", "--aux-bytes", "0", "--concurrency", str(conc),
         "--rooms", str(rooms), "--repeat", "1", "--poll-us", str(a.poll_us), "--json",
-    ]
+    ] + (["--same-host", "require"] if getattr(a, "same_host", False) else [])
 
 
 def log_path(a, tag):
@@ -92,24 +96,32 @@ def run_kvxfer(a, page_bytes, conc, rooms, tag):
         "cpu_s_per_gb": j["cpu_s_per_gb"],
         "latency_ms": j["latency_ms"],
         "loadavg": j["loadavg"],
+        "same_host": j.get("same_host"),
+        "memcpy_gbps": j.get("baseline_memcpy_runs_gbps"),
         "gb": gb,
     }
 
 
-def run_pair(a, engine, page_bytes, conc, rooms, tag):
-    """Both sides of a peer engine; the target's JSON line is the result."""
+def run_pair(a, engine, page_bytes, conc, rooms, tag, env_set=None, pair_args=()):
+    """Both sides of a peer engine; the target's JSON line is the result. env_set
+    (variables set, overriding the environment) and pair_args (pair.py options) are the
+    same-host mode's: without them the run is today's (UCX over TCP on lo, unless the
+    environment says otherwise)."""
     t_sock, i_sock = socket.socketpair()
     env = dict(os.environ)
-    env.setdefault("UCX_TLS", "tcp")
-    env.setdefault("UCX_NET_DEVICES", "lo")
+    if env_set is None:
+        env.setdefault("UCX_TLS", "tcp")
+        env.setdefault("UCX_NET_DEVICES", "lo")
+    else:
+        env.update(env_set)
     env.setdefault("GLOG_minloglevel", "1")
     common = [
         sys.executable, os.path.join(HERE, "pair.py"), "--engine", engine,
         "--page-bytes", str(page_bytes), "--slot-pages", str(SLOT_PAGES),
         "--concurrency", str(conc), "--rooms", str(rooms), "--poll-us", str(a.poll_us),
-    ]
+    ] + list(pair_args)
     with open(log_path(a, tag), "w") as log:
-        log.write(" ".join(common) + "\n")
+        log.write("".join(f"{k}={v} " for k, v in (env_set or {}).items()) + " ".join(common) + "\n")
         log.flush()
         tgt = subprocess.Popen(
             common + ["--role", "target", "--ctl-fd", str(t_sock.fileno())],
@@ -226,11 +238,23 @@ def main():
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--log-dir", default="build/bench-peers")
     ap.add_argument("--skipped", default="", help="ENGINE=why;... (said by run.sh)")
+    ap.add_argument("--same-host", action="store_true",
+                    help="libkvxfer's same-host path (--same-host require) against NIXL with UCX's same-host "
+                         "transports instead of the TCP comparison (samehost.py)")
+    ap.add_argument("--nixl-tls", default=None,
+                    help="--same-host: the UCX_TLS values NIXL runs with, semicolon-separated "
+                         "[samehost.DEFAULT_TLS]")
     a = ap.parse_args()
     engines = ["kvxfer"] + [e for e in a.engines.split(",") if e and e != "kvxfer"]
     pages = [size_arg(x) for x in a.pages.split(",")]
     inflight = [int(x) for x in a.inflight.split(",")]
     skipped = dict(x.split("=", 1) for x in a.skipped.split(";") if "=" in x)
+    if a.same_host:
+        import samehost
+
+        if a.nixl_tls is None:
+            a.nixl_tls = samehost.DEFAULT_TLS
+        sys.exit(samehost.run(a, engines, pages, inflight, skipped))
     for e, why in skipped.items():
         print(f"bench-peers: {NAMES.get(e, e)} skipped: {why}", flush=True)
     cells = [{"page_bytes": b, "inflight": c, "runs": []} for b in pages for c in inflight]

@@ -12,6 +12,10 @@
 # `run.sh --profile [options]` runs bench/peers/profile.py instead (perf stat on
 # libkvxfer, its TCP stream and NIXL), `run.sh --firstbyte [options]` firstbyte.py (a
 # room's timeline from perf record); both install Debian's linux-perf if perf is missing.
+# `run.sh --same-host [options]` (make bench-peers PEERS_ARGS=--same-host) runs
+# libkvxfer's same-host path against NIXL with UCX's same-host transports instead of the
+# TCP comparison (bench/peers/samehost.py); its table and JSON go to peers-same-host.out
+# and .json, its logs to same-host/.
 # Environment: PEERS_VENV (build/peers-venv), BENCH_BIN (target/release/kvxfer-bench),
 # PEERS_NIXL and PEERS_MOONCAKE (the pip requirements, pinned to the versions measured
 # in docs/BENCHMARKS.md), PYTHON (python3).
@@ -101,11 +105,19 @@ case "${1:-}" in
     ;;
 esac
 skip_arg=$(IFS=';'; echo "${skipped[*]:-}")
+name=peers
+logs=$OUT
+for arg in "$@"; do
+  if [ "$arg" = --same-host ]; then
+    name=peers-same-host
+    logs=$OUT/same-host
+  fi
+done
 # shellcheck disable=SC2016
 $UNSHARE bash -c 'ip link set lo up && exec "$@"' bash \
   "$VENV/bin/python" bench/peers/peers.py --bench "$BENCH" --engines "$engines" \
-  --log-dir "$OUT" --skipped "$skip_arg" "$@" | tee "$OUT/peers.out"
+  --log-dir "$logs" --skipped "$skip_arg" "$@" | tee "$OUT/$name.out"
 rc=${PIPESTATUS[0]}
-tail -n 1 "$OUT/peers.out" > "$OUT/peers.json"
-echo "bench-peers: JSON in $OUT/peers.json, each engine run's log in $OUT/"
+tail -n 1 "$OUT/$name.out" > "$OUT/$name.json"
+echo "bench-peers: JSON in $OUT/$name.json, each engine run's log in $logs/"
 exit "$rc"

@@ -164,6 +164,15 @@ struct EngineArgs {
     /// The engines' transport [tcp]
     #[arg(long)]
     transport: Option<Transport>,
+    /// The engines' same_host setting: off keeps two processes on one host on TCP (the
+    /// stream baseline's path); require makes them copy directly between the processes
+    /// (the run fails if they cannot) [off]
+    #[arg(long)]
+    same_host: Option<SameHost>,
+    /// The engines' integrity setting: verify (every data run's digest checked where it
+    /// landed) or off (the engine's default) [off]
+    #[arg(long)]
+    integrity: Option<Integrity>,
     /// Engine worker threads [engine default]
     #[arg(long)]
     workers: Option<usize>,
@@ -301,6 +310,8 @@ display_named!(
     DstOrder,
     Auth,
     Transport,
+    SameHost,
+    Integrity,
     LogLevel
 );
 
@@ -311,6 +322,25 @@ pub enum Transport {
     Tcp,
     Rdma,
     Auto,
+}
+
+/// The engines' `same_host` setting (`--same-host`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SameHost {
+    #[default]
+    Off,
+    Auto,
+    Require,
+}
+
+/// The engines' `integrity` setting (`--integrity`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Integrity {
+    Verify,
+    #[default]
+    Off,
 }
 
 /// The engines' log level (`--log-level`).
@@ -431,7 +461,7 @@ impl Cli {
         }
         over!(shape: layers, layout, kv_heads, head_dim, latent_dim, dtype_bytes, page_tokens, aux_bytes);
         over!(traffic: chunk_tokens, concurrency, rooms, repeat, abort_rate, dst_order, seed);
-        over!(engine: transport, conns, log_level, auth);
+        over!(engine: transport, same_host, integrity, conns, log_level, auth);
         over!(tp: prefill_tp, decode_tp, page_order);
         p.decode_page_tokens = self.tp.decode_page_tokens;
         p.layerwise = self.layerwise.layerwise;

@@ -4,7 +4,10 @@
 //!   connections as the engine uses per peer, large writes from a buffer and large reads
 //!   into a buffer (the link limit for this transport);
 //! - a memcpy of the same volume inside one process, on one thread (the host memory
-//!   limit).
+//!   limit);
+//! - with `--same-host`, a memcpy of the same volume in pages of the run's page size,
+//!   each to a scattered place, on as many threads as the engine has copying threads
+//!   (its data connections): the limit of the same-host path's work.
 //!
 //! The buffers are `--baseline-buf-mib` per connection (64 MiB by default, beyond the
 //! caches), walked 4 MiB at a time, so that the baseline, like the engine, streams through
@@ -223,4 +226,75 @@ pub fn tcp_send(
         usage: Usage::now().since(u0),
         host: h0.since(),
     })
+}
+
+/// memcpy of `bytes` (or for `secs` when non-zero) in pages of `page` bytes, each page
+/// of a 256 MiB region to a scattered page of another (a fixed odd-stride permutation),
+/// on `threads` threads at once, each taking every `threads`-th page.
+pub fn memcpy_pages(bytes: u64, secs: f64, page: usize, threads: usize, pages: Pages) -> Measured {
+    let len = (256usize << 20).max(page * threads);
+    let src = Region::new(len, pages);
+    let dst = Region::new(len, pages);
+    let n = len / page;
+    // An odd stride coprime with n places page i at (i * stride) % n, a bijection.
+    let stride = (0..)
+        .map(|k| 40_503 + 2 * k)
+        .find(|s| gcd(*s, n) == 1)
+        .unwrap_or(1);
+    let (s_addr, d_addr) = (src.addr(), dst.addr());
+    let (u0, h0) = (Usage::now(), HostMark::now());
+    let t = Instant::now();
+    let done: u64 = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|w| {
+                scope.spawn(move || {
+                    let share = bytes / threads as u64;
+                    let mut copied = 0u64;
+                    let mut i = w;
+                    loop {
+                        if secs > 0.0 {
+                            if t.elapsed().as_secs_f64() >= secs {
+                                break;
+                            }
+                        } else if copied >= share {
+                            break;
+                        }
+                        let j = (i * stride) % n;
+                        // SAFETY: pages i (read) and j (written) lie inside the two
+                        // regions, which outlive the scope; each thread writes only the
+                        // images of its own pages i (i = w mod threads), so no two
+                        // threads write one byte.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                (s_addr + i * page) as *const u8,
+                                (d_addr + j * page) as *mut u8,
+                                page,
+                            );
+                        }
+                        copied += page as u64;
+                        i += threads;
+                        if i >= n {
+                            i = w;
+                        }
+                    }
+                    copied
+                })
+            })
+            .collect();
+        workers.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+    });
+    Measured {
+        bytes: done,
+        secs: t.elapsed().as_secs_f64(),
+        usage: Usage::now().since(u0),
+        host: h0.since(),
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }

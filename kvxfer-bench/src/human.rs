@@ -79,10 +79,12 @@ fn phase_name(p: &Params, ph: &PhaseRow) -> String {
 fn header(o: &mut String, p: &Params, m: &Model) {
     let _ = writeln!(
         o,
-        "\nkvxfer-bench {}  (transport {}, verify {} at {} priority, {} connection(s) per peer, \
-         workers {}, auth {}{})",
+        "\nkvxfer-bench {}  (transport {}, same_host {}, integrity {}, verify {} at {} \
+         priority, {} connection(s) per peer, workers {}, auth {}{})",
         m.preset,
         m.transport,
+        m.same_host,
+        m.integrity,
         m.verify,
         m.verify_priority,
         p.conns,
@@ -235,6 +237,10 @@ fn baselines(o: &mut String, m: &Model) {
     if !m.baseline_memcpy_runs_gbps.is_empty() {
         mean(o, "baseline memcpy, mean", m.baseline_memcpy_gbps);
     }
+    if let Some(gbps) = m.baseline_memcpy_pages_gbps {
+        let name = format!("memcpy of the pages, {} threads", m.config.conns);
+        mean(o, &name, gbps);
+    }
     if m.baseline_tcp_runs.is_empty() {
         return;
     }
@@ -311,7 +317,7 @@ fn rooms(o: &mut String, m: &Model) {
             name, l.p50, l.p99, l.p999, l.max
         );
     };
-    if m.same_host {
+    if m.one_host {
         lat(o, "first enqueue -> decode TRANSFERRING", &m.first_byte_ms);
         lat(o, "first enqueue -> decode SUCCESS", &m.latency_ms);
     }

@@ -55,6 +55,8 @@ pub fn make_engine(p: &Params, role: &str, listen: &str, auth: bool) -> Result<E
     }
     set("listen", listen)?;
     set("transport", &p.transport.name())?;
+    set("same_host", &p.same_host.name())?;
+    set("integrity", &p.integrity.name())?;
     if let Some(w) = p.workers {
         set("workers", &w.to_string())?;
     }

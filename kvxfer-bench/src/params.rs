@@ -5,8 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::args::VerifyPriority;
 use crate::args::{Auth, DstOrder, Layout, LogLevel, Named, Order, Sched, Transport, Verify};
+use crate::args::{Integrity, SameHost, VerifyPriority};
 use crate::preset::Preset;
 use crate::shape::Side;
 use crate::sys::Pages;
@@ -37,6 +37,12 @@ pub struct Params {
     pub dst_order: DstOrder,
     pub seed: u64,
     pub transport: Transport,
+    /// The engines' `same_host` setting.
+    #[serde(default)]
+    pub same_host: SameHost,
+    /// The engines' `integrity` setting.
+    #[serde(default)]
+    pub integrity: Integrity,
     pub workers: Option<usize>,
     pub conns: usize,
     pub log_level: LogLevel,

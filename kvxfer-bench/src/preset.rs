@@ -5,8 +5,8 @@
 use clap::ValueEnum;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::args::VerifyPriority;
 use crate::args::{Auth, DstOrder, Layout, LogLevel, Named, Order, Sched, Transport, Verify};
+use crate::args::{Integrity, SameHost, VerifyPriority};
 use crate::params::Params;
 use crate::sys::Pages;
 
@@ -64,6 +64,8 @@ impl Preset {
             dst_order: DstOrder::Contiguous,
             seed: 1,
             transport: Transport::Tcp,
+            same_host: SameHost::Off,
+            integrity: Integrity::Off,
             workers: None,
             conns: 2,
             log_level: LogLevel::Error,

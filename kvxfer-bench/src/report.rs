@@ -182,6 +182,8 @@ struct Derived {
     pub phase_ratios: Vec<f64>,
     pub tcp_gbps: f64,
     pub memcpy_gbps: f64,
+    /// With `--same-host`: the mean of the scattered, threaded memcpy of the pages.
+    pub memcpy_pages_gbps: Option<f64>,
     /// The TCP baselines together: receiving (decode) and sending (prefill) side, and
     /// their GB.
     pub tcp_recv: Usage,
@@ -235,6 +237,14 @@ fn derive(r: &Report) -> Derived {
         phase_ratios,
         tcp_gbps: mean(&r.tcp.iter().map(Measured::gbps).collect::<Vec<_>>()),
         memcpy_gbps: mean(&r.memcpy.iter().map(Measured::gbps).collect::<Vec<_>>()),
+        memcpy_pages_gbps: (!r.memcpy_pages.is_empty()).then(|| {
+            mean(
+                &r.memcpy_pages
+                    .iter()
+                    .map(Measured::gbps)
+                    .collect::<Vec<_>>(),
+            )
+        }),
         gb,
     }
 }
@@ -246,6 +256,8 @@ fn derive(r: &Report) -> Derived {
 pub struct Model {
     pub preset: String,
     pub transport: String,
+    pub same_host: String,
+    pub integrity: String,
     pub verify: String,
     pub verify_priority: String,
     pub bytes: u64,
@@ -256,6 +268,8 @@ pub struct Model {
     pub baseline_memcpy_gbps: f64,
     pub baseline_tcp_runs_gbps: Vec<f64>,
     pub baseline_memcpy_runs_gbps: Vec<f64>,
+    pub baseline_memcpy_pages_gbps: Option<f64>,
+    pub ratio_vs_memcpy_pages: Option<f64>,
     pub ratio_vs_tcp: f64,
     pub kvxfer_runs_gbps: Vec<f64>,
     pub ratio_vs_tcp_per_phase: Vec<f64>,
@@ -307,7 +321,7 @@ pub struct Model {
     /// Both processes on one host (cross-process latencies were measured). Not in the
     /// JSON line: `latency_basis` says it.
     #[serde(skip)]
-    pub same_host: bool,
+    pub one_host: bool,
     /// The CPU of both sides' TCP streams together, per GB streamed; and of the
     /// benchmark's own threads in the kvxfer phases, per GB delivered (decode / prefill).
     /// Not in the JSON line: the parts are.
@@ -541,6 +555,8 @@ impl Model {
         Model {
             preset: p.preset.name(),
             transport: p.transport.name(),
+            same_host: p.same_host.name(),
+            integrity: p.integrity.name(),
             verify: p.verify.name(),
             verify_priority: p.verify_priority.name(),
             bytes: k.bytes,
@@ -551,6 +567,8 @@ impl Model {
             baseline_memcpy_gbps: d.memcpy_gbps,
             baseline_tcp_runs_gbps: r.tcp.iter().map(Measured::gbps).collect(),
             baseline_memcpy_runs_gbps: r.memcpy.iter().map(Measured::gbps).collect(),
+            baseline_memcpy_pages_gbps: d.memcpy_pages_gbps,
+            ratio_vs_memcpy_pages: d.memcpy_pages_gbps.map(|m| gbps / m),
             ratio_vs_tcp: gbps / d.tcp_gbps,
             kvxfer_runs_gbps: r.phases.iter().map(KvResult::gbps).collect(),
             ratio_vs_tcp_per_phase: d.phase_ratios.clone(),
@@ -613,7 +631,7 @@ impl Model {
                 .collect(),
             config: run_config(p),
             errors: k.errors.clone(),
-            same_host: r.same_host,
+            one_host: r.same_host,
             tcp_cpu_s_per_gb: (d.tcp_recv.secs() + d.tcp_send.secs()) / d.tcp_gb,
             bench_threads: [
                 PerGb::of(k.decode_bench(), d.gb),
@@ -650,6 +668,8 @@ mod tests {
     const KEYS: &[&str] = &[
         "preset",
         "transport",
+        "same_host",
+        "integrity",
         "verify",
         "verify_priority",
         "bytes",
@@ -660,6 +680,8 @@ mod tests {
         "baseline_memcpy_gbps",
         "baseline_tcp_runs_gbps",
         "baseline_memcpy_runs_gbps",
+        "baseline_memcpy_pages_gbps",
+        "ratio_vs_memcpy_pages",
         "ratio_vs_tcp",
         "kvxfer_runs_gbps",
         "ratio_vs_tcp_per_phase",

@@ -19,6 +19,8 @@ pub struct Report {
     /// The prefill (sending) side's usage over each TCP baseline.
     pub tcp_send: Vec<Usage>,
     pub memcpy: Vec<Measured>,
+    /// With `--same-host`: memcpy of the pages, scattered, on `conns` threads.
+    pub memcpy_pages: Vec<Measured>,
     /// Both processes on one host: cross-process latencies are valid.
     pub same_host: bool,
     /// The 1-minute load average before and after the run (other work on the host).

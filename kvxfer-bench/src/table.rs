@@ -37,6 +37,8 @@ fn engine(role: &str, mem: &Region) -> Result<Engine, String> {
     let mut set = |k: &str, v: &str| c.set(k, v).map_err(|e| e.to_string());
     set("role", role)?;
     set("transport", "tcp")?;
+    set("same_host", "off")?;
+    set("same_host", "off")?;
     // Nothing may time out while the rooms sit there being polled.
     for k in [
         "bootstrap_timeout_ms",

@@ -21,7 +21,7 @@ contract on top of it.
 
 from __future__ import annotations
 
-from ._abi import HEADER_VERSION, FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
+from ._abi import HEADER_VERSION, DataPath, FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
 from ._core import (
     C_FUNCTIONS,
     TRACE,
@@ -69,6 +69,7 @@ __all__ = [
     "Config",
     "ERRORS",
     "Engine",
+    "DataPath",
     "FailureCause",
     "HEADER_VERSION",
     "InvalidArgumentError",

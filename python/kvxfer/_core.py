@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 from . import _abi
-from ._abi import FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
+from ._abi import DataPath, FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
 from ._lib import lib
 from .errors import KvxferError, check, error_for
 
@@ -277,7 +277,8 @@ _CONTEXTS = _Contexts()
 class Config:
     """An engine configuration (``kvxfer_config``): string keys and values.
 
-    ``Config(role="decode", listen="0.0.0.0:0")`` sets the keys given. Log lines go to
+    ``Config(role="decode", listen="0.0.0.0:0", auth_key_file="cluster.key")`` sets the
+    keys given. Log lines go to
     the :mod:`logging` logger ``"kvxfer"`` unless ``log_sink`` says otherwise (None:
     the library's stderr). Not thread-safe, like the C handle: use one config from one
     thread at a time. A context manager; :meth:`close` releases the handle (engines
@@ -762,6 +763,28 @@ class Engine:
         except ValueError:
             c = cause.value
         return c, bool(from_peer.value)
+
+    @_wraps("kvxfer_room_verified")
+    def room_verified(self, room: int) -> bool:
+        """Decode only: whether room ``room`` reached SUCCESS with every byte verified
+        (``integrity=verify``: each data run's digest matched where it landed)."""
+        name = "kvxfer_room_verified"
+        v = ctypes.c_bool()
+        self._call(name, _room_id(room, name), ctypes.byref(v))
+        return bool(v.value)
+
+    @_wraps("kvxfer_room_path")
+    def room_path(self, room: int) -> DataPath | int:
+        """The path room ``room``'s data takes with its peer engines (:class:`DataPath`:
+        ``TCP``, ``RDMA``, ``SAME_HOST``; ``MIXED`` when its peers differ, ``UNKNOWN``
+        before any is paired)."""
+        name = "kvxfer_room_path"
+        path = ctypes.c_int32()
+        self._call(name, _room_id(room, name), ctypes.byref(path))
+        try:
+            return DataPath(path.value)
+        except ValueError:
+            return path.value
 
     @_wraps("kvxfer_room_drained")
     def room_drained(self, room: int) -> bool:

@@ -472,3 +472,29 @@ def test_the_decode_side_counts_layers_landed():
         assert _terminal(d, 1) == RoomState.SUCCESS
         assert d.room_layers_landed(1) == 2
         _raises(kvxfer.WrongRoleError, "decode", p.room_layers_landed, 1)
+
+
+@pytest.mark.parametrize("integrity", ["verify", "off"])
+def test_the_path_and_the_verified_flag_of_a_room(integrity):
+    """room_path: engines in one process pair on the same-host path (same_host=auto, the
+    default), or TCP with same_host=off; room_verified: SUCCESS with every byte verified,
+    with integrity=verify only."""
+    for same_host, path in (("auto", kvxfer.DataPath.SAME_HOST), ("off", kvxfer.DataPath.TCP)):
+        keys = {"same_host": same_host, "integrity": integrity}
+        with kvxfer.Engine(role="prefill", **keys) as p, kvxfer.Engine(role="decode", **keys) as d:
+            src = [bytearray(bytes([b + 1]) * 256) for b in range(2)]
+            dst = [bytearray(256) for _ in range(2)]
+            p.register_kv([kvxfer.Buffer.of(s, 64) for s in src])
+            d.register_kv([kvxfer.Buffer.of(x, 64) for x in dst])
+            p.room_create(1)
+            d.room_create(1, [p.address])
+            assert d.room_path(1) in (kvxfer.DataPath.UNKNOWN, path)
+            d.room_set_destination(1, [2, 3])
+            p.enqueue_chunk(1, [0, 1], True)
+            assert _terminal(d, 1) == RoomState.SUCCESS
+            assert dst[0][128:256] == bytes([1]) * 128
+            assert d.room_path(1) == path and p.room_path(1) == path
+            assert d.room_verified(1) == (integrity == "verify")
+            m = d.metrics()
+            assert m["bytes_verified"] == (256 if integrity == "verify" else 0)
+            _raises(kvxfer.WrongRoleError, "decode", p.room_verified, 1)

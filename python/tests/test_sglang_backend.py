@@ -33,29 +33,7 @@ TIMEOUTS = "bootstrap_timeout_ms=3000,waiting_timeout_ms=6000,transfer_timeout_m
 def test_scheduler_loops_with_random_cancellations(monkeypatch, seed):
     monkeypatch.setenv("KVXFER_CONFIG", TIMEOUTS)
     n = 120
-    ctx = mp.get_context("spawn")
-    pconn, pchild = ctx.Pipe()
-    dconn, dchild = ctx.Pipe()
-    pproc = ctx.Process(target=sglang_sched.prefill_main, args=(pchild, seed, n, 60.0), daemon=True)
-    pproc.start()
-    try:
-        assert pconn.poll(60), "prefill process did not start"
-        port = pconn.recv()
-        dproc = ctx.Process(target=sglang_sched.decode_main, args=(dchild, seed, n, port, 60.0),
-                            daemon=True)
-        dproc.start()
-        try:
-            assert dconn.poll(60), "decode process did not start"
-            assert dconn.recv() == "up"
-            pconn.send("go")
-            assert pconn.poll(90) and dconn.poll(90), "a scheduler loop did not report"
-            pre, dec = pconn.recv(), dconn.recv()
-            pconn.send("exit")
-            dconn.send("exit")
-        finally:
-            dproc.join(30)
-    finally:
-        pproc.join(30)
+    pre, dec = sglang_sched.run(seed, n)
 
     plan = sglang_sched.plan(seed, n)
     # Zero requests left non-terminal, on either side, and nothing left in either engine.
@@ -63,8 +41,10 @@ def test_scheduler_loops_with_random_cancellations(monkeypatch, seed):
     assert pre["engine_empty"] and dec["engine_empty"], (pre["metrics"], dec["metrics"])
     # Every poll answered a state the scheduler's queue accepts.
     assert pre["violations"] == [] and dec["violations"] == []
-    # Every success on decode arrived byte for byte (KV pages and the aux row).
+    # Every success on decode arrived byte for byte (KV pages and the aux row), and
+    # nothing wrote into pages or aux rows while they were free.
     assert dec["corrupt"] == []
+    assert dec["late_writes"] == []
     for side in (pre, dec):
         for i, reason in side["reasons"].items():
             assert reason and "no failure reason" not in reason, (i, reason)
@@ -300,6 +280,23 @@ def test_manager_refuses_state_buffers_and_mismatched_tp(one_process_pair):
         d2.close()
 
 
+def test_a_wildcard_host_needs_a_key_or_auth_off_and_the_error_says_so(monkeypatch):
+    monkeypatch.delenv("KVXFER_CONFIG", raising=False)
+    monkeypatch.delenv("KVXFER_LISTEN_HOST", raising=False)
+    kv, aux = [np.zeros((4, sglang_sched.PAGE_BYTES), np.uint8)], np.zeros((2, 32), np.uint8)
+    sa = types.SimpleNamespace(host="0.0.0.0", disaggregation_bootstrap_port=1,
+                               tp_size=1, dp_size=1, pp_size=1)
+    with pytest.raises(kvxfer.BadValueError) as e:
+        KvxferKVManager(_args(kv, aux), "decode", sa)
+    for part in ("'listen'", "'auth'", "0.0.0.0", "KVXFER_CONFIG=auth_key_file=",
+                 "KVXFER_CONFIG=auth=off"):
+        assert part in str(e.value), part
+    # Either way out starts it.
+    for config in ("auth=off", "auth_key=" + "5a" * 32):
+        monkeypatch.setenv("KVXFER_CONFIG", config)
+        KvxferKVManager(_args(kv, aux), "decode", sa).close()
+
+
 def test_transfer_metric_counts_the_bytes_and_latency(one_process_pair):
     server, pm, dm = one_process_pair
     s = KvxferKVSender(pm, server.address, 3)
@@ -354,3 +351,210 @@ def test_decode_looks_up_a_restarted_prefill_again(one_process_pair):
         assert r.poll() == KVPoll.Success
     finally:
         pm2.close()
+
+
+class _StubEngine:
+    """An engine whose rooms the test ends and drains by hand: a room is TRANSFERRING
+    once created, FAILED once aborted, and drained only once the test says so. It
+    records every ``room_clear`` that finds its room undrained."""
+
+    address = "127.0.0.1:1"
+
+    def __init__(self, *_args):
+        import threading
+
+        self.lock = threading.Lock()
+        self.state = {}
+        self.reason = {}
+        self.drained = set()
+        self.closed = False
+        self.calls = []
+        self.clears_undrained = []
+        self.drained_asked = 0
+
+    def register_kv_layers(self, *_a):
+        pass
+
+    register_kv = register_aux = register_kv_layers
+
+    def close(self):
+        pass
+
+    def _room(self, room):
+        if self.closed:
+            raise ValueError("the engine is closed")
+        if room not in self.state:
+            raise kvxfer.NotFoundError(-3, f"room {room} not found")
+
+    def room_create(self, room, *_a, **_k):
+        with self.lock:
+            self.state[room] = kvxfer.RoomState.TRANSFERRING
+            self.calls.append("create")
+
+    def room_abort(self, room, reason=None):
+        with self.lock:
+            self._room(room)
+            self.calls.append("abort")
+            if self.state[room] == kvxfer.RoomState.TRANSFERRING:
+                self.state[room] = kvxfer.RoomState.FAILED
+                self.reason[room] = reason
+
+    def room_poll(self, room):
+        with self.lock:
+            self._room(room)
+            return self.state[room]
+
+    def room_drained(self, room):
+        with self.lock:
+            self._room(room)
+            self.drained_asked += 1
+            return room in self.drained
+
+    def room_failure(self, room):
+        with self.lock:
+            self._room(room)
+            return self.reason[room]
+
+    def room_failure_cause(self, room):
+        return kvxfer.FailureCause.ABORTED, False
+
+    def room_clear(self, room):
+        with self.lock:
+            self._room(room)
+            self.calls.append("clear")
+            if room not in self.drained:
+                self.clears_undrained.append(room)
+            del self.state[room]
+
+    def drain(self, room):
+        with self.lock:
+            self.drained.add(room)
+
+
+@pytest.fixture
+def stub_manager(monkeypatch):
+    """A manager of each role on a stub engine (no real engine, no bootstrap server)."""
+    import kvxfer.sglang.conn as conn
+
+    monkeypatch.setattr(conn, "Engine", _StubEngine)
+    monkeypatch.setattr(conn.KvxferKVManager, "register_to_bootstrap", lambda self: None)
+    kv = [np.zeros((4, sglang_sched.PAGE_BYTES), np.uint8) for _ in range(2)]
+    aux = np.zeros((2, sglang_sched.AUX_BYTES), np.uint8)
+    made = []
+
+    def make(mode):
+        mgr = KvxferKVManager(_args(kv, aux), mode, sglang_sched.server_args(1))
+        made.append(mgr)
+        return mgr
+
+    yield make
+    for mgr in made:
+        mgr.close()
+
+
+def _stub_end(make, side, room=77):
+    if side == "sender":
+        mgr = make("prefill")
+        return mgr, KvxferKVSender(mgr, "127.0.0.1:1", room)
+    mgr = make("decode")
+    addr = "127.0.0.1:1"
+    mgr.prefill_info_table[addr] = conn_info()
+    mgr.connection_pool[(addr, 0)] = ["127.0.0.1:2"]
+    rcv = KvxferKVReceiver(mgr, addr, room)
+    rcv.init(0)
+    return mgr, rcv
+
+
+def conn_info():
+    from kvxfer.sglang.conn import PrefillServerInfo
+
+    return PrefillServerInfo(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1,
+                             page_size=16, kv_cache_dtype="bfloat16")
+
+
+def _in_thread(fn):
+    """Runs ``fn`` in a thread; returns the thread and a list that gets its exception."""
+    import threading
+
+    out = []
+
+    def run():
+        try:
+            fn()
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("call", ["failure_exception", "clear"])
+@pytest.mark.parametrize("side", ["receiver", "sender"])
+def test_ending_an_undrained_room_waits_for_the_drain_before_clearing(stub_manager, side, call):
+    """SGLang frees the pages as soon as failure_exception() (or clear()) returns, also
+    on a TP rank whose own room is still transferring (the MIN of the ranks' polls is
+    Failed): the call must abort the room and return only once it drained, and
+    never clear it before."""
+    mgr, end = _stub_end(stub_manager, side)
+    engine = mgr.engine
+    assert end.poll() == KVPoll.Transferring
+    if side == "receiver":
+        end.abort()  # the client cancelled: FAILED, its pages not yet drained
+        assert end.poll() == KVPoll.Transferring  # the last live state, until drained
+        assert end.is_abort_release_safe() is False
+    t, out = _in_thread(getattr(end, call))
+    time.sleep(0.2)
+    seen = {
+        "room_clear on the undrained room": engine.clears_undrained,
+        f"{call}() returned before the drain": not t.is_alive(),
+        "is_abort_release_safe() before the drain":
+            side == "receiver" and any(end.is_abort_release_safe() for _ in range(3)),
+    }
+    assert seen == {k: [] if k.startswith("room_clear") else False for k in seen}
+    assert engine.state[77] == kvxfer.RoomState.FAILED  # it aborted the room
+    assert engine.drained_asked > 3  # it keeps asking
+    engine.drain(77)
+    t.join(5)
+    assert not t.is_alive()
+    if call == "failure_exception":
+        assert isinstance(out[0], KVTransferError), out
+        assert ABORT_REASON in out[0].failure_reason if side == "receiver" else \
+            "live transfer" in out[0].failure_reason
+    else:
+        assert out == [None]
+    assert engine.clears_undrained == []
+    assert engine.calls[-1] == "clear"
+    assert end.poll() == KVPoll.Failed
+    if side == "receiver":
+        assert end.is_abort_release_safe() is True
+
+
+def test_a_drain_past_its_bound_is_logged_and_still_waited_for(stub_manager, caplog):
+    mgr, rcv = _stub_end(stub_manager, "receiver", room=78)
+    mgr.drain_bound_s = 0.05
+    with caplog.at_level("ERROR", logger="kvxfer.sglang"):
+        t, out = _in_thread(rcv.failure_exception)
+        time.sleep(0.3)
+        assert t.is_alive()
+        assert rcv.is_abort_release_safe() is False
+        mgr.engine.drain(78)
+        t.join(5)
+    assert isinstance(out[0], KVTransferError)
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert logged and "room 78" in logged[0] and "live transfer" in logged[0], logged
+    assert mgr.engine.clears_undrained == []
+
+
+def test_an_engine_closed_during_the_wait_ends_it(stub_manager):
+    """Engine free joins every engine thread and drops its transports: nothing can
+    touch the pages afterwards, so the wait ends."""
+    mgr, rcv = _stub_end(stub_manager, "receiver", room=79)
+    t, out = _in_thread(rcv.failure_exception)
+    time.sleep(0.05)
+    assert t.is_alive()
+    mgr.engine.closed = True
+    t.join(5)
+    assert isinstance(out[0], KVTransferError)
+    assert rcv.poll() == KVPoll.Failed and rcv.is_abort_release_safe() is True

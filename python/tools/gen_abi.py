@@ -31,6 +31,7 @@ ENUMS = {
     "kvxfer_failure_cause": ("FailureCause", "KVXFER_CAUSE_"),
     "kvxfer_page_order": ("PageOrder", "KVXFER_PAGE_"),
     "kvxfer_kv_kind": ("KvKind", "KVXFER_KV_"),
+    "kvxfer_path": ("DataPath", "KVXFER_PATH_"),
 }
 # C struct typedef -> Python class name.
 STRUCTS = {"kvxfer_buffer": "Buffer", "kvxfer_metrics": "Metrics", "kvxfer_kv_layout": "KvLayout"}
@@ -61,6 +62,7 @@ SCALARS = {
     "bool *": "ctypes.POINTER(ctypes.c_bool)",
     "kvxfer_room_state *": "ctypes.POINTER(ctypes.c_int32)",
     "kvxfer_failure_cause *": "ctypes.POINTER(ctypes.c_int32)",
+    "kvxfer_path *": "ctypes.POINTER(ctypes.c_int32)",
     "kvxfer_log_fn": "LOG_FN",
     "kvxfer_drop_fn": "DROP_FN",
     "const kvxfer_buffer *": "ctypes.POINTER(Buffer)",

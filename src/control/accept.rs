@@ -7,8 +7,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{panic_message, Control, Peer, SetupError};
-use crate::proto::{ConnKind, Message};
+use super::admission::MAX_PEERS;
+use super::{panic_message, Control, Path, Peer, SetupError};
+use crate::config::MAX_CONNECTIONS_PER_PEER;
+use crate::proto::{ConnKind, Message, SameHostSetting};
+use crate::transport::samehost::CopyLink;
 use crate::transport::tcp::seal::SealedConn;
 use crate::transport::tcp::SendConn;
 use crate::transport::DataLink;
@@ -78,7 +81,8 @@ impl Control {
         if node.role != crate::Role::Prefill {
             return Err("decode engines accept no connections".into());
         }
-        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let addr = s.peer_addr().ok();
+        let from = addr.map(|a| a.to_string()).unwrap_or_default();
         s.set_read_timeout(Some(node.bootstrap_timeout()))
             .map_err(|e| e.to_string())?;
         let Some(admitted) = self.admit(s)? else {
@@ -99,10 +103,25 @@ impl Control {
                     node.now_ms(),
                     node.log.clone(),
                 );
-                peer.track(s.tcp());
                 // Known before our Registration goes out: the decode engine opens its data
                 // connections as soon as it has read it, and they must find this peer.
-                let old = self.peers.lock().insert(key, peer.clone());
+                let old = {
+                    let mut peers = self.peers.lock();
+                    if !peers.contains_key(&key) && peers.len() >= MAX_PEERS {
+                        drop(peers);
+                        self.gate.forget_session(engine_id);
+                        self.over_limit(
+                            addr,
+                            &format!(
+                                "decode engine {key} at {from}: this prefill engine already \
+                                 serves {MAX_PEERS} decode engines, the most it serves at once"
+                            ),
+                        );
+                        return Ok(()); // dropping the connection closes it
+                    }
+                    peers.insert(key, peer.clone())
+                };
+                peer.track(s.tcp());
                 if let Some(old) = old {
                     self.lose(
                         &old,
@@ -139,11 +158,69 @@ impl Control {
                         "data connection {index} from {key}: this engine moves data over RDMA"
                     ));
                 }
+                // At most one live link per index, and indices below the most a decode
+                // engine opens: at most MAX_CONNECTIONS_PER_PEER links (and their sender
+                // threads) per decode engine, whatever it sends.
+                if usize::from(index) >= MAX_CONNECTIONS_PER_PEER {
+                    self.over_limit(
+                        addr,
+                        &format!(
+                            "data connection {index} from decode engine {key} at {from}: \
+                             indices go up to {} (connections_per_peer is at most \
+                             {MAX_CONNECTIONS_PER_PEER})",
+                            MAX_CONNECTIONS_PER_PEER - 1
+                        ),
+                    );
+                    return Ok(()); // dropping the connection closes it
+                }
+                // Checked and claimed under one lock, so that two connections with one
+                // index cannot both get in.
+                let mut live = peer.data_index.lock();
+                let taken = live
+                    .get(&index)
+                    .and_then(std::sync::Weak::upgrade)
+                    .is_some_and(|l| !l.is_broken());
+                if taken {
+                    drop(live);
+                    self.over_limit(
+                        addr,
+                        &format!(
+                            "data connection {index} from decode engine {key} at {from}: \
+                             its data connection {index} is already up"
+                        ),
+                    );
+                    return Ok(()); // dropping the connection closes it
+                }
                 peer.track(s.tcp());
                 let w = s.tcp().try_clone().map_err(|e| e.to_string())?;
                 let stall = node.peer_deadline();
+                if peer.path.get().is_none() {
+                    // No same-host offer came before the data connections: TCP, unless
+                    // we require the same-host path.
+                    if node.config.same_host == SameHostSetting::Require {
+                        // Refused in place of our Hello: the decode engine fails its
+                        // rooms with the reason.
+                        let why = format!(
+                            "same_host=require on the prefill engine, but {} did not offer \
+                             the same-host path (it has same_host=off)",
+                            peer.name
+                        );
+                        let refused = Message::PathChoice {
+                            same_host: false,
+                            why: why.clone(),
+                        };
+                        let _ = self.write_msg(&mut s, &refused);
+                        return Err(why);
+                    }
+                    self.paired(&peer, Path::Tcp, Some("no same-host offer"), false);
+                }
+                let same_host = matches!(peer.path.get(), Some(Path::SameHost { .. }));
                 let link: Arc<dyn DataLink> = match admitted.secret.filter(|_| self.encrypts_data())
                 {
+                    // Only run headers travel: the decode engine copies the bytes.
+                    _ if same_host => {
+                        Arc::new(CopyLink::new(w, stall, node.limits).map_err(|e| e.to_string())?)
+                    }
                     Some(secret) => {
                         Arc::new(SealedConn::new(w, stall, &secret).map_err(|e| e.to_string())?)
                     }
@@ -155,6 +232,8 @@ impl Control {
                     }
                     None => Arc::new(SendConn::data(w, stall).map_err(|e| e.to_string())?),
                 };
+                live.insert(index, Arc::downgrade(&link));
+                drop(live);
                 // The link is up before our Hello answers the decode engine: once it has
                 // every answer it is ready and sends destinations, and a chunk planned
                 // for one of them must find the link (nothing goes out on it before a

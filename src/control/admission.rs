@@ -17,6 +17,13 @@
 //! differ (or TLS: one side only, a certificate the other refuses), `PROTOCOL` for a bad
 //! proof or a replay, `PEER_LOST` for an incomplete one.
 //!
+//! Without a key or TLS, and `auth` at `auto`, an engine serves only its own host
+//! (`Config::local_only`): the prefill side answers a connection from an address that
+//! is not loopback with `AuthRefused` (not on this host) before reading anything from it,
+//! the decode side drops a connection it made to such an address before writing to it;
+//! both count and log it like the refusals above. (The engine could not start listening
+//! beyond loopback: `Node::new`.)
+//!
 //! With TLS (`crate::tls`), the prefill side tells a control connection (a TLS record
 //! first) from a data connection (a plain frame first) by the first byte, runs the TLS
 //! handshake for the former, refuses a plain control connection or a TLS data
@@ -35,6 +42,7 @@ use super::{Control, Peer, SetupError};
 use crate::auth::{self, Failure, Key, Local, NonceCache, PeerHello, Reason, SessionSecret};
 use crate::config::{AuthMode, Config};
 use crate::error::Result;
+use crate::node::is_local;
 use crate::proto::{ConnKind, Message, Role as WireRole, PROTO_VERSION};
 use crate::room::Cause;
 use crate::tls::{HandshakeError, Tls, Wire};
@@ -50,12 +58,19 @@ pub(crate) const MAX_PENDING_PER_ADDR: usize = 32;
 const SEEN_NONCES: usize = 4096;
 /// Control sessions (one per decode engine) whose data connections may still come.
 const MAX_SESSIONS: usize = 4096;
+/// Most decode engines one prefill engine serves at once (each has a control
+/// connection, two threads and up to `MAX_CONNECTIONS_PER_PEER` data connections with a
+/// thread each); a control connection from one more is refused.
+pub(crate) const MAX_PEERS: usize = 1024;
 /// Remote addresses remembered as already logged.
 const MAX_LOGGED: usize = 4096;
 
 /// Authentication state of one engine.
 pub(crate) struct Gate {
     mode: AuthMode,
+    /// `auth=auto` with neither a key nor TLS: only engines on this host (loopback
+    /// addresses), both ways (`Config::local_only`).
+    local_only: bool,
     /// TLS of the control connections, when configured.
     tls: Option<Tls>,
     /// `encrypt_data`.
@@ -69,6 +84,9 @@ pub(crate) struct Gate {
     pending: Mutex<(usize, HashMap<IpAddr, usize>)>,
     /// Addresses whose refusal was logged at warn level.
     logged: Mutex<HashSet<IpAddr>>,
+    /// Addresses whose refusal past a bound (`Control::over_limit`) was logged at warn
+    /// level.
+    limit_logged: Mutex<HashSet<IpAddr>>,
     /// The last refusal: engine-clock ms and what it said.
     last: Mutex<Option<(u64, String)>>,
 }
@@ -79,6 +97,7 @@ impl Gate {
         let mode = config.auth_mode()?;
         Ok(Gate {
             mode,
+            local_only: config.local_only(),
             tls: config.tls()?,
             encrypt_data: config.encrypt_data,
             key: config
@@ -89,6 +108,7 @@ impl Gate {
             sessions: Mutex::new((HashMap::new(), VecDeque::new())),
             pending: Mutex::new((0, HashMap::new())),
             logged: Mutex::new(HashSet::new()),
+            limit_logged: Mutex::new(HashSet::new()),
             last: Mutex::new(None),
         })
     }
@@ -110,6 +130,16 @@ impl Gate {
         }
     }
 
+    /// Forgets the control session of `engine_id` (one refused after it authenticated),
+    /// so that refused sessions do not push out those of engines being served.
+    pub(super) fn forget_session(&self, engine_id: u64) {
+        let mut g = self.sessions.lock();
+        let (map, order) = &mut *g;
+        if map.remove(&engine_id).is_some() {
+            order.retain(|id| *id != engine_id);
+        }
+    }
+
     /// A slot for one more unauthenticated connection from `ip`, if any is free.
     fn slot(&self, ip: IpAddr) -> Option<Slot<'_>> {
         let mut g = self.pending.lock();
@@ -126,16 +156,21 @@ impl Gate {
         Some(Slot { gate: self, ip })
     }
 
-    /// True the first time `ip` is refused (while fewer than `MAX_LOGGED` are known).
     /// The last refusal: when (engine-clock ms) and what.
     pub(crate) fn last_refusal(&self) -> Option<(u64, String)> {
         self.last.lock().clone()
     }
 
+    /// True the first time `ip` is refused (while fewer than `MAX_LOGGED` are known).
     fn first_refusal(&self, ip: IpAddr) -> bool {
-        let mut logged = self.logged.lock();
-        logged.len() < MAX_LOGGED && logged.insert(ip)
+        first_time(&self.logged, ip)
     }
+}
+
+/// True the first time `ip` is put in `logged` (while fewer than `MAX_LOGGED` are).
+fn first_time(logged: &Mutex<HashSet<IpAddr>>, ip: IpAddr) -> bool {
+    let mut logged = logged.lock();
+    logged.len() < MAX_LOGGED && logged.insert(ip)
 }
 
 /// One unauthenticated connection's place in [`Gate::pending`], given back on drop.
@@ -243,6 +278,69 @@ impl Control {
         }
     }
 
+    /// Counts and logs an authenticated connection refused past a bound (`what` says
+    /// which), at warn level once per address. The caller closes it.
+    pub(super) fn over_limit(&self, addr: Option<SocketAddr>, what: &str) {
+        self.node
+            .metrics
+            .peer_limit_refusals
+            .fetch_add(1, Ordering::Relaxed);
+        match addr {
+            Some(a) if first_time(&self.gate.limit_logged, a.ip()) => crate::log!(
+                self.node.log,
+                Warn,
+                "refused {what} (later refusals past a bound from {} are logged at debug \
+                 level; counted in peer_limit_refusals)",
+                a.ip()
+            ),
+            _ => crate::log!(self.node.log, Debug, "refused {what}"),
+        }
+    }
+
+    /// Tells the peer of accepted connection `s` at once why it is refused, without
+    /// waiting for it to read (best effort).
+    fn tell(&self, s: &TcpStream, reason: crate::proto::AuthRefusal) {
+        let mut msg = Vec::new();
+        let m = Message::AuthRefused {
+            reason,
+            auth: self.gate.mode,
+        };
+        if m.encode(&mut msg).is_ok() {
+            let _ = s.set_nonblocking(true);
+            let _ = std::io::Write::write_all(&mut &*s, &msg);
+        }
+    }
+
+    /// Decode side: with `auth=auto` and neither a key nor TLS, refuses the connection
+    /// `s` just made to `peer` if it leads to another host (counted and logged as a
+    /// refusal), before anything is sent on it.
+    pub(super) fn local_peer(
+        &self,
+        s: &TcpStream,
+        peer: &Arc<Peer>,
+    ) -> std::result::Result<(), SetupError> {
+        if !self.gate.local_only {
+            return Ok(());
+        }
+        let addr = s.peer_addr().ok();
+        if addr.is_some_and(|a| is_local(a.ip())) {
+            return Ok(());
+        }
+        let f = Failure::new(
+            Reason::NotLocal,
+            format!(
+                "{} is at {}, not on this host, and this engine works only with engines on its \
+                 own host: it has no cluster key and no TLS, and 'auth' at its default \
+                 ('auto'). Give every engine the same key ('auth_key_file'), or set 'auth' to \
+                 'off' on both to run without authentication",
+                peer.name,
+                addr.map_or_else(|| "an unknown address".into(), |a| a.to_string())
+            ),
+        );
+        self.refused(addr, &peer.name, &f);
+        Err(SetupError::new(cause(&f), f.to_string()))
+    }
+
     /// Tells a peer in the clear that TLS is on one side only (best effort).
     fn refuse_tls(&self, s: &TcpStream) {
         let mut msg = Vec::new();
@@ -267,16 +365,21 @@ impl Control {
             || "a connection".to_string(),
             |a| format!("connection from {a}"),
         );
+        if self.gate.local_only && !addr.is_some_and(|a| is_local(a.ip())) {
+            // Nothing is read from it: it is told why, best effort, and closed.
+            self.tell(&s, crate::proto::AuthRefusal::NotLocal);
+            let f = Failure::new(
+                Reason::NotLocal,
+                "this engine accepts only engines on its own host (loopback addresses): it \
+                 has no cluster key and no TLS, and 'auth' at its default ('auto'). Give \
+                 every engine the same key ('auth_key_file'), or set 'auth' to 'off' to \
+                 accept any address without authentication",
+            );
+            self.refused(addr, &who, &f);
+            return Ok(None);
+        }
         let Some(_slot) = addr.map_or(Some(None), |a| self.gate.slot(a.ip()).map(Some)) else {
-            let mut msg = Vec::new();
-            let busy = Message::AuthRefused {
-                reason: crate::proto::AuthRefusal::Busy,
-                auth: self.gate.mode,
-            };
-            if busy.encode(&mut msg).is_ok() {
-                let _ = s.set_nonblocking(true);
-                let _ = std::io::Write::write_all(&mut &s, &msg);
-            }
+            self.tell(&s, crate::proto::AuthRefusal::Busy);
             let f = Failure {
                 reason: Reason::Busy,
                 detail: format!(

@@ -54,6 +54,7 @@ impl Control {
         let timeout = node.bootstrap_timeout();
         let addr = peer.key.clone();
         let sock = tcp::connect(&addr, timeout).map_err(|e| format!("cannot connect: {e}"))?;
+        self.local_peer(&sock, peer)?;
         peer.track(&sock);
         let mut ctrl = self.secure(sock, peer)?;
         ctrl.tcp()
@@ -85,6 +86,11 @@ impl Control {
         peer.set_pairing(pairing);
         let _ = peer.aux_count.set(theirs.aux.len());
         let rdma = self.decode_transport(peer, &mut ctrl)?;
+        if rdma {
+            self.paired(peer, super::Path::Rdma, None, false);
+        } else {
+            self.decode_same_host(peer, &mut ctrl)?;
+        }
         let data_conns = if rdma {
             0
         } else {
@@ -99,7 +105,12 @@ impl Control {
             self.write_msg(&mut d, &self.hello(ConnKind::Data, i as u16))?;
             let secret =
                 self.authenticate(&mut d, peer, ConnKind::Data, i as u16, session.as_ref())?;
-            self.expect_hello(&mut d, WireRole::Prefill)?;
+            match self.read_msg(&mut d)? {
+                m @ Message::Hello { .. } => {
+                    self.check_hello(m, WireRole::Prefill)?;
+                }
+                m => return Err(super::handshake::refusal(m)),
+            }
             let Wire::Plain(d) = d else {
                 unreachable!("data connections are plain TCP")
             };

@@ -8,15 +8,35 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::pairing::{self, Pairing};
+use super::peer::Path;
 use super::{Control, Peer, SetupError};
 use crate::proto::{
-    self, ConnKind, Message, QpInfo, Registration, Role as WireRole, WireTransport, PROTO_VERSION,
+    self, ConnKind, HostInfo, Message, QpInfo, Registration, Role as WireRole, SameHostSetting,
+    WireTransport, PROTO_VERSION,
 };
 use crate::room::Cause;
 use crate::tls::Wire;
 use crate::transport::rdma::link::{replacement, ControlSender, RemoteBuffer};
 use crate::transport::rdma::peer::{self as rdma, Inbound};
+use crate::transport::samehost::{self, NotSameHost};
 use crate::transport::DataLink;
+
+/// What a decode engine makes of an answer to its `PathChoice` that is not its echo: the
+/// prefill engine refusing the pairing (a `PathChoice` that says why), as MISMATCH; any
+/// other message, as a protocol error.
+pub(super) fn refusal(m: Message) -> SetupError {
+    match m {
+        Message::PathChoice {
+            same_host: false,
+            why,
+        } => SetupError::new(crate::room::Cause::Mismatch, why),
+        other => format!(
+            "expected the PathChoice echoed, got {}",
+            other.kind().name()
+        )
+        .into(),
+    }
+}
 
 fn transport_name(t: WireTransport) -> &'static str {
     match t {
@@ -52,6 +72,7 @@ impl Control {
             kv: rdma::buffer_infos(m.kv.get(), |i| inbound.and_then(|k| k.key(false, i))),
             aux: rdma::buffer_infos(m.aux.get(), |i| inbound.and_then(|k| k.key(true, i))),
             layout: m.kv_layout.get().copied(),
+            integrity: self.node.config.integrity,
         }
     }
 
@@ -70,7 +91,19 @@ impl Control {
             crate::Role::Decode => (&ours, theirs),
             crate::Role::Prefill => (theirs, &ours),
         };
-        pairing::pair_kv(decode, prefill)
+        let setting = |on: bool| if on { "verify" } else { "off" };
+        let agreed = if decode.integrity == prefill.integrity {
+            Ok(())
+        } else {
+            Err(format!(
+                "integrity={} on the decode engine, integrity={} on the prefill engine \
+                 (both must verify, or neither)",
+                setting(decode.integrity),
+                setting(prefill.integrity)
+            ))
+        };
+        agreed
+            .and_then(|()| pairing::pair_kv(decode, prefill))
             .and_then(|p| pairing::check_aux(&decode.aux, &prefill.aux).map(|()| p))
             .map_err(|why| {
                 let why = format!("registration mismatch with {peer}: {why}");
@@ -99,7 +132,17 @@ impl Control {
         s: &mut Wire,
         role: WireRole,
     ) -> Result<(u64, ConnKind, u16), String> {
-        match self.read_msg(s)? {
+        self.check_hello(self.read_msg(s)?, role)
+    }
+
+    /// The engine id, connection kind and index of `m`, a `Hello` from an engine of
+    /// `role` that speaks our protocol; why not otherwise.
+    pub(super) fn check_hello(
+        &self,
+        m: Message,
+        role: WireRole,
+    ) -> Result<(u64, ConnKind, u16), String> {
+        match m {
             Message::Hello {
                 proto_version,
                 role: r,
@@ -197,6 +240,159 @@ impl Control {
         Ok(true)
     }
 
+    /// Decode side, after a TCP transport agreement: offer the same-host path (unless
+    /// `same_host=off`), decide it from the prefill's answer ([`samehost::check`]), tell
+    /// the prefill and wait for its echo, so that the path is set on both sides before
+    /// any data connection opens. With `same_host=require`, a pairing that cannot take
+    /// it fails as MISMATCH with the reason.
+    pub(super) fn decode_same_host(
+        &self,
+        peer: &Arc<Peer>,
+        ctrl: &mut Wire,
+    ) -> Result<(), SetupError> {
+        let setting = self.node.config.same_host;
+        if setting == SameHostSetting::Off {
+            self.paired(peer, Path::Tcp, Some("same_host=off here"), false);
+            return Ok(());
+        }
+        let ours = self.node.host_info();
+        self.write_msg(ctrl, &Message::SameHost(ours))?;
+        let theirs = match self.read_past_heartbeats(ctrl)? {
+            Message::SameHost(h) => h,
+            other => return Err(format!("expected SameHost, got {}", other.kind().name()).into()),
+        };
+        let choice = samehost::check(&ours, &theirs);
+        let why = choice.as_ref().err().map(|e| e.why().to_string());
+        let limits = &self.node.limits;
+        let told = Message::PathChoice {
+            same_host: choice.is_ok(),
+            why: proto::truncate_reason(why.as_deref().unwrap_or(""), limits.max_reason_len)
+                .to_string(),
+        };
+        self.write_msg(ctrl, &told)?;
+        match self.read_past_heartbeats(ctrl)? {
+            m if m == told => {}
+            m => return Err(refusal(m)),
+        }
+        match choice {
+            Ok(()) => {
+                self.paired(peer, Path::SameHost { pid: theirs.pid }, None, false);
+                Ok(())
+            }
+            Err(e) if setting == SameHostSetting::Require => Err(SetupError::new(
+                crate::room::Cause::Mismatch,
+                format!(
+                    "same_host=require, but the same-host path to {} cannot be used: {}",
+                    peer.name,
+                    e.why()
+                ),
+            )),
+            Err(e) => {
+                let warn = matches!(e, NotSameHost::Refused(_));
+                self.paired(peer, Path::Tcp, Some(e.why()), warn);
+                Ok(())
+            }
+        }
+    }
+
+    fn read_past_heartbeats(&self, s: &mut Wire) -> Result<Message, String> {
+        loop {
+            match self.read_msg(s)? {
+                Message::Heartbeat { .. } => continue,
+                m => return Ok(m),
+            }
+        }
+    }
+
+    /// Prefill side, on the control reader: a decode engine's same-host offer, answered
+    /// with our identity (and probe, unless `same_host=off`). Only before the path is
+    /// chosen.
+    pub(super) fn on_same_host(&self, peer: &Arc<Peer>, _theirs: HostInfo) -> Result<(), String> {
+        if peer.path.get().is_some() {
+            return Err("a same-host offer after the path was chosen".into());
+        }
+        let mut ours = self.node.host_info();
+        if ours.setting == SameHostSetting::Off {
+            (ours.probe_addr, ours.probe) = (0, [0; 16]);
+        }
+        peer.send(&Message::SameHost(ours));
+        Ok(())
+    }
+
+    /// Prefill side, on the control reader: the decode engine's choice of path, applied
+    /// and echoed (the decode engine opens its data connections after the echo). With
+    /// `same_host=require` here, a choice of TCP loses the peer as MISMATCH.
+    pub(super) fn on_path_choice(
+        &self,
+        peer: &Arc<Peer>,
+        same_host: bool,
+        why: String,
+    ) -> Result<(), String> {
+        if peer.path.get().is_some() {
+            return Err("a second PathChoice".into());
+        }
+        if !same_host && self.node.config.same_host == SameHostSetting::Require {
+            // Refused in the answer; the decode engine fails its rooms with the reason
+            // and closes the connection.
+            let refused = format!(
+                "same_host=require on the prefill engine, but the pairing takes TCP: {why}"
+            );
+            crate::log!(self.node.log, Warn, "refusing {}: {refused}", peer.name);
+            peer.send(&Message::PathChoice {
+                same_host: false,
+                why: proto::truncate_reason(&refused, self.node.limits.max_reason_len).to_string(),
+            });
+            return Ok(());
+        }
+        let path = if same_host {
+            // The decode engine copies; we only need to know that it does.
+            Path::SameHost { pid: 0 }
+        } else {
+            Path::Tcp
+        };
+        let note = (!same_host).then_some(why.as_str());
+        self.paired(peer, path, note, false);
+        peer.send(&Message::PathChoice { same_host, why });
+        Ok(())
+    }
+
+    /// Records the path of `peer`'s pairing, counts it and says it in one log line (a
+    /// warning for a same-host pairing that falls back to TCP, with why).
+    pub(super) fn paired(&self, peer: &Peer, path: Path, why: Option<&str>, fallback: bool) {
+        if peer.path.set(path).is_err() {
+            return;
+        }
+        let m = &self.node.metrics;
+        let counter = match path {
+            Path::Tcp => &m.pairings_tcp,
+            Path::Rdma => &m.pairings_rdma,
+            Path::SameHost { .. } => &m.pairings_same_host,
+        };
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = path.data_path().name();
+        match (why, fallback) {
+            (Some(why), true) => {
+                m.same_host_fallbacks
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                crate::log!(
+                    self.node.log,
+                    Warn,
+                    "pairing with {}: {name}, not the same-host path: {why}",
+                    peer.name
+                );
+            }
+            (Some(why), false) => {
+                crate::log!(
+                    self.node.log,
+                    Info,
+                    "pairing with {}: {name} ({why})",
+                    peer.name
+                )
+            }
+            (None, _) => crate::log!(self.node.log, Info, "pairing with {}: {name}", peer.name),
+        }
+    }
+
     /// Prefill side, after the registration exchange: agree on the transport and, over
     /// RDMA, open one queue pair per worker to the decode engine, each a data link.
     pub(super) fn prefill_transport(
@@ -252,6 +448,7 @@ impl Control {
             control: &control,
         };
         let links = rdma::outbound(eps, &remotes, &setup, &peer.name)?;
+        self.paired(peer, Path::Rdma, None, false);
         *peer.data.write() = links
             .iter()
             .map(|l| l.clone() as Arc<dyn DataLink>)

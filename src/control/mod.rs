@@ -30,7 +30,7 @@ use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::Mutex;
 
-pub(crate) use peer::Peer;
+pub(crate) use peer::{Path, Peer};
 
 use crate::error::Result;
 use crate::node::Node;

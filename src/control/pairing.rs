@@ -362,6 +362,7 @@ mod tests {
             kv: vec![b(item, -1), b(item, -1)],
             aux: vec![],
             layout,
+            integrity: false,
         }
     }
 

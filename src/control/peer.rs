@@ -1,10 +1,10 @@
 //! A peer engine as the control layer keeps it: its identity, its outgoing control
 //! queue, the connections and links set up for it, and its loss (once).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -41,6 +41,10 @@ pub(crate) struct Peer {
     log: Logger,
     /// Connections data frames are written to (prefill side).
     pub data: RwLock<Vec<Arc<dyn DataLink>>>,
+    /// Prefill side over TCP: the link of each data connection index. An index is live
+    /// while its link is (a sender thread or `data` holds it) and not broken; a data
+    /// connection with a live index is refused.
+    pub(super) data_index: Mutex<HashMap<u16, Weak<dyn DataLink>>>,
     /// Prefill side over RDMA: the links of `data`, for answers to reconnections.
     pub rdma_links: RwLock<Vec<Arc<RdmaLink>>>,
     /// Decode side over RDMA: the domain, regions and queue pairs this peer writes into
@@ -58,6 +62,9 @@ pub(crate) struct Peer {
     /// their layouts differ (head slices, other page sizes); unset for a byte copy of
     /// whole pages. Set with `kv_map`, before the peer is published.
     pub slicing: OnceLock<crate::slice::Slicing>,
+    /// The path the pairing's data takes, once chosen (by the setup, before the first
+    /// data link).
+    pub path: OnceLock<Path>,
     /// Rooms (id, local generation) that depend on this peer: the engine's record, which
     /// the peer's loss hands back to it.
     pub rooms: Mutex<HashSet<(u64, u64)>>,
@@ -74,6 +81,29 @@ pub(crate) struct Peer {
     /// Engine-clock ms when the peer was created: its setup (handshake, registration,
     /// transport, data connections) must finish within `bootstrap_timeout_ms` of it.
     pub(super) since_ms: u64,
+}
+
+/// The path a pairing's data takes (DESIGN inv. 11: chosen, reported, never silently
+/// degraded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// Data frames over TCP data connections.
+    Tcp,
+    /// RDMA writes.
+    Rdma,
+    /// The decode engine copies from prefill process `pid` (`transport::samehost`).
+    SameHost { pid: u32 },
+}
+
+impl Path {
+    /// The path's wire-independent number, as `kvxfer_room_path` reports it.
+    pub fn data_path(self) -> crate::DataPath {
+        match self {
+            Path::Tcp => crate::DataPath::Tcp,
+            Path::Rdma => crate::DataPath::Rdma,
+            Path::SameHost { .. } => crate::DataPath::SameHost,
+        }
+    }
 }
 
 impl Peer {
@@ -108,6 +138,7 @@ impl Peer {
             ctrl: CtrlQueue::default(),
             log,
             data: RwLock::new(Vec::new()),
+            data_index: Mutex::new(HashMap::new()),
             rdma_links: RwLock::new(Vec::new()),
             inbound: OnceLock::new(),
             streams: Mutex::new(Vec::new()),
@@ -115,6 +146,7 @@ impl Peer {
             kv_layouts: OnceLock::new(),
             aux_count: OnceLock::new(),
             slicing: OnceLock::new(),
+            path: OnceLock::new(),
             rooms: Mutex::new(HashSet::new()),
             last_recv_ms: AtomicU64::new(now_ms),
             last_sent_ms: AtomicU64::new(now_ms),

@@ -180,6 +180,12 @@ impl Control {
                 },
                 Role::Decode,
             ) if rdma => events.done(peer, room, generation, pages_sent, aux_sent),
+            (Message::SameHost(theirs), Role::Prefill) if !rdma => {
+                self.on_same_host(peer, theirs)?
+            }
+            (Message::PathChoice { same_host, why }, Role::Prefill) if !rdma => {
+                self.on_path_choice(peer, same_host, why)?
+            }
             (m, role) => {
                 return Err(format!(
                     "unexpected {} message on a {role} engine's control connection",

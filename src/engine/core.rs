@@ -167,6 +167,16 @@ pub(crate) fn drained<S: Side>(side: &S, id: u64) -> Result<bool> {
     Ok(fully_drained(side, &room))
 }
 
+/// The path room `id`'s data takes with its peers (see `Engine::room_path`).
+pub(crate) fn path<S: Side>(side: &S, id: u64) -> Result<crate::DataPath> {
+    let room = side.core().room(id)?;
+    Ok(crate::DataPath::of(
+        side.parties(&room)
+            .iter()
+            .map(|(peer, _)| peer.path.get().map(|p| p.data_path())),
+    ))
+}
+
 /// Releases room `id` (aborting it first if live); never waits (see
 /// `Engine::room_clear`).
 pub(crate) fn clear<S: Side>(side: &S, id: u64) -> Result<()> {

@@ -31,6 +31,50 @@ use crate::room::{FailureReason, Room, State};
 use decode::DecodeEngine;
 use prefill::PrefillEngine;
 
+/// The path a room's data took with its peers (DESIGN inv. 11), as `kvxfer_room_path`
+/// reports it: the path of every peer pairing of the room when they agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum DataPath {
+    /// No peer of the room is paired yet.
+    Unknown = 0,
+    /// Data frames over TCP.
+    Tcp = 1,
+    /// RDMA writes.
+    Rdma = 2,
+    /// A direct copy between the two processes on one host (`same_host`).
+    SameHost = 3,
+    /// The room's peers took different paths.
+    Mixed = 15,
+}
+
+impl DataPath {
+    /// The path of a room whose peers' pairings took `paths` (`None`: not paired yet).
+    pub fn of(paths: impl IntoIterator<Item = Option<DataPath>>) -> DataPath {
+        let mut out = None;
+        for p in paths {
+            let p = p.unwrap_or(DataPath::Unknown);
+            out = Some(match out {
+                None => p,
+                Some(q) if q == p => q,
+                Some(_) => return DataPath::Mixed,
+            });
+        }
+        out.unwrap_or(DataPath::Unknown)
+    }
+
+    /// The path's name, as logs and errors say it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataPath::Unknown => "unknown",
+            DataPath::Tcp => "tcp",
+            DataPath::Rdma => "rdma",
+            DataPath::SameHost => "same-host",
+            DataPath::Mixed => "mixed",
+        }
+    }
+}
+
 /// Who a room exchanges data with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RoomPeers {
@@ -305,6 +349,29 @@ impl Engine {
     /// prefill: no read of its source pages is still in progress).
     pub fn room_drained(&self, id: u64) -> Result<bool> {
         with_side!(self, s => core::drained(&**s, id))
+    }
+
+    /// The path room `id`'s data takes with its peer engines (DESIGN inv. 11): TCP,
+    /// RDMA or the same-host copy when every peer pairing of the room agrees,
+    /// [`DataPath::Mixed`] when they differ, [`DataPath::Unknown`] before any is paired
+    /// (a prefill room before its destinations arrived).
+    pub fn room_path(&self, id: u64) -> Result<DataPath> {
+        with_side!(self, s => core::path(&**s, id))
+    }
+
+    /// Decode only: whether room `id` reached SUCCESS with every byte verified: with
+    /// `integrity=verify` (which both engines of each pairing then have), every data run
+    /// landed over a path that carries digests (TCP, same host) and each matched where it
+    /// landed. False for a live or failed room, with `integrity=off`, or over RDMA.
+    pub fn room_verified(&self, id: u64) -> Result<bool> {
+        let Side::Decode(d) = &self.side else {
+            return Err(wrong_role(Role::Decode, "kvxfer_room_verified"));
+        };
+        let state = core::poll(&**d, id)?;
+        let path = core::path(&**d, id)?;
+        Ok(state == State::Success
+            && self.node.config.integrity
+            && matches!(path, DataPath::Tcp | DataPath::SameHost))
     }
 
     /// Decode only: how many of room `id`'s first layers (in layer order: the layer ids

@@ -49,7 +49,8 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 /// - `role`: `prefill` | `decode`. No default: must be set.
 /// - `listen` (default `127.0.0.1:0`): `host:port` to listen on, port 0 = any; IPv6 as
 ///   `[addr]:port`; with a wildcard host such as `0.0.0.0`, `kvxfer_engine_address`
-///   reports this machine's host name.
+///   reports this machine's host name. An address that is not loopback needs a key, TLS
+///   or `auth=off` (see `auth`).
 /// - `transport` (default `auto`): `auto` | `tcp` | `rdma`.
 /// - `workers` (default `4`, 1..256): worker threads.
 /// - `connections_per_peer` (default `2`, 1..64): data connections to each peer engine
@@ -71,10 +72,38 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 /// - `drain_timeout_ms` (default `5000`, 1..86400000): RDMA: longest a failed decode room
 ///   waits for the prefill's acknowledgement before its peer's queue pairs are shut.
 /// - `log_level` (default `warn`): `error` | `warn` | `info` | `debug` | `trace`.
+/// - `same_host` (default `auto`): `auto` | `require` | `off`. Engines on one host (the
+///   same boot id and network namespace, learnt in the handshake after authentication)
+///   move KV without the network: the decode engine copies the pages straight from the
+///   prefill process's registered memory (`process_vm_readv`). It needs the same PID
+///   namespace and permission to read the prefill process (same user and Yama
+///   `ptrace_scope` 0, or `CAP_SYS_PTRACE`), which the pairing proves by reading a probe.
+///   `auto`: that path when it can be used, TCP otherwise (logged at WARN with the
+///   reason, counted in `same_host_fallbacks`). `require`: that path or no pairing (the
+///   rooms fail as MISMATCH, the reason naming why, such as `ptrace denied:
+///   ptrace_scope=2`). `off`: never. TCP transport only (RDMA engines use RDMA).
+///   `kvxfer_room_path` tells which path a room took.
+/// - `integrity` (default `off`): `verify` | `off`. `verify`: the prefill engine sends
+///   with every data run a CRC32C of the run's bytes bound to its room, generation and
+///   destination (buffer, pages, offset), and the decode engine recomputes it over the
+///   bytes where they landed, before it counts them: a room reaches SUCCESS only when
+///   every run matched, and a mismatch fails it as `KVXFER_CAUSE_INTEGRITY` with a reason
+///   naming the prefill engine, buffer, page and byte range (`kvxfer_room_verified`).
+///   Over TCP and the same-host path; RDMA rooms are not verified yet. Both engines of a
+///   pair must have the same setting, else their rooms fail as MISMATCH naming both. Off
+///   by default because it costs a CRC32C pass over every byte on each side (about
+///   0.15 CPU s per GB per side on the 2-core host it was measured on, as much as the
+///   whole TCP path; docs/BENCHMARKS.md).
 ///
 /// Authentication:
-/// - `auth`: `required` | `off`. No fixed default: `required` when a key is set, `off`
-///   otherwise.
+/// - `auth` (default `auto`): `auto` | `required` | `off`. `auto`: `required` when a key
+///   is set; without a key or TLS, the engine works only with engines on its own host:
+///   it must listen on a loopback address (else `kvxfer_engine_new` fails with
+///   `KVXFER_ERR_BAD_VALUE` naming `listen` and `auth`), a prefill engine refuses
+///   connections from other addresses (counted in `auth_failures`), a decode engine
+///   does not connect to a prefill engine elsewhere (its rooms fail with
+///   `KVXFER_CAUSE_MISMATCH`, the reason naming `auth`). `required`: every connection
+///   proves the key. `off`: no authentication, any address, any peer.
 /// - `auth_key_file`: path of the cluster key: the file's whole content, 32 to 4096
 ///   bytes, best 32 random bytes such as `head -c 32 /dev/urandom`; the file must be a
 ///   regular file that grants nothing to group or others, mode 0600 or 0400, else the
@@ -88,7 +117,8 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 ///   leaf must be signed (through the chain) by a CA of `tls_ca_file` and allow
 ///   TLS server and client use (extended key usages serverAuth and clientAuth, or none).
 /// - `tls_key_file`: path of that certificate's private key, PEM (PKCS#8, PKCS#1 or
-///   SEC1).
+///   SEC1); like `auth_key_file`, a regular file that grants nothing to group or
+///   others (mode 0600 or 0400), else the message names the path and its mode.
 /// - `tls_ca_file`: path of the cluster CA's certificate(s), PEM. Host names are not
 ///   checked: any certificate it signed is a member of the cluster.
 /// - `encrypt_data` (default `false`): `true` | `false`. `true` seals every KV payload on
@@ -102,11 +132,11 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 /// it), and data connections prove the control session they belong to even without a
 /// key. The files are read by `kvxfer_engine_new`, which fails with
 /// `KVXFER_ERR_BAD_VALUE` naming the key and the path when only some of the three are
-/// set, a file cannot be read or holds no usable PEM, the key does not fit the
-/// certificate, the certificate is not signed by the CA, or `encrypt_data=true` has no
-/// TLS. An engine with TLS and one without fail their rooms as with different `auth`
-/// settings, the reasons naming TLS; so do engines that differ in `encrypt_data`, the
-/// reasons naming it.
+/// set, a file cannot be read or holds no usable PEM, the key's file grants anything to
+/// group or others, the key does not fit the certificate, the certificate is not signed
+/// by the CA, or `encrypt_data=true` has no TLS. An engine with TLS and one without
+/// fail their rooms as with different `auth` settings, the reasons naming TLS; so do
+/// engines that differ in `encrypt_data`, the reasons naming it.
 ///
 /// Whichever of `auth_key_file` and `auth_key` is set last is the key. With
 /// `auth=required` every connection between two engines proves, both ways, that both
@@ -114,7 +144,8 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 /// in key fail their rooms (decode side: `KVXFER_CAUSE_MISMATCH`, the reason naming
 /// authentication and both settings; prefill side: at `bootstrap_timeout_ms`, the
 /// reason naming the refused connection). `auth=required` without a key makes
-/// `kvxfer_engine_new` fail with `KVXFER_ERR_BAD_VALUE`.
+/// `kvxfer_engine_new` fail with `KVXFER_ERR_BAD_VALUE`. A keyless `auto` engine and an
+/// `off` one on the same host work together (neither authenticates).
 ///
 /// Errors: `KVXFER_ERR_UNKNOWN_KEY` for a key not listed, `KVXFER_ERR_BAD_VALUE` for a
 /// value the key does not accept (the message names both), `KVXFER_ERR_NULL_POINTER`.

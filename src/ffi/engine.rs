@@ -115,10 +115,12 @@ pub struct kvxfer_buffer {
 /// it in `*out`. The engine binds its listening socket and starts its threads before
 /// this returns.
 ///
-/// Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set or `auth` is `required` without a
-/// key, `KVXFER_ERR_TRANSPORT_UNAVAILABLE`
-/// if the requested transport cannot run here, `KVXFER_ERR_IO` if the address cannot be
-/// bound, `KVXFER_ERR_NULL_POINTER`. `*out` is written only on success.
+/// Errors: `KVXFER_ERR_BAD_VALUE` if `role` is not set, `auth` is `required` without a
+/// key, `listen` is not a loopback address while the engine has neither a key nor TLS
+/// and `auth` is not `off` (the message names both keys), or a TLS file is unusable;
+/// `KVXFER_ERR_TRANSPORT_UNAVAILABLE` if the requested transport cannot run here,
+/// `KVXFER_ERR_IO` if the address cannot be bound, `KVXFER_ERR_NULL_POINTER`. `*out` is
+/// written only on success.
 #[no_mangle]
 #[must_use]
 pub unsafe extern "C" fn kvxfer_engine_new(
@@ -455,7 +457,8 @@ pub struct kvxfer_metrics {
     /// Connections refused at authentication, on either side (see `auth` and the `tls_*`
     /// keys in `kvxfer_config_set`): no key, wrong key, bad proof, replay, an incomplete
     /// or malformed handshake, too many connections authenticating at once, a failed TLS
-    /// handshake (a certificate not of the CA, an alert), or TLS on one side only.
+    /// handshake (a certificate not of the CA, an alert), TLS on one side only, or another
+    /// host where an engine without a key serves only its own (`auth=auto`).
     pub auth_failures: u64,
     /// Prefill engine: destinations and aborts refused because their room is bound to
     /// other decode engines (`kvxfer_room_create_for`). Each refused destination is
@@ -466,6 +469,28 @@ pub struct kvxfer_metrics {
     /// largest frame); head slices between different layouts are one run per byte
     /// segment, so runs per page tell how finely a transfer was cut.
     pub data_runs_sent: u64,
+    /// Prefill engine: authenticated connections refused past a bound on what one decode
+    /// engine, or all of them, may hold: a control connection from a new decode engine
+    /// while the engine already serves 1024, a data connection whose index is 64 or more
+    /// (`connections_per_peer` is at most 64) or is already live for its engine. Each is
+    /// closed and logged (warn level the first time per address, debug after).
+    pub peer_limit_refusals: u64,
+    /// Decode engine: KV and aux bytes whose digest matched where they landed
+    /// (`integrity=verify`).
+    pub bytes_verified: u64,
+    /// Rooms failed because a data run's digest did not match the bytes where it landed
+    /// (decode: found; prefill: told by the decode engine).
+    pub integrity_failures: u64,
+    /// Peer pairings whose data takes TCP (one per peer engine connected).
+    pub pairings_tcp: u64,
+    /// Peer pairings whose data takes RDMA.
+    pub pairings_rdma: u64,
+    /// Peer pairings on one host whose data the decode engine copies directly from the
+    /// prefill process (`same_host`).
+    pub pairings_same_host: u64,
+    /// Pairings on one host that took TCP because the same-host path could not be used
+    /// (each also logged at WARN with the reason).
+    pub same_host_fallbacks: u64,
 }
 
 /// The copy of a snapshot into `kvxfer_metrics`, one field per C field named in the
@@ -657,6 +682,7 @@ mod tests {
             auth_failures: 9,
             binding_refusals: 6,
             data_runs_sent: 12,
+            peer_limit_refusals: 13,
             inflight: 2,
             ..Default::default()
         };
@@ -667,6 +693,7 @@ mod tests {
         assert_eq!((c.rooms_created, c.held_destinations), (40, 7));
         assert_eq!((c.rooms_draining, c.auth_failures, c.inflight), (3, 9, 2));
         assert_eq!((c.binding_refusals, c.data_runs_sent), (6, 12));
+        assert_eq!(c.peer_limit_refusals, 13);
         assert_eq!(c.rooms_failed, 16);
         let mut by_cause = [0; KVXFER_METRICS_CAUSES];
         by_cause[kvxfer_failure_cause::KVXFER_CAUSE_ABORTED as usize] = 5;

@@ -6,7 +6,7 @@ use std::ffi::c_char;
 use super::boundary::{try_out, try_slice, try_str, write_string};
 use super::engine::kvxfer_engine;
 use super::status::kvxfer_status;
-use super::types::{kvxfer_failure_cause, kvxfer_room_state};
+use super::types::{kvxfer_failure_cause, kvxfer_path, kvxfer_room_state};
 use crate::err;
 use crate::error::Result;
 
@@ -327,8 +327,10 @@ pub unsafe extern "C" fn kvxfer_room_failure_cause(
 /// true as soon as the `recv` in progress returns; over RDMA, once every prefill engine
 /// of the room acknowledged that its writes completed, or was lost, or
 /// `drain_timeout_ms` passed and its queue pairs were shut; a room that succeeded is
-/// drained at once). Prefill engine: no worker is still reading its source pages. A
-/// live room is never drained. Never blocks.
+/// drained at once; on the same-host path, as over TCP: no copy of its own into the
+/// pages is in progress). Prefill engine: no worker is still reading its source pages
+/// (on the same-host path: the decode engine answered every copy of them, or its link
+/// was given up after the stall). A live room is never drained. Never blocks.
 ///
 /// Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
 #[no_mangle]
@@ -345,6 +347,61 @@ pub unsafe extern "C" fn kvxfer_room_drained(
         let d = engine.room_drained(room)?;
         // SAFETY: checked by try_out; writable by contract.
         unsafe { out.write(d) };
+        Ok(())
+    })
+}
+
+/// Stores in `*path` the path room `room`'s data takes with its peer engines: TCP, RDMA
+/// or `KVXFER_PATH_SAME_HOST` (a direct copy between the two processes on one host,
+/// `same_host` in `kvxfer_config_set`) when every peer engine of the room agrees;
+/// `KVXFER_PATH_MIXED` when they differ; `KVXFER_PATH_UNKNOWN` while none is paired yet.
+/// A path is never changed silently: a same-host pairing that could not take the direct
+/// copy is logged at WARN with the reason and counted (`same_host_fallbacks`), and with
+/// `same_host=require` its rooms fail as MISMATCH instead. Never blocks.
+///
+/// Errors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_path(
+    engine: *const kvxfer_engine,
+    room: u64,
+    path: *mut kvxfer_path,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        let out = try_out(path, "path")?;
+        let p = engine.room_path(room)?;
+        // SAFETY: checked by try_out; writable by contract.
+        unsafe { out.write(p.into()) };
+        Ok(())
+    })
+}
+
+/// Decode engine only: stores in `*verified` whether room `room` reached SUCCESS with
+/// every byte verified: with `integrity=verify` (see `kvxfer_config_set`), every data
+/// run of every prefill engine of the room carried a digest bound to the room, its
+/// generation and the run's destination, and each matched the bytes where they landed.
+/// False for a room that is live or FAILED (a mismatch fails it as
+/// `KVXFER_CAUSE_INTEGRITY`), with `integrity=off`, and over RDMA, whose writes are not
+/// verified yet. Never blocks.
+///
+/// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
+/// `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_verified(
+    engine: *const kvxfer_engine,
+    room: u64,
+    verified: *mut bool,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        let out = try_out(verified, "verified")?;
+        let v = engine.room_verified(room)?;
+        // SAFETY: checked by try_out; writable by contract.
+        unsafe { out.write(v) };
         Ok(())
     })
 }

@@ -91,6 +91,42 @@ pub enum kvxfer_failure_cause {
     KVXFER_CAUSE_SHUTDOWN = 9,
     /// An internal error (a library bug, caught).
     KVXFER_CAUSE_INTERNAL = 10,
+    /// With `integrity=verify`: the bytes where a data run landed do not match the digest
+    /// the prefill engine sent with it (corrupted on the way or on either host, written
+    /// at the wrong place, or a run of an earlier use of the room id); the reason names
+    /// the prefill engine, the buffer, the page and the byte range.
+    KVXFER_CAUSE_INTEGRITY = 11,
+}
+
+/// The path a room's data takes with its peer engines (`kvxfer_room_path`).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvxfer_path {
+    /// No peer engine of the room is paired yet (a prefill room before its destination
+    /// arrived, a decode room still connecting).
+    KVXFER_PATH_UNKNOWN = 0,
+    /// Data frames over the TCP data connections.
+    KVXFER_PATH_TCP = 1,
+    /// RDMA writes.
+    KVXFER_PATH_RDMA = 2,
+    /// Both engines on one host: the decode engine copies the pages directly from the
+    /// prefill process's memory (`same_host`).
+    KVXFER_PATH_SAME_HOST = 3,
+    /// The room's peer engines took different paths.
+    KVXFER_PATH_MIXED = 15,
+}
+
+impl From<crate::DataPath> for kvxfer_path {
+    fn from(p: crate::DataPath) -> Self {
+        use kvxfer_path::*;
+        match p {
+            crate::DataPath::Unknown => KVXFER_PATH_UNKNOWN,
+            crate::DataPath::Tcp => KVXFER_PATH_TCP,
+            crate::DataPath::Rdma => KVXFER_PATH_RDMA,
+            crate::DataPath::SameHost => KVXFER_PATH_SAME_HOST,
+            crate::DataPath::Mixed => KVXFER_PATH_MIXED,
+        }
+    }
 }
 
 /// Entries of `kvxfer_metrics.rooms_failed_by_cause`, indexed by `kvxfer_failure_cause`
@@ -124,6 +160,7 @@ impl kvxfer_failure_cause {
             KVXFER_CAUSE_TRANSFER => c"KVXFER_CAUSE_TRANSFER",
             KVXFER_CAUSE_SHUTDOWN => c"KVXFER_CAUSE_SHUTDOWN",
             KVXFER_CAUSE_INTERNAL => c"KVXFER_CAUSE_INTERNAL",
+            KVXFER_CAUSE_INTEGRITY => c"KVXFER_CAUSE_INTEGRITY",
         }
     }
 }
@@ -142,6 +179,7 @@ impl From<Cause> for kvxfer_failure_cause {
             Cause::Transfer => KVXFER_CAUSE_TRANSFER,
             Cause::Shutdown => KVXFER_CAUSE_SHUTDOWN,
             Cause::Internal => KVXFER_CAUSE_INTERNAL,
+            Cause::Integrity => KVXFER_CAUSE_INTEGRITY,
         }
     }
 }
@@ -200,7 +238,7 @@ mod tests {
                 "KVXFER_UNKNOWN_ROOM_STATE"
             );
         }
-        for v in [-1, 0, 11, 16, i32::MIN, i32::MAX] {
+        for v in [-1, 0, 12, 16, i32::MIN, i32::MAX] {
             assert_eq!(str_of(kvxfer_failure_cause_str(v)), "KVXFER_UNKNOWN_CAUSE");
         }
     }

@@ -5,7 +5,7 @@
 //! [`read_data_header`](super::read_data_header), checks the target against the room,
 //! then reads the data bytes straight into destination memory.
 //!
-//! Data header layout ([`DATA_HEADER_LEN`] = 40 bytes, little-endian):
+//! Data header layout ([`DATA_HEADER_LEN`] = 48 bytes, little-endian):
 //!
 //! | offset | size | field        |
 //! |-------:|-----:|--------------|
@@ -18,6 +18,8 @@
 //! | 32     | 1    | `target` (0 = kv, 1 = aux) |
 //! | 33     | 3    | reserved, must be 0 |
 //! | 36     | 4    | `page_off`   |
+//! | 40     | 4    | `digest`     |
+//! | 44     | 4    | reserved, must be 0 |
 
 use super::frame::{FrameHeader, Kind, Limits, ProtoError};
 use super::{DATA_FRAME_PREFIX_LEN, DATA_HEADER_LEN, DATA_HEADER_LEN_U32, FRAME_HEADER_LEN};
@@ -75,6 +77,10 @@ pub struct DataHeader {
     pub byte_len: u32,
     /// Where in the page the bytes start; 0 for whole pages. Not 0 only with one page.
     pub page_off: u32,
+    /// With `integrity=verify`: the CRC32C of this header (with `digest` 0) followed by
+    /// the run's bytes ([`crate::integrity`]), which the decode engine recomputes over
+    /// the bytes where they landed; 0 otherwise.
+    pub digest: u32,
 }
 
 impl DataHeader {
@@ -129,6 +135,8 @@ impl DataHeader {
         out[32] = self.target as u8;
         // out[33..36]: reserved, zero.
         out[36..40].copy_from_slice(&self.page_off.to_le_bytes());
+        out[40..44].copy_from_slice(&self.digest.to_le_bytes());
+        // out[44..48]: reserved, zero.
         out
     }
 
@@ -187,6 +195,7 @@ impl DataHeader {
         let target = Target::try_from(buf[32])?;
         let mut reserved = [0u8; 8];
         reserved[..3].copy_from_slice(&buf[33..36]);
+        reserved[3..7].copy_from_slice(&buf[44..48]);
         let reserved = u64::from_le_bytes(reserved);
         if reserved != 0 {
             return Err(ProtoError::NonzeroReserved {
@@ -203,6 +212,7 @@ impl DataHeader {
             n_pages: u32_at(24),
             byte_len: u32_at(28),
             page_off: u32_at(36),
+            digest: u32_at(40),
         })
     }
 }
@@ -221,6 +231,7 @@ mod tests {
             n_pages: 4,
             byte_len: 4 * 4096,
             page_off: 0,
+            digest: 0,
         }
     }
 
@@ -260,6 +271,7 @@ mod tests {
                 n_pages: 1,
                 byte_len: u32::MAX - DATA_HEADER_LEN_U32,
                 page_off: u32::MAX,
+                digest: 0,
             },
             DataHeader {
                 room: 0,
@@ -270,6 +282,7 @@ mod tests {
                 n_pages: u32::MAX,
                 byte_len: 0,
                 page_off: 0,
+                digest: 0,
             },
         ];
         for d in cases {
@@ -285,6 +298,7 @@ mod tests {
             n_pages: 1,
             byte_len: 512,
             page_off: 1024,
+            digest: 0,
             ..sample()
         };
         assert_eq!(round_trip(&slice, &limits), Ok(slice));
@@ -305,7 +319,7 @@ mod tests {
         let (_, mut b) = split(&frame);
         b[35] = 1;
         assert!(matches!(
-            DataHeader::decode(&b, 40 + 512, &limits),
+            DataHeader::decode(&b, 48 + 512, &limits),
             Err(ProtoError::NonzeroReserved { .. })
         ));
     }
@@ -316,7 +330,7 @@ mod tests {
         sample().encode_frame(&mut frame).unwrap();
         let (h, _) = split(&frame);
         let fh = FrameHeader::decode(&h, &Limits::default()).unwrap();
-        assert_eq!(fh, FrameHeader::new(Kind::Data, 40 + 4 * 4096));
+        assert_eq!(fh, FrameHeader::new(Kind::Data, 48 + 4 * 4096));
         assert_eq!(sample().end_page(), Some(104));
     }
 
@@ -340,21 +354,21 @@ mod tests {
     #[test]
     fn byte_len_must_match_frame_payload_len() {
         let b = sample().encode();
-        let e = DataHeader::decode(&b, 40 + 4 * 4096 + 1, &Limits::default()).unwrap_err();
+        let e = DataHeader::decode(&b, 48 + 4 * 4096 + 1, &Limits::default()).unwrap_err();
         assert_eq!(
             e,
             ProtoError::DataLenMismatch {
                 byte_len: 4 * 4096,
-                frame_payload_len: 40 + 4 * 4096 + 1
+                frame_payload_len: 48 + 4 * 4096 + 1
             }
         );
         assert!(e.to_string().contains("16384"), "{e}");
         assert_eq!(
-            DataHeader::decode(&b, 39, &Limits::default()),
+            DataHeader::decode(&b, 47, &Limits::default()),
             Err(ProtoError::PayloadTooSmall {
                 kind: Kind::Data,
-                len: 39,
-                min: 40
+                len: 47,
+                min: 48
             })
         );
     }
@@ -367,7 +381,7 @@ mod tests {
         };
         let d = sample();
         assert_eq!(
-            DataHeader::decode(&d.encode(), 40 + d.byte_len, &limits),
+            DataHeader::decode(&d.encode(), 48 + d.byte_len, &limits),
             Err(ProtoError::DataTooLarge {
                 byte_len: 4 * 4096,
                 max: 4096
@@ -411,13 +425,13 @@ mod tests {
         let mut b = d.encode();
         b[32] = 2;
         assert_eq!(
-            DataHeader::decode(&b, 40 + d.byte_len, &Limits::default()),
+            DataHeader::decode(&b, 48 + d.byte_len, &Limits::default()),
             Err(ProtoError::BadTarget { found: 2 })
         );
         let mut b = d.encode();
         b[35] = 1;
         assert_eq!(
-            DataHeader::decode(&b, 40 + d.byte_len, &Limits::default()),
+            DataHeader::decode(&b, 48 + d.byte_len, &Limits::default()),
             Err(ProtoError::NonzeroReserved {
                 field: "DataHeader.reserved",
                 found: 1 << 16

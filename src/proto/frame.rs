@@ -44,11 +44,23 @@ pub enum Kind {
     /// Prefill → decode: several page runs of one room, their headers first, then their
     /// bytes ([`runs`](super::runs)).
     DataRuns = 15,
+    /// Either way on the control connection, once per peer after `Transport`: the
+    /// sender's host identity for the same-host path ([`Message::SameHost`](super::Message::SameHost)).
+    SameHost = 16,
+    /// Decode → prefill, and echoed back: the path the pairing takes
+    /// ([`Message::PathChoice`](super::Message::PathChoice)).
+    PathChoice = 17,
+    /// Prefill → decode on a same-host data connection: page runs of one room for the
+    /// decode engine to copy from the prefill's memory ([`Message::Copy`](super::Message::Copy)).
+    Copy = 18,
+    /// Decode → prefill on a same-host data connection: the runs of a `Copy` were copied
+    /// ([`Message::Copied`](super::Message::Copied)).
+    Copied = 19,
 }
 
 impl Kind {
     /// Every kind, in wire-value order.
-    pub const ALL: [Kind; 15] = [
+    pub const ALL: [Kind; 19] = [
         Kind::Hello,
         Kind::Registration,
         Kind::Destination,
@@ -64,6 +76,10 @@ impl Kind {
         Kind::AuthProof,
         Kind::AuthRefused,
         Kind::DataRuns,
+        Kind::SameHost,
+        Kind::PathChoice,
+        Kind::Copy,
+        Kind::Copied,
     ];
 
     /// The wire value.
@@ -89,6 +105,10 @@ impl Kind {
             13 => Some(Kind::AuthProof),
             14 => Some(Kind::AuthRefused),
             15 => Some(Kind::DataRuns),
+            16 => Some(Kind::SameHost),
+            17 => Some(Kind::PathChoice),
+            18 => Some(Kind::Copy),
+            19 => Some(Kind::Copied),
             _ => None,
         }
     }
@@ -126,6 +146,10 @@ impl Kind {
             Kind::AuthProof => "AuthProof",
             Kind::AuthRefused => "AuthRefused",
             Kind::DataRuns => "DataRuns",
+            Kind::SameHost => "SameHost",
+            Kind::PathChoice => "PathChoice",
+            Kind::Copy => "Copy",
+            Kind::Copied => "Copied",
         }
     }
 }
@@ -810,14 +834,17 @@ mod tests {
         let b = FrameHeader::new(Kind::Abort, 0x0102_0304).encode();
         assert_eq!(
             b,
-            [b'F', b'X', b'V', b'K', 5, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
+            [b'F', b'X', b'V', b'K', 6, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
         );
     }
 
     #[test]
     fn kind_values_are_fixed() {
         let values: Vec<u8> = Kind::ALL.iter().map(|k| k.as_u8()).collect();
-        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
+        assert_eq!(
+            values,
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+        );
         for v in 0..=u8::MAX {
             match Kind::try_from(v) {
                 Ok(k) => assert_eq!(k.as_u8(), v),
@@ -879,7 +906,7 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected() {
-        for k in [0u8, 16, 0xff] {
+        for k in [0u8, 20, 0xff] {
             assert_eq!(
                 FrameHeader::decode(&header_bytes(k, 0), &Limits::default()),
                 Err(ProtoError::UnknownKind { found: k })

@@ -15,6 +15,11 @@ const QP_INFO_LEN: usize = 27;
 /// Wire size of a `Transport` payload before its queue pairs: transport, three reserved
 /// bytes, the count.
 const TRANSPORT_FIXED_LEN: usize = 8;
+/// Wire size of a [`HostInfo`]: setting, three reserved bytes, boot id, the PID and
+/// network namespaces, pid, uid, probe address and probe.
+const HOST_INFO_LEN: usize = 68;
+/// Wire size of one run of a `Copy`: its data header and source address.
+const COPY_RUN_LEN: usize = super::DATA_HEADER_LEN + 8;
 /// Name of the queue-pair list, as used in errors.
 const QP_LIST: &str = "Transport.qps";
 /// Name of the kv buffer list, as used in errors.
@@ -162,11 +167,15 @@ pub enum AuthRefusal {
     /// One engine has TLS configured and the other not: sent in the clear by whichever
     /// side saw the other's first bytes in the wrong form.
     Tls = 7,
+    /// The connection comes from another host, and the refusing engine has neither a
+    /// key nor TLS and `auth` at `auto`, so it serves only engines on its own host:
+    /// sent at once, before the `Hello` is read.
+    NotLocal = 8,
 }
 
 impl AuthRefusal {
     /// Every reason, in wire-value order.
-    pub const ALL: [AuthRefusal; 7] = [
+    pub const ALL: [AuthRefusal; 8] = [
         AuthRefusal::Mismatch,
         AuthRefusal::WrongKey,
         AuthRefusal::BadProof,
@@ -174,6 +183,7 @@ impl AuthRefusal {
         AuthRefusal::NoSession,
         AuthRefusal::Busy,
         AuthRefusal::Tls,
+        AuthRefusal::NotLocal,
     ];
 }
 
@@ -396,6 +406,55 @@ pub struct Registration {
     /// The layout of the KV pages, if the engine registered one
     /// (`kvxfer_register_kv_layout`); `None`: the buffers are copied byte for byte.
     pub layout: Option<KvLayout>,
+    /// The sender's `integrity` setting: `true` for `verify` (every data run carries a
+    /// digest, checked where it landed). Both engines of a pair must agree.
+    pub integrity: bool,
+}
+
+/// An engine's `same_host` setting, as sent in [`HostInfo`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[repr(u8)]
+pub enum SameHostSetting {
+    /// Never the same-host path.
+    #[default]
+    Off = 0,
+    /// The same-host path when the peers share a host and may copy; TCP otherwise.
+    Auto = 1,
+    /// The same-host path, or no pairing at all.
+    Require = 2,
+}
+
+impl TryFrom<u8> for SameHostSetting {
+    type Error = ProtoError;
+
+    fn try_from(v: u8) -> Result<SameHostSetting, ProtoError> {
+        match v {
+            0 => Ok(SameHostSetting::Off),
+            1 => Ok(SameHostSetting::Auto),
+            2 => Ok(SameHostSetting::Require),
+            found => Err(ProtoError::BadBool {
+                field: "SameHost.setting",
+                found,
+            }),
+        }
+    }
+}
+
+/// Who an engine's process is, for the same-host path ([`Message::SameHost`]): two
+/// engines share a host when the boot id and the PID and network namespaces are equal,
+/// and then `pid` names the process in both. The prefill also names a probe: 16 random
+/// bytes at `probe_addr` in its memory, which the decode engine reads to prove it may
+/// copy from that process (and that it is that process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct HostInfo {
+    pub setting: SameHostSetting,
+    pub boot_id: [u8; 16],
+    pub pid_ns: u64,
+    pub net_ns: u64,
+    pub pid: u32,
+    pub uid: u32,
+    pub probe_addr: u64,
+    pub probe: [u8; 16],
 }
 
 /// A control message: the payload of every frame kind except [`Kind::Data`].
@@ -533,6 +592,26 @@ pub enum Message {
         /// The sender's setting, so that a mismatch can name both.
         auth: AuthMode,
     },
+    /// Either way on the control connection after `Transport` (TCP only): the decode
+    /// engine offers the same-host path with its identity, the prefill answers with its
+    /// own and a probe.
+    SameHost(HostInfo),
+    /// Decode → prefill after `SameHost`, echoed back by the prefill once it applies it:
+    /// whether the pairing takes the same-host path, and if not, why (at most
+    /// [`Limits::max_reason_len`] bytes).
+    PathChoice { same_host: bool, why: String },
+    /// Prefill → decode on a same-host data connection: one room's runs, each with the
+    /// address of its bytes in the prefill's memory; the decode engine copies them into
+    /// the pages the headers name and answers `Copied`. At most
+    /// [`MAX_RUNS`](super::MAX_RUNS) runs.
+    Copy { runs: Vec<(super::DataHeader, u64)> },
+    /// Decode → prefill: the runs of the last `Copy` of the room were copied (`whole`), or
+    /// not all of them, the room having ended.
+    Copied {
+        room: u64,
+        generation: u64,
+        whole: bool,
+    },
 }
 
 /// The longest prefix of `reason` that is at most `max_len` bytes and ends on a char
@@ -576,6 +655,10 @@ impl Message {
             Message::AuthChallenge { .. } => Kind::AuthChallenge,
             Message::AuthProof { .. } => Kind::AuthProof,
             Message::AuthRefused { .. } => Kind::AuthRefused,
+            Message::SameHost(_) => Kind::SameHost,
+            Message::PathChoice { .. } => Kind::PathChoice,
+            Message::Copy { .. } => Kind::Copy,
+            Message::Copied { .. } => Kind::Copied,
         }
     }
 
@@ -584,7 +667,7 @@ impl Message {
         let n = |len: usize, size: u64| (len as u64).saturating_mul(size);
         match self {
             Message::Hello { .. } => 14,
-            Message::Registration(reg) => (1 + reg.layout.map_or(0, |_| LAYOUT_LEN as u64) + 8)
+            Message::Registration(reg) => (1 + reg.layout.map_or(0, |_| LAYOUT_LEN as u64) + 8 + 1)
                 .saturating_add(n(reg.kv.len(), BUFFER_INFO_LEN as u64))
                 .saturating_add(n(reg.aux.len(), BUFFER_INFO_LEN as u64)),
             Message::Destination { pages, .. } => 28u64.saturating_add(n(pages.len(), 4)),
@@ -599,6 +682,10 @@ impl Message {
             Message::AuthHello { .. } | Message::AuthChallenge { .. } => AUTH_HELLO_LEN,
             Message::AuthProof { .. } => AUTH_MAC_LEN as u64,
             Message::AuthRefused { .. } => 2,
+            Message::SameHost(_) => HOST_INFO_LEN as u64,
+            Message::PathChoice { why, .. } => 8u64.saturating_add(why.len() as u64),
+            Message::Copy { runs } => 4u64.saturating_add(n(runs.len(), COPY_RUN_LEN as u64)),
+            Message::Copied { .. } => 17,
         }
     }
 
@@ -703,7 +790,24 @@ impl Message {
                     });
                 }
             }
+            Message::PathChoice { why, .. } => {
+                if why.len() as u64 > u64::from(limits.max_reason_len) {
+                    return Err(ProtoError::StringTooLong {
+                        field: "PathChoice.why",
+                        len: why.len() as u64,
+                        max: u64::from(limits.max_reason_len),
+                    });
+                }
+            }
+            Message::Copy { runs } => {
+                count_ok("Copy.runs", runs.len(), "MAX_RUNS", super::MAX_RUNS)?;
+                for (h, _) in runs {
+                    h.check(limits)?;
+                }
+            }
             Message::Hello { .. }
+            | Message::SameHost(_)
+            | Message::Copied { .. }
             | Message::Done { .. }
             | Message::AbortAck { .. }
             | Message::Heartbeat { .. }
@@ -776,6 +880,7 @@ impl Message {
                         b.encode(out);
                     }
                 }
+                out.push(u8::from(reg.integrity));
             }
             Message::Destination {
                 room,
@@ -868,6 +973,39 @@ impl Message {
                 out.push(*reason as u8);
                 out.push(*auth as u8);
             }
+            Message::SameHost(h) => {
+                out.push(h.setting as u8);
+                out.extend_from_slice(&[0; 3]);
+                out.extend_from_slice(&h.boot_id);
+                put_u64(out, h.pid_ns);
+                put_u64(out, h.net_ns);
+                put_u32(out, h.pid);
+                put_u32(out, h.uid);
+                put_u64(out, h.probe_addr);
+                out.extend_from_slice(&h.probe);
+            }
+            Message::PathChoice { same_host, why } => {
+                out.push(u8::from(*same_host));
+                out.extend_from_slice(&[0; 3]);
+                put_u32(out, len32(why.len()));
+                out.extend_from_slice(why.as_bytes());
+            }
+            Message::Copy { runs } => {
+                put_u32(out, len32(runs.len()));
+                for (h, src) in runs {
+                    out.extend_from_slice(&h.encode());
+                    put_u64(out, *src);
+                }
+            }
+            Message::Copied {
+                room,
+                generation,
+                whole,
+            } => {
+                put_u64(out, *room);
+                put_u64(out, *generation);
+                out.push(u8::from(*whole));
+            }
         }
     }
 
@@ -918,7 +1056,22 @@ impl Message {
                 };
                 let kv = decode_buffers(&mut r, KV_LIST, limits)?;
                 let aux = decode_buffers(&mut r, AUX_LIST, limits)?;
-                Message::Registration(Registration { kv, aux, layout })
+                let integrity = match r.u8("Registration.integrity")? {
+                    0 => false,
+                    1 => true,
+                    found => {
+                        return Err(ProtoError::BadBool {
+                            field: "Registration.integrity",
+                            found,
+                        })
+                    }
+                };
+                Message::Registration(Registration {
+                    kv,
+                    aux,
+                    layout,
+                    integrity,
+                })
             }
             Kind::Destination => {
                 let room = r.u64("Destination.room")?;
@@ -1078,6 +1231,113 @@ impl Message {
                 let auth = AuthMode::decode(r.u8("AuthRefused.auth")?, "AuthRefused.auth")?;
                 Message::AuthRefused { reason, auth }
             }
+            Kind::SameHost => {
+                let setting = SameHostSetting::try_from(r.u8("SameHost.setting")?)?;
+                if r.take(3, "SameHost.reserved")? != [0; 3] {
+                    return Err(ProtoError::NonzeroReserved {
+                        field: "SameHost.reserved",
+                        found: 1,
+                    });
+                }
+                let mut boot_id = [0u8; 16];
+                boot_id.copy_from_slice(r.take(16, "SameHost.boot_id")?);
+                let pid_ns = r.u64("SameHost.pid_ns")?;
+                let net_ns = r.u64("SameHost.net_ns")?;
+                let pid = r.u32("SameHost.pid")?;
+                let uid = r.u32("SameHost.uid")?;
+                let probe_addr = r.u64("SameHost.probe_addr")?;
+                let mut probe = [0u8; 16];
+                probe.copy_from_slice(r.take(16, "SameHost.probe")?);
+                Message::SameHost(HostInfo {
+                    setting,
+                    boot_id,
+                    pid_ns,
+                    net_ns,
+                    pid,
+                    uid,
+                    probe_addr,
+                    probe,
+                })
+            }
+            Kind::PathChoice => {
+                let same_host = match r.u8("PathChoice.same_host")? {
+                    0 => false,
+                    1 => true,
+                    found => {
+                        return Err(ProtoError::BadBool {
+                            field: "PathChoice.same_host",
+                            found,
+                        })
+                    }
+                };
+                if r.take(3, "PathChoice.reserved")? != [0; 3] {
+                    return Err(ProtoError::NonzeroReserved {
+                        field: "PathChoice.reserved",
+                        found: 1,
+                    });
+                }
+                let len = r.u32("PathChoice.why_len")?;
+                if len > limits.max_reason_len {
+                    return Err(ProtoError::StringTooLong {
+                        field: "PathChoice.why",
+                        len: u64::from(len),
+                        max: u64::from(limits.max_reason_len),
+                    });
+                }
+                let bytes = r.take(len as usize, "PathChoice.why")?;
+                let why = std::str::from_utf8(bytes)
+                    .map_err(|e| ProtoError::InvalidUtf8 {
+                        field: "PathChoice.why",
+                        valid_up_to: e.valid_up_to(),
+                    })?
+                    .to_owned();
+                Message::PathChoice { same_host, why }
+            }
+            Kind::Copy => {
+                let n = r.count("Copy.runs", "MAX_RUNS", super::MAX_RUNS, COPY_RUN_LEN)?;
+                let mut runs: Vec<(super::DataHeader, u64)> = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let mut b = [0u8; super::DATA_HEADER_LEN];
+                    b.copy_from_slice(r.take(super::DATA_HEADER_LEN, "Copy.runs[].header")?);
+                    let h = super::DataHeader::decode_fields(&b)?;
+                    h.check(limits)?;
+                    if let Some((first, _)) = runs.first() {
+                        if (h.room, h.generation) != (first.room, first.generation) {
+                            return Err(ProtoError::RunsOfSeveralRooms {
+                                first: (first.room, first.generation),
+                                found: (h.room, h.generation),
+                            });
+                        }
+                    }
+                    runs.push((h, r.u64("Copy.runs[].source")?));
+                }
+                if runs.is_empty() {
+                    return Err(ProtoError::BadRunCount {
+                        found: 0,
+                        frame_payload_len: payload.len() as u32,
+                    });
+                }
+                Message::Copy { runs }
+            }
+            Kind::Copied => {
+                let room = r.u64("Copied.room")?;
+                let generation = r.u64("Copied.generation")?;
+                let whole = match r.u8("Copied.whole")? {
+                    0 => false,
+                    1 => true,
+                    found => {
+                        return Err(ProtoError::BadBool {
+                            field: "Copied.whole",
+                            found,
+                        })
+                    }
+                };
+                Message::Copied {
+                    room,
+                    generation,
+                    whole,
+                }
+            }
             Kind::Data | Kind::DataRuns => return Err(ProtoError::NotControlKind { kind }),
         };
         r.finish()?;
@@ -1192,6 +1452,7 @@ pub(super) fn sample_messages() -> Vec<Message> {
                 order: PageOrder::Hnd,
                 kind: KvKind::Heads,
             }),
+            integrity: false,
         }),
         Message::Destination {
             room: 7,
@@ -1346,6 +1607,7 @@ pub(super) fn sample_messages() -> Vec<Message> {
                 order: PageOrder::Nhd,
                 kind: KvKind::Latent,
             }),
+            integrity: false,
         }),
     ]
 }
@@ -1483,6 +1745,7 @@ mod tests {
             kv,
             aux,
             layout: None,
+            integrity: false,
         })
     }
 
@@ -1538,7 +1801,7 @@ mod tests {
                 field: "Registration.kv",
                 count: u32::MAX,
                 elem_size: 32,
-                remaining: 36
+                remaining: 37
             })
         );
     }
@@ -1852,6 +2115,7 @@ mod tests {
             kv: vec![GOOD],
             aux: vec![],
             layout,
+            integrity: false,
         })
     }
 
@@ -1863,16 +2127,18 @@ mod tests {
         buffer.extend_from_slice(&0u64.to_le_bytes());
         buffer.extend_from_slice(&(-1i32).to_le_bytes());
         buffer.extend_from_slice(&0u32.to_le_bytes());
+        // The lists, then the integrity setting (off in these).
         let lists = |want: &mut Vec<u8>| {
             want.extend_from_slice(&1u32.to_le_bytes());
             want.extend_from_slice(&buffer);
             want.extend_from_slice(&0u32.to_le_bytes());
+            want.push(0);
         };
         // Without a layout: its presence byte 0, then the lists.
         let mut want = vec![0];
         lists(&mut want);
         assert_eq!(payload(&with_layout(None)), want);
-        assert_eq!(with_layout(None).payload_len(), 1 + 8 + 32);
+        assert_eq!(with_layout(None).payload_len(), 1 + 8 + 32 + 1);
         // With: 1, six u32 fields, the order and the kind.
         let mut want = vec![1];
         for v in [8u32, 128, 2, 1, 4, 16] {
@@ -1882,7 +2148,7 @@ mod tests {
         lists(&mut want);
         let m = with_layout(Some(LAYOUT));
         assert_eq!(payload(&m), want);
-        assert_eq!(m.payload_len(), 1 + 26 + 8 + 32);
+        assert_eq!(m.payload_len(), 1 + 26 + 8 + 32 + 1);
         assert_eq!(
             Message::decode(Kind::Registration, &want, &Limits::default()),
             Ok(m)
@@ -2273,7 +2539,7 @@ mod tests {
             reason: AuthRefusal::Mismatch,
             auth: AuthMode::Required,
         });
-        for bad in [0u8, 8, 0xff] {
+        for bad in [0u8, 9, 0xff] {
             p[0] = bad;
             assert_eq!(
                 Message::decode(Kind::AuthRefused, &p, &l),

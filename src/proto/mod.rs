@@ -85,8 +85,9 @@ mod wire;
 pub use data::{DataHeader, Target};
 pub use frame::{FrameHeader, Kind, Limits, ProtoError};
 pub use message::{
-    truncate_reason, AuthMode, AuthRefusal, BufferInfo, ConnKind, Message, QpInfo, Registration,
-    Role, WireTransport, AUTH_KEY_ID_LEN, AUTH_MAC_LEN, AUTH_NONCE_LEN,
+    truncate_reason, AuthMode, AuthRefusal, BufferInfo, ConnKind, HostInfo, Message, QpInfo,
+    Registration, Role, SameHostSetting, WireTransport, AUTH_KEY_ID_LEN, AUTH_MAC_LEN,
+    AUTH_NONCE_LEN,
 };
 pub use runs::{encode_runs_prefix, read_run_headers, read_runs, read_runs_count, MAX_RUNS};
 pub use stream::{read_control, read_data_header, read_frame_header, ReadError};
@@ -104,14 +105,15 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 /// replaced the unused fixed layout of `Registration` by an optional kv layout
 /// ([`KvLayout`](crate::layout::KvLayout)) that the registration exchange checks, lets a
 /// data header write at an offset inside one page (`DataHeader::page_off`, for layouts
-/// that differ) and counts RDMA progress in KV bytes per buffer (`Progress::kv`).
-pub const PROTO_VERSION: u16 = 5;
+/// that differ) and counts RDMA progress in KV bytes per buffer (`Progress::kv`); 6 added
+/// the same-host path (`SameHost`, `PathChoice`, `Copy`, `Copied`).
+pub const PROTO_VERSION: u16 = 6;
 
 /// Length in bytes of the fixed frame header that starts every frame.
 pub const FRAME_HEADER_LEN: usize = 16;
 
 /// Length in bytes of the fixed [`DataHeader`] that starts every data frame's payload.
-pub const DATA_HEADER_LEN: usize = 40;
+pub const DATA_HEADER_LEN: usize = 48;
 
 /// Length in bytes of a data frame's prefix: frame header plus data header. The frame's
 /// `byte_len` data bytes follow it.

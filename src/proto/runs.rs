@@ -179,6 +179,7 @@ mod tests {
             n_pages,
             byte_len: n_pages * 4096,
             page_off: 0,
+            digest: 0,
         }
     }
 

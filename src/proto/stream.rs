@@ -234,6 +234,7 @@ mod tests {
                 n_pages,
                 byte_len: len as u32,
                 page_off: 0,
+                digest: 0,
             };
             let bytes = (0..len).map(|i| i as u8).collect();
             frames.push(encode_frame(&Frame::Data(d, bytes)));

@@ -41,11 +41,13 @@ pub enum Cause {
     Shutdown,
     /// An internal error (a caught panic).
     Internal,
+    /// A data run's digest did not match the bytes where it landed (`integrity=verify`).
+    Integrity,
 }
 
 impl Cause {
     /// All causes, in their numeric order.
-    pub const ALL: [Cause; 10] = [
+    pub const ALL: [Cause; 11] = [
         Cause::Aborted,
         Cause::PeerLost,
         Cause::BootstrapTimeout,
@@ -56,6 +58,7 @@ impl Cause {
         Cause::Transfer,
         Cause::Shutdown,
         Cause::Internal,
+        Cause::Integrity,
     ];
 
     /// A short snake_case name (used in metrics labels).
@@ -71,6 +74,7 @@ impl Cause {
             Cause::Transfer => "transfer",
             Cause::Shutdown => "shutdown",
             Cause::Internal => "internal",
+            Cause::Integrity => "integrity",
         }
     }
 }

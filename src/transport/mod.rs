@@ -5,6 +5,7 @@
 //! is freed) plus the range checks here make those slices sound.
 
 pub mod rdma;
+pub mod samehost;
 pub mod tcp;
 
 use std::io;
@@ -166,6 +167,30 @@ impl Memory {
         // host owns the contents; reading bytes it may be writing concurrently yields
         // arbitrary bytes, never undefined behaviour for u8.
         Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+    }
+
+    /// Bytes `off..off + len` of pages `first..first+n` of `buffer`, for reading what a
+    /// data run wrote (its digest): exactly the run's bytes, no more.
+    pub fn bytes(
+        &self,
+        buffer: usize,
+        first: u32,
+        n: u32,
+        off: usize,
+        len: usize,
+    ) -> Result<&[u8]> {
+        let (addr, pages_len) = self.range(buffer, first, n)?;
+        if off.checked_add(len).is_none_or(|end| end > pages_len) {
+            return Err(err!(
+                InvalidArgument,
+                "bytes {off}+{len} lie outside pages {first}..{} of buffer {buffer}",
+                first as u64 + n as u64
+            ));
+        }
+        // SAFETY: inside registered memory as in `pages`, `off + len` checked above. The
+        // bytes are the ones one run of a room took (`DecodeRoom::take_grants`), which no
+        // other receiver writes.
+        Ok(unsafe { std::slice::from_raw_parts((addr + off) as *const u8, len) })
     }
 
     /// Bytes `off..off + len` of pages `first..first+n` of `buffer`, for receiving into:

@@ -29,19 +29,30 @@ pub fn plan(r: u64) -> (Vec<u32>, usize) {
 /// The prefill process, if KVXFER_CHILD is set: reads commands from stdin, one per
 /// line: `room R` creates room R and enqueues its chunks ([`plan`]); `big R` creates
 /// room R with every page, one page per chunk; `quit` exits. Its buffers hold the source
-/// pattern. Listens on KVXFER_LISTEN if set, and authenticates with the key in
-/// KVXFER_TEST_AUTH_KEY_FILE if set. Each test binary calls this from its
-/// `child_prefill` test.
+/// pattern. Listens on KVXFER_LISTEN if set, authenticates with the key in
+/// KVXFER_TEST_AUTH_KEY_FILE if set, sets `auth` to KVXFER_TEST_AUTH if set, and makes
+/// itself not dumpable (no other process without CAP_SYS_PTRACE may read its memory) if
+/// KVXFER_TEST_UNDUMPABLE is set. Each test binary calls this from its `child_prefill`
+/// test.
 pub fn child_prefill_main() {
     if std::env::var_os("KVXFER_CHILD").is_none() {
         return;
     }
+    if std::env::var_os("KVXFER_TEST_UNDUMPABLE").is_some() {
+        // Only a process with CAP_SYS_PTRACE may read this one's memory now.
+        // SAFETY: prctl(PR_SET_DUMPABLE) takes plain integers and touches no memory.
+        assert_eq!(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) }, 0);
+    }
     let mem = source(BUFS, PAGES, ITEM);
     let listen = std::env::var("KVXFER_LISTEN").unwrap_or_else(|_| "127.0.0.1:0".into());
     let key_file = std::env::var("KVXFER_TEST_AUTH_KEY_FILE").ok();
+    let auth = std::env::var("KVXFER_TEST_AUTH").ok();
     let mut extra = vec![("heartbeat_interval_ms", "100"), ("listen", &listen)];
     if let Some(f) = &key_file {
         extra.push(("auth_key_file", f));
+    }
+    if let Some(a) = &auth {
+        extra.push(("auth", a));
     }
     let p = engine("prefill", &mem, &extra);
     println!("ADDR {}", p.address());
@@ -64,8 +75,12 @@ pub fn child_prefill_main() {
                 // Every page, one page per chunk: a transfer long enough to interrupt.
                 p.room_create(r, RoomPeers::Decoders(1)).unwrap();
                 for page in 0..PAGES as u32 {
-                    p.enqueue_chunk(r, &[page], page + 1 == PAGES as u32, None)
-                        .unwrap();
+                    // A test may cut the room short (it fails here, and refuses more).
+                    if p.enqueue_chunk(r, &[page], page + 1 == PAGES as u32, None)
+                        .is_err()
+                    {
+                        break;
+                    }
                 }
             }
             (Some("quit"), _) => return,

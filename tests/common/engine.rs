@@ -15,12 +15,28 @@ pub fn test_transport() -> String {
     std::env::var("KVXFER_TEST_TRANSPORT").unwrap_or_else(|_| "tcp".into())
 }
 
-/// The config of an engine of `role` over the test transport, then `extra` in order:
-/// a later key wins, so `("transport", "tcp")` pins TCP.
+/// The `same_host` setting of the integration tests' engines: `off` (the suites test
+/// the TCP path, and the fake engines on raw sockets speak only it), unless
+/// KVXFER_TEST_SAME_HOST says otherwise (`make test` runs the transfer suites again
+/// with `require`).
+pub fn test_same_host() -> String {
+    std::env::var("KVXFER_TEST_SAME_HOST").unwrap_or_else(|_| "off".into())
+}
+
+/// The `integrity` setting of the integrity tests' engines and fake engines: `verify`
+/// (the default of the library), unless KVXFER_TEST_INTEGRITY says otherwise.
+pub fn test_integrity() -> String {
+    std::env::var("KVXFER_TEST_INTEGRITY").unwrap_or_else(|_| "verify".into())
+}
+
+/// The config of an engine of `role` over the test transport and same-host setting,
+/// then `extra` in order: a later key wins, so `("transport", "tcp")` pins TCP.
 pub fn config(role: &str, extra: &[(&str, &str)]) -> Config {
     let mut c = Config::default();
     c.set("role", role).unwrap();
     c.set("transport", &test_transport()).unwrap();
+    c.set("same_host", &test_same_host()).unwrap();
+    c.set("integrity", &test_integrity()).unwrap();
     for (k, v) in extra {
         c.set(k, v).unwrap();
     }

@@ -163,6 +163,7 @@ pub fn registration(bufs: usize, pages: usize, item: usize) -> Registration {
         kv: vec![buf; bufs],
         aux: vec![],
         layout: None,
+        integrity: super::engine::test_integrity() == "verify",
     }
 }
 
@@ -445,6 +446,7 @@ pub fn kv_header(
         n_pages: n,
         byte_len: n * item as u32,
         page_off: 0,
+        digest: 0,
     }
 }
 
@@ -455,16 +457,27 @@ pub fn frame_prefix(h: &DataHeader) -> Vec<u8> {
     prefix.to_vec()
 }
 
-/// The whole data frame of `h`, its payload `byte` repeated.
+/// `h` with the digest of a payload of `byte` repeated, as an engine with
+/// `integrity=verify` sends it (the fake engines register with `integrity` on).
+pub fn digested(h: &DataHeader, byte: u8) -> DataHeader {
+    let payload = vec![byte; h.byte_len as usize];
+    DataHeader {
+        digest: kvxfer::integrity::digest(h, &payload),
+        ..*h
+    }
+}
+
+/// The whole data frame of `h`, its payload `byte` repeated, with its digest.
 pub fn data_frame(h: &DataHeader, byte: u8) -> Vec<u8> {
-    let mut f = frame_prefix(h);
+    let mut f = frame_prefix(&digested(h, byte));
     f.extend(std::iter::repeat_n(byte, h.byte_len as usize));
     f
 }
 
-/// A whole `DataRuns` frame of `runs`, each run's payload its `byte` repeated.
+/// A whole `DataRuns` frame of `runs`, each run's payload its `byte` repeated, each with
+/// its digest.
 pub fn runs_frame(runs: &[(DataHeader, u8)]) -> Vec<u8> {
-    let hdrs: Vec<DataHeader> = runs.iter().map(|(h, _)| *h).collect();
+    let hdrs: Vec<DataHeader> = runs.iter().map(|(h, b)| digested(h, *b)).collect();
     let mut f = Vec::new();
     proto::encode_runs_prefix(&hdrs, &mut f).unwrap();
     for (h, byte) in runs {

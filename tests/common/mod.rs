@@ -20,7 +20,9 @@ pub mod wait;
 #[allow(unused_imports)]
 pub use child::{child_prefill_main, plan, ChildPrefill, BUFS, ITEM, PAGES};
 #[allow(unused_imports)]
-pub use engine::{config, descs, engine, quiet, start, test_transport, KeyFile, Log};
+pub use engine::{
+    config, descs, engine, quiet, start, test_integrity, test_transport, KeyFile, Log,
+};
 #[allow(unused_imports)]
 pub use memory::{
     all_filled, fill_pages, first_unlike_source, pattern, poisoned, source, Region, POISON,

@@ -1,6 +1,8 @@
 //! Certificates for the TLS tests: a CA per cluster, and engine certificates it signs,
 //! written as PEM files that the engines' `tls_*` keys name.
 
+use std::os::unix::fs::PermissionsExt;
+
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose,
@@ -52,6 +54,8 @@ impl Pki {
         let key_file = self.dir.join(format!("{name}.key"));
         std::fs::write(&cert_file, cert.pem()).unwrap();
         std::fs::write(&key_file, key.serialize_pem()).unwrap();
+        // A private key must be readable by its owner only, or the engine refuses it.
+        std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).unwrap();
         (
             cert_file.to_str().unwrap().to_string(),
             key_file.to_str().unwrap().to_string(),

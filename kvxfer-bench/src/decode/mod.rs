@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 
 use kvxfer::Engine;
 
-use crate::args::Auth;
+use crate::args::{Auth, SameHost};
 use crate::baseline::{self, Measured};
 use crate::ctl::{room_plan, Ctl, ToDecode, ToPrefill};
 use crate::params::{Feed, Params};
@@ -264,6 +264,16 @@ impl Run<'_> {
                 report
                     .memcpy
                     .push(baseline::memcpy(volume, secs, p.pool_pages));
+                if p.same_host != SameHost::Off {
+                    progress_note(p, "baseline memcpy of the pages");
+                    report.memcpy_pages.push(baseline::memcpy_pages(
+                        volume,
+                        secs,
+                        p.item_len(),
+                        p.conns,
+                        p.pool_pages,
+                    ));
+                }
             }
             let Some((which, feed)) = step else {
                 break;

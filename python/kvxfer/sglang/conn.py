@@ -13,7 +13,10 @@ prefill (sender)            libkvxfer
                             ``room_drained`` (the pages may then be freed)
 ``abort()``                 ``room_abort(room, "Aborted by AbortReq.")``
 ``failure_exception()``     raises :class:`KVTransferError` with ``room_failure``
-``clear()``                 ``room_clear``
+                            (a live or undrained room: ``room_abort``, then waits
+                            for ``room_drained``, then ``room_clear``)
+``clear()``                 ``room_clear`` (a live or undrained room: the same
+                            abort and wait first)
 ==========================  =====================================================
 
 and on decode ``init(prefill_dp_rank)`` finds the prefill engines' addresses through
@@ -26,6 +29,18 @@ A terminal room is released from the engine as soon as the scheduler has seen it
 state (its outcome and reason are kept on the sender or receiver), so rooms never pile
 up in the engine whatever paths the scheduler takes; a sender or receiver dropped
 while its room is live has the room aborted and released by the manager's reaper.
+
+The pages are never given back while a transfer can touch them. SGLang frees a
+request's pages as soon as ``failure_exception()`` returns, and with tensor
+parallelism it calls it on every rank once the MIN of the ranks' polls is Failed,
+also on ranks whose own room is still transferring. So ``failure_exception()`` and
+``clear()`` of a room that is live, or ended but not drained, abort it and return only
+once ``room_drained`` is true: over TCP within about one receive tick of the engine
+(10 ms), over RDMA after the prefill engine's AbortAck or, at the latest,
+``drain_timeout_ms`` (then the engine cuts that peer off). If the wait outlasts that
+bound (``drain_timeout_ms`` plus :data:`DRAIN_MARGIN_S`) an error naming the room and
+its reason is logged and the wait goes on: the pages are never reported safe early.
+The same holds on prefill for the source pages (no worker still reads them).
 """
 
 from __future__ import annotations
@@ -64,7 +79,17 @@ CONFIG_ENV = "KVXFER_CONFIG"
 
 LISTEN_HOST_ENV = "KVXFER_LISTEN_HOST"
 """The host the engine listens on (default: the server's ``--host``, or every address
-when that is a wildcard)."""
+when that is a wildcard). An address that is not loopback needs a cluster key
+(``KVXFER_CONFIG=auth_key_file=PATH``, the same key on every server) or, to run
+without authentication, ``KVXFER_CONFIG=auth=off`` on every server."""
+
+DRAIN_TIMEOUT_MS_DEFAULT = 5000
+"""The engine's ``drain_timeout_ms`` when ``KVXFER_CONFIG`` does not set it."""
+
+DRAIN_MARGIN_S = 2.0
+"""How much longer than ``drain_timeout_ms`` an ended room may take to drain before
+the wait for it logs an error (the engine's watchdog, which cuts a peer that holds a
+room past ``drain_timeout_ms``, scans every 100 ms at most)."""
 
 _TERMINAL = (RoomState.SUCCESS, RoomState.FAILED)
 
@@ -164,13 +189,18 @@ class KvxferKVManager(BaseKVManager):
         ib_device = getattr(sa, "disaggregation_ib_device", None) or getattr(args, "ib_device", None)
         if ib_device:
             cfg.set("rdma_devices", ib_device)
+        drain_ms = DRAIN_TIMEOUT_MS_DEFAULT
         for item in filter(None, os.environ.get(CONFIG_ENV, "").split(",")):
             key, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"{CONFIG_ENV}: {item!r} is not key=value")
-            cfg.set(key.strip(), value.strip())
+            cfg.set(key.strip(), value.strip())  # the library checks the value
+            if key.strip() == "drain_timeout_ms":
+                drain_ms = int(value.strip())
+        self.drain_bound_s = drain_ms / 1000 + DRAIN_MARGIN_S
+        """How long an ended room may take to drain before the wait logs an error."""
         with cfg:
-            self.engine = Engine(cfg)
+            self.engine = self._start(cfg)
         try:
             self._register_buffers(args)
         except BaseException:
@@ -207,6 +237,23 @@ class KvxferKVManager(BaseKVManager):
             )
         if int(getattr(server_args, "attn_cp_size", 1) or 1) > 1:
             raise NotImplementedError("kvxfer backend: context parallelism is not supported yet")
+
+    def _start(self, cfg: kvxfer.Config) -> Engine:
+        """Starts the engine; a refusal to listen beyond this host without a key names
+        what to set here."""
+        try:
+            return Engine(cfg)
+        except kvxfer.BadValueError as e:
+            if "'listen'" not in e.message or "'auth'" not in e.message:
+                raise
+            raise kvxfer.BadValueError(
+                e.status,
+                f"{e.message}. kvxfer backend: the engine listens on {self._listen_host()!r} "
+                f"(the server's --host, or {LISTEN_HOST_ENV}); set "
+                f"{CONFIG_ENV}=auth_key_file=PATH with the same key on every server, or "
+                f"{CONFIG_ENV}=auth=off on every server to run without authentication",
+                e.function,
+            ) from e
 
     def _listen_host(self) -> str:
         host = os.environ.get(LISTEN_HOST_ENV)
@@ -422,8 +469,13 @@ class KvxferKVManager(BaseKVManager):
             if state not in _TERMINAL:
                 self.engine.room_abort(room, "request dropped by the scheduler while live")
                 return False
-            if not self.engine.room_drained(room) and time.monotonic() - since < 60:
-                return False
+            if not self.engine.room_drained(room):
+                if time.monotonic() - since < 60:
+                    return False
+                # The scheduler dropped the request (and its pages) long ago; clearing
+                # only releases the engine's record, which keeps draining the room.
+                logger.warning("kvxfer: dropped room %d has not drained after 60 s; "
+                               "released, still draining in the engine", room)
         except NotFoundError:
             pass
         self._release(room, token)
@@ -459,6 +511,7 @@ class _RoomEnd:
         self.failure_from_peer = False
         self._token = object()
         self._created = False
+        self._drained = False  # the engine reported the room drained (or it is gone)
         self._last = KVPoll.Bootstrapping
         self._start: Optional[float] = None
         self._finish: Optional[float] = None
@@ -515,6 +568,7 @@ class _RoomEnd:
                 return self._last
             if not engine.room_drained(room):
                 return self._last
+            self._drained = True
             if state == RoomState.FAILED:
                 self.failure_reason = engine.room_failure(room)
                 self.failure_cause, self.failure_from_peer = engine.room_failure_cause(room)
@@ -532,32 +586,68 @@ class _RoomEnd:
         """A peer engine of this room was lost (it may restart at another address)."""
 
     def _end_now(self, reason: str) -> None:
-        """Ends a live room at once: aborts it with ``reason`` (no effect if it already
-        ended), keeps its outcome and reason, and clears it (which returns once no
-        transfer touches its pages)."""
+        """Ends a room that is live, or ended but not drained: aborts it with
+        ``reason`` (no effect if it already ended), waits until no transfer can touch
+        its pages (:meth:`_wait_drained`), keeps its outcome and reason, and clears it.
+        Returns only once the pages may be reused (``room_clear`` itself never waits)."""
         engine = self.kv_mgr.engine
         room = self.bootstrap_room
         state = RoomState.FAILED
         try:
             engine.room_abort(room, reason)
+            self._wait_drained(engine, room)
             state = engine.room_poll(room)
             if state == RoomState.FAILED:
                 self.failure_reason = engine.room_failure(room)
                 self.failure_cause, self.failure_from_peer = engine.room_failure_cause(room)
             engine.room_clear(room)
         except NotFoundError:
+            # Not in the engine: only this end clears its room, and only once drained.
             pass
-        except ValueError:  # the engine was closed
+        except ValueError:
+            # The engine was closed: kvxfer_engine_free joined every engine thread and
+            # dropped the transports (over RDMA the queue pairs and memory
+            # registrations), so nothing can touch the pages any more.
             pass
+        self._drained = True
         if state == RoomState.FAILED and self.failure_reason is None:
             self.failure_reason = reason
         self.conclude_state = int(state) if state in _TERMINAL else KVPoll.Failed
         self._finish = time.perf_counter()
         self.kv_mgr._release(room, self._token)
 
+    def _wait_drained(self, engine: Engine, room: int) -> None:
+        """Sleeps (1 ms, growing to 10 ms) until ``room_drained`` is true for an ended
+        room. Past the bound (``drain_timeout_ms`` plus :data:`DRAIN_MARGIN_S`) it
+        logs an error naming the room and its reason, again each further bound, and
+        keeps waiting: the pages are never reported safe before the drain."""
+        start = time.monotonic()
+        bound = self.kv_mgr.drain_bound_s
+        next_log = start + bound
+        delay = 0.001
+        while not engine.room_drained(room):
+            now = time.monotonic()
+            if now >= next_log:
+                try:
+                    why = engine.room_failure(room)
+                except KvxferError:
+                    why = kvxfer.room_state_name(engine.room_poll(room))
+                logger.error(
+                    "kvxfer: room %d has not drained %.1f s after it was aborted (bound "
+                    "%.1f s: drain_timeout_ms plus %.1f s); its pages stay held until it "
+                    "does. Reason: %s",
+                    room, now - start, bound, DRAIN_MARGIN_S, why,
+                )
+                next_log = now + bound
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
     def failure_exception(self):
-        """Raises :class:`KVTransferError` with the room's recorded reason (ending the
-        room first if it is still live) and releases the room."""
+        """Raises :class:`KVTransferError` with the room's recorded reason and releases
+        the room. A room that is live, or ended but not yet drained, is aborted first
+        and waited for until no transfer can touch its pages (see the module's
+        docstring for the bound), so the scheduler may free them as soon as this
+        returns, as SGLang does."""
         if self.poll() not in (KVPoll.Success, KVPoll.Failed):
             if self._created:
                 self._end_now("failure_exception() called on a live transfer")
@@ -570,8 +660,9 @@ class _RoomEnd:
         raise KVTransferError(self.bootstrap_room, reason)
 
     def clear(self) -> None:
-        """Releases the request's room; a live one is aborted first ("cleared while
-        live")."""
+        """Releases the request's room. One that is live, or ended but not yet drained,
+        is aborted first ("cleared while live") and waited for until no transfer can
+        touch its pages, as in :meth:`failure_exception`."""
         if self.conclude_state is not None:
             return
         if self._created:
@@ -784,10 +875,18 @@ class KvxferKVReceiver(_RoomEnd, BaseKVReceiver):
             self.kv_mgr.forget_prefill_addresses(self.bootstrap_addr, self.prefill_dp_rank)
 
     def is_abort_release_safe(self) -> bool:
-        """Whether no write into this request's pages can still land."""
-        if self.conclude_state is not None:
+        """Whether no write into this request's pages can still land: the engine's
+        ``room_drained``, asked until this backend has seen the room drain (never
+        concluded from the request's outcome alone). A request that never had a room
+        has nothing in flight."""
+        if self._drained or not self._created:
             return True
         try:
-            return self.kv_mgr.engine.room_drained(self.bootstrap_room)
+            drained = self.kv_mgr.engine.room_drained(self.bootstrap_room)
         except NotFoundError:
-            return True
+            return True  # only this end clears its room, and only once it drained
+        except ValueError:
+            return True  # the engine was closed: its threads and transports are gone
+        if drained:
+            self._drained = True
+        return drained

@@ -5,7 +5,9 @@ Select it on both servers with vLLM's ``--kv-transfer-config``::
     --kv-transfer-config '{"kv_connector": "KvxferConnector",
                            "kv_connector_module_path": "kvxfer.vllm",
                            "kv_role": "kv_producer",
-                           "kv_connector_extra_config": {"listen": "10.0.0.5:0"}}'
+                           "kv_connector_extra_config": {
+                               "listen": "10.0.0.5:0",
+                               "auth_key_file": "/etc/kvxfer/cluster.key"}}'
 
 (``kv_consumer`` on the decode server, which must run with
 ``--no-enable-prefix-caching``), and put :mod:`kvxfer.vllm.proxy` (or any router doing
@@ -25,7 +27,9 @@ frees its blocks.
 
 ``kv_connector_extra_config`` holds libkvxfer engine keys (``listen``, ``transport``,
 ``workers``, ``bootstrap_timeout_ms``, ... as in ``kvxfer_config_set``); ``role``
-comes from ``kv_role``.
+comes from ``kv_role``. An engine that listens beyond loopback needs ``auth_key_file``
+(the same key on both servers) or ``auth`` set to ``off`` on both: without either it
+refuses to start, naming the keys.
 
 Importing this package starts nothing and imports neither vLLM nor torch:
 ``KvxferConnector`` is loaded from :mod:`kvxfer.vllm.connector` on first use.

@@ -14,12 +14,13 @@ use std::sync::Arc;
 use super::core::{self, Core, Side};
 use super::lifecycle;
 use crate::config::parse_host_port;
-use crate::control::{pairing, Control, Events, Peer};
+use crate::control::{pairing, Control, Events, Path, Peer};
 use crate::err;
 use crate::error::Result;
 use crate::node::Node;
 use crate::proto::Message;
 use crate::room::{Cause, FailureReason, Room, State};
+use crate::transport::samehost;
 use crate::transport::tcp::recv;
 use room::{DecodeRoom, Settle};
 
@@ -423,11 +424,12 @@ impl Events for DecodeEngine {
         open: Option<crate::transport::tcp::seal::Opener>,
     ) -> String {
         let sink = receive::Receiver { engine: self, peer };
-        match open {
-            Some(open) => {
-                crate::transport::tcp::seal::serve(stream, &sink, &self.core.node.limits, open)
-            }
-            None => recv::serve(stream, &sink, &self.core.node.limits),
+        let limits = &self.core.node.limits;
+        match (peer.path.get(), open) {
+            // Nothing travels on the connection but run headers: no payload to seal.
+            (Some(&Path::SameHost { pid }), _) => samehost::serve(stream, &sink, pid, limits),
+            (_, Some(open)) => crate::transport::tcp::seal::serve(stream, &sink, limits, open),
+            (_, None) => recv::serve(stream, &sink, limits),
         }
     }
 

@@ -59,6 +59,9 @@ impl Grant for Pages<'_> {
 
     fn finish(self, complete: &[bool]) {
         let node = &self.engine.core.node;
+        if node.config.integrity && !self.verify(complete) {
+            return;
+        }
         let bytes: u64 = self
             .runs
             .iter()
@@ -86,6 +89,67 @@ impl Grant for Pages<'_> {
     }
 }
 
+impl Pages<'_> {
+    /// With `integrity=verify`: recomputes the digest of every run that landed whole over
+    /// the bytes where it landed (just written, so still in cache) and compares it with
+    /// the one its header carries ([`crate::integrity`]). A mismatch fails the room as
+    /// INTEGRITY, naming the engine, the buffer, the page and the byte range, and nothing
+    /// of the frame is counted; false then.
+    fn verify(&self, complete: &[bool]) -> bool {
+        let node = &self.engine.core.node;
+        let mut verified = 0u64;
+        for ((h, mem, buffer), _) in self.runs.iter().zip(complete).filter(|(_, &c)| c) {
+            let landed = mem
+                .bytes(
+                    *buffer as usize,
+                    h.first_page,
+                    h.n_pages,
+                    h.page_off as usize,
+                    h.byte_len as usize,
+                )
+                .expect("admitted bytes lie inside a registered buffer");
+            let got = crate::integrity::digest(h, landed);
+            if got == h.digest {
+                verified += u64::from(h.byte_len);
+                continue;
+            }
+            node.metrics
+                .integrity_failures
+                .fetch_add(1, Ordering::Relaxed);
+            let what = match h.target {
+                Target::Kv => format!("page {} of kv buffer {buffer}", h.first_page),
+                Target::Aux => format!("aux slot {} of aux buffer {buffer}", h.first_page),
+            };
+            let why = format!(
+                "{}room {}: the bytes {}..{} of {what}{} from {} do not match their digest \
+                 ({:08x} sent, {got:08x} landed)",
+                crate::integrity::REASON_PREFIX,
+                h.room,
+                h.page_off,
+                u64::from(h.page_off) + u64::from(h.byte_len),
+                if h.n_pages > 1 {
+                    format!(" and the {} pages after it", h.n_pages - 1)
+                } else {
+                    String::new()
+                },
+                self.peer.name,
+                h.digest
+            );
+            lifecycle::fail(
+                self.engine,
+                &self.room,
+                FailureReason::local(Cause::Integrity, why),
+                None,
+            );
+            return false;
+        }
+        node.metrics
+            .bytes_verified
+            .fetch_add(verified, Ordering::Relaxed);
+        true
+    }
+}
+
 impl<'a> FrameSink for Receiver<'a> {
     type Grant<'g>
         = Pages<'g>
@@ -99,6 +163,32 @@ impl<'a> FrameSink for Receiver<'a> {
     }
 
     fn admit(&self, runs: &[DataHeader]) -> Admit<Pages<'_>> {
+        self.admit_runs(runs, true)
+    }
+
+    fn admit_unverified(&self, runs: &[DataHeader]) -> Admit<Pages<'_>> {
+        self.admit_runs(runs, false)
+    }
+
+    fn done(&self, room: u64, generation: u64, pages_sent: u32, aux_sent: bool) {
+        self.engine
+            .on_done(self.peer, room, generation, pages_sent, aux_sent);
+    }
+
+    fn protocol_error(&self) {
+        self.engine
+            .core
+            .node
+            .metrics
+            .protocol_errors
+            .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Receiver<'_> {
+    /// [`FrameSink::admit`]; a protocol refusal fails the frame's room with the
+    /// reason only if `verified` (the header is known to be the peer's).
+    fn admit_runs(&self, runs: &[DataHeader], verified: bool) -> Admit<Pages<'_>> {
         // The codec gives at least one run, all of one room and generation.
         let h = &runs[0];
         #[cfg(feature = "test-hooks")]
@@ -125,33 +215,22 @@ impl<'a> FrameSink for Receiver<'a> {
                 Admit::Refuse(why)
             }
             Err(Refuse::Protocol(why)) => {
-                lifecycle::fail(
-                    engine,
-                    &room,
-                    FailureReason::local(Cause::Protocol, format!("{} sent {why}", self.peer.name)),
-                    None,
-                );
+                if verified {
+                    lifecycle::fail(
+                        engine,
+                        &room,
+                        FailureReason::local(
+                            Cause::Protocol,
+                            format!("{} sent {why}", self.peer.name),
+                        ),
+                        None,
+                    );
+                }
                 Admit::Refuse(why)
             }
         }
     }
 
-    fn done(&self, room: u64, generation: u64, pages_sent: u32, aux_sent: bool) {
-        self.engine
-            .on_done(self.peer, room, generation, pages_sent, aux_sent);
-    }
-
-    fn protocol_error(&self) {
-        self.engine
-            .core
-            .node
-            .metrics
-            .protocol_errors
-            .fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-impl Receiver<'_> {
     /// Drops the `n` runs of a frame (counted as frames dropped, one per run).
     fn discard(&self, n: usize) -> Admit<Pages<'_>> {
         self.engine

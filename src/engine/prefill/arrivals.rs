@@ -347,12 +347,15 @@ impl PrefillEngine {
                 }
             };
             if applies {
-                lifecycle::fail(
-                    self,
-                    &room,
-                    FailureReason::peer(Cause::Aborted, reason),
-                    Some(peer),
-                );
+                let cause = crate::integrity::peer_cause(&reason);
+                if cause == Cause::Integrity {
+                    self.core
+                        .node
+                        .metrics
+                        .integrity_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                lifecycle::fail(self, &room, FailureReason::peer(cause, reason), Some(peer));
             } else {
                 self.core.unknown_room();
             }

@@ -496,7 +496,15 @@ impl PrefillEngine {
                         ),
                     )
                 })?;
-            runs.push((f.hdr, bytes));
+            let mut h = f.hdr;
+            #[cfg_attr(not(feature = "test-hooks"), allow(unused_mut))]
+            let mut bytes = bytes;
+            if self.core.node.config.integrity {
+                h.digest = crate::integrity::digest(&h, bytes);
+                #[cfg(feature = "test-hooks")]
+                integrity_faults(&mut h, &mut bytes);
+            }
+            runs.push((h, bytes));
         }
         // A slow link: once the room ends, its pages are no longer read, and the io count
         // drops before the frame in progress is ended with zeros.
@@ -615,5 +623,28 @@ impl PrefillEngine {
                 },
             }
         }
+    }
+}
+
+/// Test-only faults of a run whose digest was just made, each taken once per room
+/// (src/testing.rs): `"integrity.wrong_page"` sends it to the next page,
+/// `"integrity.wrong_offset"` (a part of a page of at least 16 bytes) writes its first
+/// bytes 8 bytes further into its page, within its own range, and
+/// `"integrity.earlier_use"` carries the digest of the room id's previous generation.
+#[cfg(feature = "test-hooks")]
+fn integrity_faults(h: &mut crate::proto::DataHeader, bytes: &mut &[u8]) {
+    use crate::testing::take_fault;
+    if take_fault("integrity.wrong_page", h.room) {
+        h.first_page += 1;
+    } else if h.n_pages == 1 && h.byte_len >= 16 && take_fault("integrity.wrong_offset", h.room) {
+        h.page_off += 8;
+        h.byte_len -= 8;
+        *bytes = &bytes[..bytes.len() - 8];
+    } else if take_fault("integrity.earlier_use", h.room) {
+        let earlier = crate::proto::DataHeader {
+            generation: h.generation - 1,
+            ..*h
+        };
+        h.digest = crate::integrity::digest(&earlier, bytes);
     }
 }

@@ -268,6 +268,11 @@ pub trait FrameSink {
     /// for `DataRuns`), all of them checked before any byte is read.
     fn admit(&self, runs: &[DataHeader]) -> Admit<Self::Grant<'_>>;
 
+    /// As [`admit`](Self::admit), for runs whose headers are not yet known to come from
+    /// the peer (a sealed frame, before its tag is checked): a refusal only says why,
+    /// and changes no room (a header changed on the way must not fail a room).
+    fn admit_unverified(&self, runs: &[DataHeader]) -> Admit<Self::Grant<'_>>;
+
     /// A Done frame: the peer sent every frame of the room (on this or another
     /// connection).
     fn done(&self, room: u64, generation: u64, pages_sent: u32, aux_sent: bool);

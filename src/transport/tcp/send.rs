@@ -363,6 +363,7 @@ mod tests {
             n_pages: 1,
             byte_len: n as u32,
             page_off: 0,
+            digest: 0,
         };
         let per = RUNS_FRAME_BYTES / page.len();
         let mut runs: Vec<(DataHeader, &[u8])> =
@@ -431,6 +432,7 @@ mod tests {
             n_pages: 1,
             byte_len: page.len() as u32,
             page_off: 0,
+            digest: 0,
         };
         let never = || false;
         let mut release = || {};
@@ -490,6 +492,7 @@ mod tests {
                         n_pages: 1,
                         byte_len: FRAME as u32,
                         page_off: 0,
+                        digest: 0,
                     };
                     (h, &p[..])
                 })
