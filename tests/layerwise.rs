@@ -267,6 +267,59 @@ fn an_abort_while_a_layer_is_written_ends_failed_and_writes_nothing_after() {
     }
 }
 
+/// A link behind the compute: the layers enqueued while the room's batches are still
+/// queued for a sender wait, join, and go out as one call's batches once the senders
+/// take the room's queued batches down to one; the room lands whole, as if sent layer
+/// by layer.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn layers_enqueued_while_the_rooms_batches_are_queued_join_and_go_out_together() {
+    use common::LIMIT;
+    use kvxfer::testing;
+    const MID: &str = "worker.mid_chunk";
+    let t = Pair::builder()
+        .config(&[
+            ("transport", "tcp"),
+            ("workers", "1"),
+            ("connections_per_peer", "1"),
+        ])
+        .bufs(LAYERS as usize)
+        .pages(64)
+        .item(1024)
+        .build();
+    let room = 9;
+    t.ready(room, &DST);
+    let chunks = t.p.metrics().chunks;
+    // Layers 0 and 1 of chunk 0: two runs each (one frame per batch while the pause is
+    // armed); the sender writes the first and pauses, three stay queued.
+    testing::pause_at(MID, room);
+    t.p.enqueue_layers(room, &SRC[0], 0, 2, false, None)
+        .unwrap();
+    assert!(
+        testing::wait_paused(MID, room, LIMIT),
+        "the sender never paused"
+    );
+    // Layers 2 and 3 come one call each while those batches are queued: they join. The
+    // second chunk's call goes behind them.
+    for l in 2..LAYERS {
+        t.p.enqueue_layers(room, &SRC[0], l, 1, false, None)
+            .unwrap();
+    }
+    t.p.enqueue_layers(room, &SRC[1], 0, LAYERS, true, None)
+        .unwrap();
+    assert_eq!(
+        t.p.metrics().bytes_sent,
+        1024,
+        "only the first frame went out"
+    );
+    testing::release(MID, room);
+    assert_eq!(wait_terminal(&t.p, room), State::Success);
+    assert_eq!(wait_terminal(&t.d, room), State::Success);
+    t.assert_pages(&all_src(), &DST);
+    // Layers 0-1, layers 2-3 joined, chunk 1: three calls planned, not four.
+    assert_eq!(t.p.metrics().chunks - chunks, 3);
+}
+
 /// The decode side sees layers land in layer order: a layer counts once every page of
 /// the whole destination holds it, from every chunk.
 #[test]

@@ -1,18 +1,13 @@
-//! The command line ([`Cli`], parsed by clap) and the parameters of a run ([`Params`]: a
-//! preset with the options laid over it). The decode side hands the prefill side its
-//! `Params` as one JSON object, so both sides run the same plan.
-
-use std::fmt::Write as _;
+//! The command line ([`Cli`], parsed by clap), the values of its options, and how it
+//! resolves into the parameters of a run ([`Params`]: a preset with the options laid
+//! over it).
 
 use clap::{Args, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use kvxfer::{KvKind, KvLayout, PageOrder};
-
+use crate::params::Params;
+use crate::preset::Preset;
 use crate::sys::Pages;
-
-/// The most ranks on either side (each an engine in one process).
-const MAX_TP: usize = 16;
 
 const USAGE: &str = "\
 kvxfer-bench [--preset NAME] [OPTIONS]         prefill + decode over loopback (two processes)
@@ -21,31 +16,26 @@ kvxfer-bench [--preset NAME] [OPTIONS]         prefill + decode over loopback (t
        kvxfer-bench --role decode --prefill-addr HOST:PORT [--preset NAME] [OPTIONS]
                                                       two hosts: the decode side, drives the run";
 
-const PRESETS: &str = "\
-Presets:
-  llama3-8b     32 layers, separate K and V buffers, 8 KV heads, head dim 128, bf16,
-                16-token pages (32 KiB per buffer page), 4096-token prompts   [default]
-  deepseek-mla  61 layers, one latent buffer per layer (576 values/token), bf16,
-                64-token pages (FlashMLA's block size), 4096-token prompts
-  single-page   one page per room, many rooms: 2 layers, K and V, 2 KV heads, head dim 64
-  table         the room table microbenchmark
-
-What the figures mean: docs/BENCHMARKS.md.";
+const AFTER_HELP: &str = "What the figures mean: docs/BENCHMARKS.md.";
 
 /// kvxfer-bench: the libkvxfer engine against the limits of this host, measured side by side
 #[derive(Debug, Parser)]
-#[command(name = "kvxfer-bench", override_usage = USAGE, after_help = PRESETS)]
+#[command(name = "kvxfer-bench", override_usage = USAGE, after_help = AFTER_HELP)]
 // A later occurrence of an option replaces an earlier one (extra options appended to a
 // command line win, as `make bench BENCH_ARGS=...` relies on).
 #[command(args_override_self = true)]
 pub struct Cli {
-    /// `table`: the room table microbenchmark (the same as --preset table)
-    #[arg(value_name = "COMMAND", value_parser = ["table"], conflicts_with = "preset")]
-    command: Option<String>,
+    /// A preset, the same as --preset (`kvxfer-bench table`: the room table
+    /// microbenchmark)
+    #[arg(
+        value_name = "COMMAND",
+        conflicts_with = "preset",
+        hide_possible_values = true
+    )]
+    command: Option<Preset>,
     /// The model shape and traffic to start from
-    #[arg(long, default_value = "llama3-8b",
-          value_parser = ["llama3-8b", "deepseek-mla", "single-page", "table"])]
-    preset: String,
+    #[arg(long, default_value_t = Preset::Llama3_8b)]
+    preset: Preset,
     #[command(flatten)]
     shape: Shape,
     #[command(flatten)]
@@ -154,34 +144,35 @@ struct Traffic {
 struct LayerWise {
     /// Simulate a prefill that computes layer by layer (a wait of --compute-us-per-layer
     /// per model layer of each chunk, on the prefill scheduler thread) and alternate, in
-    /// the same run, phases that enqueue each layer as soon as it is computed
-    /// (enqueue_layers) with phases that enqueue each chunk after its last layer
-    /// (enqueue_chunk); then both again with no compute (bulk GB/s). Reports
-    /// time-to-first-token (first layer computed -> decode SUCCESS) of each. One host
-    /// only (TTFT compares the two processes' CLOCK_MONOTONIC), TP 1 -> 1
+    /// the same run and at each compute value, phases that enqueue each layer as soon as
+    /// it is computed (enqueue_layers) with phases that enqueue each chunk after its last
+    /// layer (enqueue_chunk); also with no compute (bulk GB/s). Reports
+    /// time-to-first-token (first layer computed -> decode SUCCESS) of each at each
+    /// value. One host only (TTFT compares the two processes' CLOCK_MONOTONIC), TP 1 -> 1
     #[arg(long)]
     layerwise: bool,
     /// --layerwise: microseconds of simulated compute per model layer (its K and V
-    /// buffers, or its latent buffer with --layout mla), per chunk
-    #[arg(long, value_name = "N")]
-    compute_us_per_layer: Option<u64>,
+    /// buffers, or its latent buffer with --layout mla), per chunk; a comma-separated
+    /// list sweeps them in one run (0, no compute, is added when absent)
+    #[arg(long, value_name = "N[,N...]", value_delimiter = ',')]
+    compute_us_per_layer: Option<Vec<u64>>,
 }
 
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Engine")]
 struct EngineArgs {
     /// The engines' transport [tcp]
-    #[arg(long, value_parser = ["tcp", "rdma", "auto"])]
-    transport: Option<String>,
+    #[arg(long)]
+    transport: Option<Transport>,
     /// The engines' same_host setting: off keeps two processes on one host on TCP (the
     /// stream baseline's path); require makes them copy directly between the processes
     /// (the run fails if they cannot) [off]
-    #[arg(long, value_parser = ["off", "auto", "require"])]
-    same_host: Option<String>,
+    #[arg(long)]
+    same_host: Option<SameHost>,
     /// The engines' integrity setting: verify (every data run's digest checked where it
     /// landed) or off (the engine's default) [off]
-    #[arg(long, value_parser = ["verify", "off"])]
-    integrity: Option<String>,
+    #[arg(long)]
+    integrity: Option<Integrity>,
     /// Engine worker threads [engine default]
     #[arg(long)]
     workers: Option<usize>,
@@ -189,8 +180,8 @@ struct EngineArgs {
     #[arg(long)]
     conns: Option<usize>,
     /// The engines' log level [error]
-    #[arg(long, value_parser = ["error", "warn", "info", "debug", "trace"])]
-    log_level: Option<String>,
+    #[arg(long)]
+    log_level: Option<LogLevel>,
     /// Engines without or with a cluster key (a fresh one per run, handed to the prefill
     /// side with the plan); both: two engine pairs, kvxfer phases alternating off on, on
     /// off, off on, ... and the report gives the on/off ratios [off]
@@ -287,6 +278,82 @@ fn parse_prompt(v: &str) -> Result<(usize, usize), String> {
     }
 }
 
+/// A value of an option, named as on the command line (and so in the plan handed to the
+/// prefill side and in the report).
+pub trait Named: ValueEnum {
+    fn name(&self) -> String {
+        self.to_possible_value()
+            .expect("no value is skipped")
+            .get_name()
+            .to_string()
+    }
+}
+
+/// Writes the command-line name (clap's `default_value_t` shows it).
+macro_rules! display_named {
+    ($($t:ty),*) => {$(
+        impl Named for $t {}
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(&self.name())
+            }
+        }
+    )*};
+}
+display_named!(
+    Preset,
+    Layout,
+    Order,
+    Sched,
+    Verify,
+    VerifyPriority,
+    DstOrder,
+    Auth,
+    Transport,
+    SameHost,
+    Integrity,
+    LogLevel
+);
+
+/// The engines' transport (`--transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    Tcp,
+    Rdma,
+    Auto,
+}
+
+/// The engines' `same_host` setting (`--same-host`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SameHost {
+    #[default]
+    Off,
+    Auto,
+    Require,
+}
+
+/// The engines' `integrity` setting (`--integrity`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Integrity {
+    Verify,
+    #[default]
+    Off,
+}
+
+/// The engines' log level (`--log-level`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Layout {
@@ -304,15 +371,6 @@ pub enum Order {
     Hnd,
     /// Tokens-major: `[token][head][dim]`.
     Nhd,
-}
-
-impl Order {
-    pub fn name(self) -> &'static str {
-        match self {
-            Order::Hnd => "hnd",
-            Order::Nhd => "nhd",
-        }
-    }
 }
 
 /// How a scheduler loop with nothing to do waits (`--sched`).
@@ -344,25 +402,6 @@ pub enum VerifyPriority {
     Normal,
 }
 
-impl VerifyPriority {
-    pub fn name(self) -> &'static str {
-        match self {
-            VerifyPriority::Idle => "idle",
-            VerifyPriority::Normal => "normal",
-        }
-    }
-}
-
-impl Verify {
-    pub fn name(self) -> &'static str {
-        match self {
-            Verify::Full => "full",
-            Verify::Sample => "sample",
-            Verify::None => "none",
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DstOrder {
@@ -380,14 +419,6 @@ pub enum Auth {
 }
 
 impl Auth {
-    pub fn name(self) -> &'static str {
-        match self {
-            Auth::Off => "off",
-            Auth::On => "on",
-            Auth::Both => "both",
-        }
-    }
-
     /// Whether each engine pair authenticates, in phase order.
     pub fn pairs(self) -> &'static [bool] {
         match self {
@@ -418,122 +449,11 @@ pub enum Mode {
     Table,
 }
 
-fn same_host_off() -> String {
-    "off".into()
-}
-
-fn integrity_off() -> String {
-    "off".into()
-}
-
-/// The parameters of a run, the same on both sides.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Params {
-    pub preset: String,
-    pub layers: usize,
-    pub layout: Layout,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub latent_dim: usize,
-    pub dtype_bytes: usize,
-    pub page_tokens: usize,
-    pub aux_bytes: usize,
-    pub prompt_min: usize,
-    pub prompt_max: usize,
-    pub chunk_tokens: usize,
-    pub concurrency: usize,
-    pub rooms: u64,
-    pub repeat: usize,
-    pub duration: Option<f64>,
-    pub abort_rate: f64,
-    pub dst_order: DstOrder,
-    pub seed: u64,
-    pub transport: String,
-    /// The engines' `same_host` setting.
-    #[serde(default = "same_host_off")]
-    pub same_host: String,
-    /// The engines' `integrity` setting.
-    #[serde(default = "integrity_off")]
-    pub integrity: String,
-    pub workers: Option<usize>,
-    pub conns: usize,
-    pub log_level: String,
-    pub auth: Auth,
-    /// The run's cluster key (hex), made by the decode side when `auth` is not off.
-    pub auth_key: Option<String>,
-    /// `--tls`: the authenticated engines also run TLS and `encrypt_data`.
-    pub tls: bool,
-    /// The run's certificates, made by the decode side with `tls`.
-    pub tls_pem: Option<crate::tls::TlsPem>,
-    pub verify: Verify,
-    pub verify_threads: usize,
-    pub verify_priority: VerifyPriority,
-    pub baselines: bool,
-    pub baseline_buf_mib: usize,
-    /// Pages backing the pools and the baselines' buffers.
-    pub pool_pages: Pages,
-    pub baseline_write_kib: usize,
-    pub baseline_read_kib: usize,
-    pub sched: Sched,
-    pub poll_us: u64,
-    pub max_mem_gib: f64,
-    pub quick: bool,
-    pub json: bool,
-    /// Prefill and decode ranks (`--prefill-tp`, `--decode-tp`).
-    pub prefill_tp: usize,
-    pub decode_tp: usize,
-    pub page_order: Order,
-    /// `--decode-page-tokens`, when given.
-    pub decode_page_tokens: Option<usize>,
-    /// `--layerwise`: the phases alternate layer-wise and whole-chunk sending, with
-    /// `compute_us_per_layer` of simulated compute per model layer and with none.
-    pub layerwise: bool,
-    pub compute_us_per_layer: u64,
-}
-
-/// How the prefill scheduler feeds a phase's rooms to its engine.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Feed {
-    /// Simulated compute (`--layerwise` runs): each chunk's layers are computed in turn,
-    /// `compute_us_per_layer` each, one room after another on the scheduler thread.
-    /// Without it, every chunk of a room is enqueued when the room is created.
-    pub simulate: bool,
-    /// Each model layer enqueued as soon as it is computed (`enqueue_layers`), rather
-    /// than each chunk after its last layer (`enqueue_chunk`).
-    pub by_layer: bool,
-    pub compute_us_per_layer: u64,
-}
-
-impl Feed {
-    /// The phase's name in the table.
-    pub fn name(self) -> String {
-        format!(
-            "{}, {} us/layer",
-            if self.by_layer {
-                "layer-wise"
-            } else {
-                "whole-chunk"
-            },
-            self.compute_us_per_layer
-        )
-    }
-}
-
-/// Most microseconds of compute per layer (`--compute-us-per-layer`): one second.
-const MAX_COMPUTE_US: u64 = 1_000_000;
-
-/// Which side of a transfer a layout is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    Prefill,
-    Decode,
-}
-
 impl Cli {
     /// What to do and with which parameters: the preset, the options over it, checked.
     pub fn resolve(self) -> Result<(Mode, Params), String> {
-        let preset = self.command.as_deref().unwrap_or(&self.preset);
-        let mut p = Params::preset(preset, self.measure.quick)?;
+        let preset = self.command.unwrap_or(self.preset);
+        let mut p = preset.params(self.measure.quick);
         macro_rules! over {
             ($group:ident: $($field:ident),*) => {
                 $(if let Some(v) = self.$group.$field { p.$field = v; })*
@@ -580,491 +500,19 @@ impl Cli {
             (Some(Role::Decode), None, ..) => {
                 return Err("--role decode needs --prefill-addr HOST:PORT".into())
             }
-            (None, ..) if preset == "table" => Mode::Table,
+            (None, ..) if preset == Preset::Table => Mode::Table,
             (None, ..) => Mode::Local,
         };
         Ok((mode, p))
     }
 }
 
-impl Params {
-    fn preset(name: &str, quick: bool) -> Result<Params, String> {
-        let mut p = Params {
-            preset: name.to_string(),
-            layers: 32,
-            layout: Layout::Kv,
-            kv_heads: 8,
-            head_dim: 128,
-            latent_dim: 576,
-            dtype_bytes: 2,
-            page_tokens: 16,
-            aux_bytes: 64,
-            prompt_min: 4096,
-            prompt_max: 4096,
-            chunk_tokens: 2048,
-            concurrency: 4,
-            rooms: 16,
-            repeat: if quick { 1 } else { 3 },
-            duration: None,
-            abort_rate: 0.0,
-            dst_order: DstOrder::Contiguous,
-            seed: 1,
-            transport: "tcp".into(),
-            same_host: same_host_off(),
-            integrity: integrity_off(),
-            workers: None,
-            conns: 2,
-            log_level: "error".into(),
-            auth: Auth::Off,
-            auth_key: None,
-            tls: false,
-            tls_pem: None,
-            verify: Verify::Full,
-            verify_threads: 1,
-            verify_priority: VerifyPriority::Idle,
-            baselines: true,
-            baseline_buf_mib: 64,
-            pool_pages: Pages::Huge,
-            baseline_write_kib: 4096,
-            baseline_read_kib: 4096,
-            sched: Sched::Wait,
-            poll_us: 100,
-            max_mem_gib: 16.0,
-            quick,
-            json: false,
-            prefill_tp: 1,
-            decode_tp: 1,
-            page_order: Order::Hnd,
-            decode_page_tokens: None,
-            layerwise: false,
-            compute_us_per_layer: 0,
-        };
-        match name {
-            "llama3-8b" => {
-                p.poll_us = 500;
-                if quick {
-                    (p.prompt_min, p.prompt_max, p.rooms, p.concurrency) = (1024, 1024, 8, 2);
-                }
-            }
-            "deepseek-mla" => {
-                p.layers = 61;
-                p.layout = Layout::Mla;
-                p.page_tokens = 64;
-                p.poll_us = 500;
-                if quick {
-                    (p.prompt_min, p.prompt_max, p.rooms, p.concurrency) = (1024, 1024, 8, 2);
-                }
-            }
-            "single-page" => {
-                p.layers = 2;
-                p.kv_heads = 2;
-                p.head_dim = 64;
-                (p.prompt_min, p.prompt_max, p.chunk_tokens) = (16, 16, 16);
-                p.concurrency = 64;
-                p.rooms = if quick { 5_000 } else { 30_000 };
-                // Tens of thousands of rooms a second, each changing state a few times:
-                // a timer that finds several rooms done per look costs less than a
-                // wakeup per change (measured: about 10% more rooms/s than waiting).
-                p.sched = Sched::Poll;
-            }
-            "table" => {}
-            _ => {
-                return Err(format!(
-                    "unknown preset '{name}' (known: llama3-8b, deepseek-mla, single-page, table)"
-                ))
-            }
-        }
-        Ok(p)
-    }
-
-    /// Checks what the options cannot express on their own (also on the prefill side, for
-    /// the plan it was handed).
-    pub fn validate(&self) -> Result<(), String> {
-        let item = self.item_len();
-        if self.layers == 0 || self.layers > 2048 {
-            return Err(format!("--layers {} is outside 1..=2048", self.layers));
-        }
-        if item % 8 != 0 || item < 24 {
-            return Err(format!(
-                "a page of {item} bytes per buffer: the checked pattern needs a multiple of 8 \
-                 bytes, at least 24"
-            ));
-        }
-        if self.aux_bytes != 0 && (self.aux_bytes % 8 != 0 || self.aux_bytes < 24) {
-            return Err("--aux-bytes must be 0 or a multiple of 8, at least 24".into());
-        }
-        if self.page_tokens == 0
-            || self.chunk_tokens == 0
-            || self.chunk_tokens % self.page_tokens != 0
-        {
-            return Err(format!(
-                "--chunk-tokens {} must be a positive multiple of --page-tokens {}",
-                self.chunk_tokens, self.page_tokens
-            ));
-        }
-        if self.prompt_min == 0 || self.prompt_min > self.prompt_max {
-            return Err(format!(
-                "--prompt {}-{} is not a range of positive token counts",
-                self.prompt_min, self.prompt_max
-            ));
-        }
-        if self.max_pages() > u32::MAX as usize / 4 {
-            return Err("prompts too long for u32 page indices".into());
-        }
-        if self.concurrency == 0 || self.concurrency > 100_000 {
-            return Err("--concurrency must be 1 to 100000".into());
-        }
-        if !(0.0..=1.0).contains(&self.abort_rate) {
-            return Err("--abort-rate must be between 0 and 1".into());
-        }
-        if self.repeat == 0 {
-            return Err("--repeat must be at least 1".into());
-        }
-        if self.tls && self.auth == Auth::Off {
-            return Err(
-                "--tls applies to the engines with a cluster key: add --auth on or \
-                        --auth both"
-                    .into(),
-            );
-        }
-        if self.conns == 0 || self.verify_threads == 0 {
-            return Err("--conns and --verify-threads must be positive".into());
-        }
-        let (w, r) = (self.baseline_write_kib, self.baseline_read_kib);
-        if w == 0 || r == 0 || (self.baseline_buf_mib << 10) < w.max(r) {
-            return Err(
-                "--baseline-write-kib and --baseline-read-kib must be positive and fit in \
-                 --baseline-buf-mib"
-                    .into(),
-            );
-        }
-        if self.duration.is_some_and(|d| d.is_nan() || d <= 0.0) {
-            return Err("--duration must be positive".into());
-        }
-        if self.rooms == 0 && self.duration.is_none() {
-            return Err("--rooms must be positive".into());
-        }
-        self.validate_tp()?;
-        self.validate_layerwise()
-    }
-
-    /// The checks of `--layerwise` and `--compute-us-per-layer`.
-    fn validate_layerwise(&self) -> Result<(), String> {
-        let n = self.compute_us_per_layer;
-        if !self.layerwise {
-            if n != 0 {
-                return Err(format!(
-                    "--compute-us-per-layer {n} applies to --layerwise runs (the simulated \
-                     compute of a prefill that computes layer by layer)"
-                ));
-            }
-            return Ok(());
-        }
-        if n == 0 || n > MAX_COMPUTE_US {
-            return Err(format!(
-                "--layerwise needs --compute-us-per-layer N, 1..={MAX_COMPUTE_US} (microseconds \
-                 of compute per model layer; the run adds phases with no compute itself), \
-                 not {n}"
-            ));
-        }
-        if self.layouts() {
-            return Err(
-                "--layerwise runs TP 1 -> 1 (one engine pair): drop --prefill-tp, --decode-tp \
-                 and --decode-page-tokens"
-                    .into(),
-            );
-        }
-        if self.auth == Auth::Both {
-            return Err(
-                "--auth both and --layerwise each alternate two kinds of phase: run them \
-                 separately (--auth on or off with --layerwise)"
-                    .into(),
-            );
-        }
-        if self.duration.is_some() {
-            return Err(
-                "--layerwise compares phases of the same rooms: use --rooms, not --duration".into(),
-            );
-        }
-        Ok(())
-    }
-
-    /// The kv buffers of one model layer (K and V, or the latent): the `layer_count` of
-    /// one `enqueue_layers` call, since the pool registers its buffers without layer ids
-    /// (a layer is a buffer's position).
-    pub fn buffers_per_layer(&self) -> usize {
-        match self.layout {
-            Layout::Kv => 2,
-            Layout::Mla => 1,
-        }
-    }
-
-    /// Chunks of a room of `pages` pages.
-    pub fn chunks_for(&self, pages: usize) -> usize {
-        pages.div_ceil(self.chunk_pages())
-    }
-
-    /// The compute alone of a room of `pages` pages under `feed`, in nanoseconds: every
-    /// layer of every chunk.
-    pub fn compute_ns(&self, feed: Feed, pages: usize) -> u64 {
-        (self.chunks_for(pages) * self.layers) as u64 * feed.compute_us_per_layer * 1000
-    }
-
-    /// The kinds of the kvxfer phases in order, each with the engine set it runs on
-    /// (`sets`: one per --auth pair or per TP kind). `--layerwise`: layer-wise and
-    /// whole-chunk with compute, then both with none, the order of each pair swapped
-    /// every repeat (LW WC lw wc, WC LW wc lw, ...) so neither always runs first. Else
-    /// the sets take turns, --repeat phases of each, in the order 0 1, 1 0, 0 1, ... (two
-    /// sets) so that neither always runs first (the first phase also pays for first
-    /// touches and connection setup) or drifts with the host.
-    pub fn phase_plan(&self, sets: usize) -> Vec<(usize, Feed)> {
-        if self.layerwise {
-            let feed = |by_layer: bool, us: u64| Feed {
-                simulate: true,
-                by_layer,
-                compute_us_per_layer: us,
-            };
-            let n = self.compute_us_per_layer;
-            return (0..self.repeat)
-                .flat_map(|rep| {
-                    let first = rep % 2 == 0;
-                    [
-                        feed(first, n),
-                        feed(!first, n),
-                        feed(first, 0),
-                        feed(!first, 0),
-                    ]
-                })
-                .map(|f| (0, f))
-                .collect();
-        }
-        (0..self.repeat * sets)
-            .map(|phase| {
-                let set = match sets {
-                    2 if (phase / 2) % 2 == 1 => 1 - phase % 2,
-                    n => phase % n,
-                };
-                (set, Feed::default())
-            })
-            .collect()
-    }
-
-    /// The checks of a run between layouts (`--prefill-tp`, `--decode-tp`,
-    /// `--page-order`, `--decode-page-tokens`).
-    fn validate_tp(&self) -> Result<(), String> {
-        for (opt, tp) in [
-            ("--prefill-tp", self.prefill_tp),
-            ("--decode-tp", self.decode_tp),
-        ] {
-            if !(1..=MAX_TP).contains(&tp) {
-                return Err(format!("{opt} {tp} is outside 1..={MAX_TP}"));
-            }
-        }
-        if !self.layouts() {
-            if self.page_order != Order::Hnd {
-                return Err(format!(
-                    "--page-order {} applies to transfers between layouts (--prefill-tp, \
-                     --decode-tp or --decode-page-tokens): at TP 1 -> 1 whole pages are \
-                     copied, whatever their order",
-                    self.page_order.name()
-                ));
-            }
-            return Ok(());
-        }
-        if self.auth == Auth::Both {
-            return Err(
-                "--auth both and --prefill-tp/--decode-tp each alternate two kinds of phase: \
-                 run them separately (--auth on or off with TP)"
-                    .into(),
-            );
-        }
-        let cell = self.cell_bytes();
-        if cell % 8 != 0 || cell < 24 {
-            return Err(format!(
-                "a head of {cell} bytes (--head-dim x --dtype-bytes, or --latent-dim x \
-                 --dtype-bytes): the per-head pattern of a transfer between layouts needs a \
-                 multiple of 8 bytes, at least 24"
-            ));
-        }
-        if let Some(d) = self.decode_page_tokens {
-            let pt = self.page_tokens;
-            if d == 0 || (d % pt != 0 && pt % d != 0) {
-                return Err(format!(
-                    "--decode-page-tokens {d} and --page-tokens {pt}: one must divide the other"
-                ));
-            }
-            if self.chunk_tokens % d != 0 {
-                return Err(format!(
-                    "--chunk-tokens {} must be a multiple of --decode-page-tokens {d}",
-                    self.chunk_tokens
-                ));
-            }
-        }
-        let sides = [
-            (Side::Prefill, "--prefill-tp", self.prefill_tp),
-            (Side::Decode, "--decode-tp", self.decode_tp),
-        ];
-        for (side, opt, tp) in sides {
-            self.layout(side, tp, 0).check().map_err(|e| {
-                format!(
-                    "{opt} {tp} with --kv-heads {}: {e}",
-                    self.kv_heads_of_layout()
-                )
-            })?;
-        }
-        Ok(())
-    }
-
-    /// Whether the run moves KV between layouts (each rank an engine registered with its
-    /// layout, the per-head pattern) rather than whole pages between two engines.
-    pub fn layouts(&self) -> bool {
-        self.prefill_tp > 1
-            || self.decode_tp > 1
-            || self
-                .decode_page_tokens
-                .is_some_and(|d| d != self.page_tokens)
-    }
-
-    /// Tokens per page on `side`.
-    pub fn side_page_tokens(&self, side: Side) -> usize {
-        match side {
-            Side::Prefill => self.page_tokens,
-            Side::Decode => self.decode_page_tokens.unwrap_or(self.page_tokens),
-        }
-    }
-
-    /// Bytes of one head of one token (of the latent with --layout mla).
-    pub fn cell_bytes(&self) -> usize {
-        match self.layout {
-            Layout::Kv => self.head_dim * self.dtype_bytes,
-            Layout::Mla => self.latent_dim * self.dtype_bytes,
-        }
-    }
-
-    fn kv_heads_of_layout(&self) -> usize {
-        match self.layout {
-            Layout::Kv => self.kv_heads,
-            Layout::Mla => 1,
-        }
-    }
-
-    /// The layout of rank `rank` of `tp` on `side` (TP 1 on both sides with the prefill's
-    /// pages: the equal-TP comparison).
-    pub fn layout(&self, side: Side, tp: usize, rank: usize) -> KvLayout {
-        let (kind, head_dim) = match self.layout {
-            Layout::Kv => (KvKind::Heads, self.head_dim),
-            Layout::Mla => (KvKind::Latent, self.latent_dim),
-        };
-        KvLayout {
-            kv_heads: self.kv_heads_of_layout() as u32,
-            head_dim: head_dim as u32,
-            dtype_bytes: self.dtype_bytes as u32,
-            tp_rank: rank as u32,
-            tp_size: tp as u32,
-            page_tokens: self.side_page_tokens(side) as u32,
-            order: match self.page_order {
-                Order::Hnd => PageOrder::Hnd,
-                Order::Nhd => PageOrder::Nhd,
-            },
-            kind,
-        }
-    }
-
-    /// The layouts of the ranks of `side` in a run between layouts.
-    pub fn rank_layouts(&self, side: Side) -> Vec<KvLayout> {
-        let tp = match side {
-            Side::Prefill => self.prefill_tp,
-            Side::Decode => self.decode_tp,
-        };
-        (0..tp).map(|r| self.layout(side, tp, r)).collect()
-    }
-
-    /// The equal-TP comparison's layout: TP 1, the prefill's pages (on both sides).
-    pub fn equal_layout(&self) -> KvLayout {
-        self.layout(Side::Prefill, 1, 0)
-    }
-
-    /// KV buffers each engine registers.
-    pub fn n_buffers(&self) -> usize {
-        match self.layout {
-            Layout::Kv => 2 * self.layers,
-            Layout::Mla => self.layers,
-        }
-    }
-
-    /// Bytes of one page in one buffer.
-    pub fn item_len(&self) -> usize {
-        let per_token = match self.layout {
-            Layout::Kv => self.kv_heads * self.head_dim,
-            Layout::Mla => self.latent_dim,
-        };
-        per_token * self.dtype_bytes * self.page_tokens
-    }
-
-    /// Pages of a prompt of `tokens` tokens.
-    pub fn pages_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.page_tokens)
-    }
-
-    /// Pages of the longest prompt: the size of a pool slot.
-    pub fn max_pages(&self) -> usize {
-        self.pages_for(self.prompt_max)
-    }
-
-    /// Pages per chunk.
-    pub fn chunk_pages(&self) -> usize {
-        self.chunk_tokens / self.page_tokens
-    }
-
-    /// KV payload bytes of one page across every buffer.
-    pub fn page_bytes(&self) -> u64 {
-        (self.item_len() * self.n_buffers()) as u64
-    }
-
-    /// One line describing the shape, for the report.
-    pub fn shape_line(&self) -> String {
-        let mut s = String::new();
-        let _ = write!(
-            s,
-            "{} layers, {}, {} buffers x {} KiB pages ({} tokens), ",
-            self.layers,
-            match self.layout {
-                Layout::Kv => format!("K+V, {} KV heads x dim {}", self.kv_heads, self.head_dim),
-                Layout::Mla => format!("MLA latent {}", self.latent_dim),
-            },
-            self.n_buffers(),
-            self.item_len() as f64 / 1024.0,
-            self.page_tokens
-        );
-        if self.prompt_min == self.prompt_max {
-            let _ = write!(s, "prompt {} tokens", self.prompt_min);
-        } else {
-            let _ = write!(s, "prompt {}..={} tokens", self.prompt_min, self.prompt_max);
-        }
-        let _ = write!(
-            s,
-            ", chunk {}, {} in flight",
-            self.chunk_tokens, self.concurrency
-        );
-        if self.layouts() {
-            let _ = write!(
-                s,
-                "; TP {} -> {}, {} pages",
-                self.prefill_tp,
-                self.decode_tp,
-                self.page_order.name().to_uppercase()
-            );
-            if let Some(d) = self.decode_page_tokens {
-                let _ = write!(s, ", decode pages of {d} tokens");
-            }
-        }
-        s
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::params::Feed;
+    use crate::shape::Side;
+    use kvxfer::{KvKind, PageOrder};
 
     fn parse(s: &str) -> Result<(Mode, Params), String> {
         let argv = std::iter::once("kvxfer-bench").chain(s.split_whitespace());
@@ -1250,18 +698,27 @@ mod tests {
     fn layerwise_options_are_checked_with_the_reason() {
         let p = params("--layerwise --compute-us-per-layer 4000 --chunk-tokens 4096");
         assert!(p.layerwise);
-        assert_eq!(p.compute_us_per_layer, 4000);
+        assert_eq!(p.compute_us_per_layer, [4000]);
+        assert_eq!(p.sweep(), [4000, 0]);
         assert_eq!((p.buffers_per_layer(), p.chunks_for(256)), (2, 1));
         let d = params("");
         assert!(!d.layerwise);
-        assert_eq!(d.compute_us_per_layer, 0);
+        assert!(d.compute_us_per_layer.is_empty());
+        // A list is swept in its order; 0 stays where it was given.
+        let s = params("--layerwise --compute-us-per-layer 3000,0,1500");
+        assert_eq!(s.sweep(), [3000, 0, 1500]);
         for (bad, why) in [
-            ("--layerwise", "--layerwise needs --compute-us-per-layer N"),
+            (
+                "--layerwise",
+                "--layerwise needs --compute-us-per-layer N[,N...]",
+            ),
             (
                 "--layerwise --compute-us-per-layer 0",
-                "--layerwise needs --compute-us-per-layer N, 1..=1000000",
+                "each 0..=1000000 and one at least 1",
             ),
             ("--layerwise --compute-us-per-layer 1000001", "not 1000001"),
+            ("--layerwise --compute-us-per-layer 5,x", "invalid digit"),
+            ("--layerwise --compute-us-per-layer 5,0,5", "lists 5 twice"),
             (
                 "--compute-us-per-layer 5",
                 "--compute-us-per-layer 5 applies to --layerwise runs",
@@ -1349,6 +806,27 @@ mod tests {
         };
         let both = params("--auth both --repeat 3");
         assert_eq!(sets(&both, 2), [0, 1, 1, 0, 0, 1]);
+        // A sweep: a pair at each value, in the list's order, each pair's order swapped
+        // every repeat.
+        let s = params("--layerwise --compute-us-per-layer 0,200 --repeat 2");
+        let kinds: Vec<(bool, u64)> = s
+            .phase_plan(1)
+            .into_iter()
+            .map(|(_, f)| (f.by_layer, f.compute_us_per_layer))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (true, 0),
+                (false, 0),
+                (true, 200),
+                (false, 200),
+                (false, 0),
+                (true, 0),
+                (false, 200),
+                (true, 200),
+            ]
+        );
         assert_eq!(sets(&params("--repeat 3"), 1), [0, 0, 0]);
     }
 
@@ -1361,6 +839,8 @@ mod tests {
             "--preset llama3-8b --quick --prefill-tp 2 --decode-tp 1 --json",
             "--preset llama3-8b --quick --layerwise --compute-us-per-layer 1000 --json",
             "--layerwise --compute-us-per-layer 4000 --chunk-tokens 4096 --verify sample --json",
+            "--layerwise --compute-us-per-layer 0,1500,3000,4500,6000 --chunk-tokens 4096 \
+             --verify sample --json",
             "--preset deepseek-mla --json --quick",
             "--preset table --json",
             "--transport rdma --json --preset llama3-8b --prompt 1024 --rooms 6 --concurrency 2 \

@@ -14,7 +14,7 @@ use std::io::{self, BufRead, BufReader, Write};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::args::{Feed, Params};
+use crate::params::{Feed, Params};
 use crate::pattern::mix;
 use crate::sys::Usage;
 

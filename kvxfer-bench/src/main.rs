@@ -7,10 +7,16 @@ mod args;
 mod baseline;
 mod ctl;
 mod decode;
+mod human;
+mod params;
 mod pattern;
 mod pool;
 mod prefill;
+mod preset;
 mod report;
+mod results;
+mod shape;
+mod sweep;
 mod sys;
 mod table;
 mod tls;
@@ -21,7 +27,8 @@ use clap::Parser;
 use kvxfer::log::{Level, Logger};
 use kvxfer::{Config, Engine};
 
-use args::{Cli, Mode, Params};
+use args::{Cli, Mode, Named};
+use params::Params;
 
 /// An engine configured from the benchmark's options; with `auth`, it requires the
 /// run's cluster key (and with `--tls` also runs TLS and `encrypt_data`).
@@ -47,15 +54,15 @@ pub fn make_engine(p: &Params, role: &str, listen: &str, auth: bool) -> Result<E
         set("auth", "off")?;
     }
     set("listen", listen)?;
-    set("transport", &p.transport)?;
-    set("same_host", &p.same_host)?;
-    set("integrity", &p.integrity)?;
+    set("transport", &p.transport.name())?;
+    set("same_host", &p.same_host.name())?;
+    set("integrity", &p.integrity.name())?;
     if let Some(w) = p.workers {
         set("workers", &w.to_string())?;
     }
     set("connections_per_peer", &p.conns.to_string())?;
-    set("log_level", &p.log_level)?;
-    let level = Level::parse(&p.log_level).unwrap_or(Level::Error);
+    set("log_level", &p.log_level.name())?;
+    let level = Level::parse(&p.log_level.name()).unwrap_or(Level::Error);
     Engine::new(c, Logger::new(level, None))
         .map_err(|e| format!("cannot start the {role} engine: {e}"))
 }
@@ -63,8 +70,8 @@ pub fn make_engine(p: &Params, role: &str, listen: &str, auth: bool) -> Result<E
 /// The JSON line of a run that could not be made.
 #[derive(serde::Serialize)]
 struct RunError<'a> {
-    preset: &'a str,
-    transport: &'a str,
+    preset: String,
+    transport: String,
     error: &'a str,
 }
 
@@ -86,9 +93,10 @@ fn main() -> ExitCode {
             };
             decode::run(&p, prefill_addr).map(|r| {
                 let ok = r.kv.unexpected == 0 && r.kv.prefill_unexpected == 0;
-                let mut out = report::human(&p, &r);
+                let model = report::Model::of(&p, &r);
+                let mut out = human::write(&p, &model);
                 if p.json {
-                    out.push_str(&report::json(&p, &r));
+                    out.push_str(&model.json());
                     out.push('\n');
                 }
                 Some((out, ok))
@@ -110,8 +118,8 @@ fn main() -> ExitCode {
             eprintln!("kvxfer-bench: {e}");
             if p.json && !matches!(mode, Mode::Prefill(_)) {
                 let line = RunError {
-                    preset: &p.preset,
-                    transport: &p.transport,
+                    preset: p.preset.name(),
+                    transport: p.transport.name(),
                     error: &e,
                 };
                 println!("{}", serde_json::to_string(&line).expect("plain strings"));

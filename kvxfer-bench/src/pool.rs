@@ -9,7 +9,8 @@
 
 use kvxfer::{BufferDesc, Engine, KvLayout};
 
-use crate::args::{DstOrder, Params};
+use crate::args::DstOrder;
+use crate::params::Params;
 use crate::pattern::{self, mix, Cells};
 use crate::sys::{self, Pages, Region};
 

@@ -1,13 +1,18 @@
-//! Output: percentiles, the human table, and the one-line JSON object.
+//! What a run measured, as one model ([`Model`]) computed once from its report: the
+//! `--json` line serializes it, and the human table (`human.rs`) is written from it.
+//! Also the percentiles and the comparisons of the runs that alternate two kinds of
+//! phase (`--auth both`, TP sizes; `--layerwise` in `sweep.rs`).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::args::{Auth, Params, Side};
+use crate::args::Named;
 use crate::baseline::Measured;
-use crate::decode::{KvResult, Report};
+use crate::params::Params;
+use crate::results::{KvResult, Report};
+use crate::shape::Side;
+use crate::sweep::{layerwise_split, LayerwiseSplit};
 use crate::sys::{HostBusy, Usage};
 
 /// Nearest-rank percentile of sorted nanoseconds, in milliseconds (NaN when empty).
@@ -22,11 +27,11 @@ pub fn pct_ms(sorted: &[u64], q: f64) -> f64 {
 /// Percentiles of a latency, in milliseconds.
 #[derive(Serialize)]
 pub struct Latency {
-    p50: f64,
-    p99: f64,
-    p999: f64,
-    max: f64,
-    n: usize,
+    pub p50: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+    pub n: usize,
 }
 
 impl Latency {
@@ -43,7 +48,7 @@ impl Latency {
     }
 }
 
-fn sorted(v: &[u64]) -> Vec<u64> {
+pub(crate) fn sorted(v: &[u64]) -> Vec<u64> {
     let mut v = v.to_vec();
     v.sort_unstable();
     v
@@ -60,12 +65,12 @@ fn mean(v: &[f64]) -> f64 {
 /// `--auth both`: the phases without and with authentication, side by side.
 #[derive(Serialize)]
 pub struct AuthSplit {
-    off_gbps: f64,
-    on_gbps: f64,
-    gbps_ratio: f64,
-    off_rooms_per_sec: f64,
-    on_rooms_per_sec: f64,
-    rooms_per_sec_ratio: f64,
+    pub off_gbps: f64,
+    pub on_gbps: f64,
+    pub gbps_ratio: f64,
+    pub off_rooms_per_sec: f64,
+    pub on_rooms_per_sec: f64,
+    pub rooms_per_sec_ratio: f64,
 }
 
 pub fn auth_split(r: &Report) -> Option<AuthSplit> {
@@ -91,25 +96,25 @@ pub fn auth_split(r: &Report) -> Option<AuthSplit> {
 /// the same model and prompts, measured in turn in the same run.
 #[derive(Serialize)]
 pub struct TpSplit {
-    tp_gbps: f64,
-    equal_gbps: f64,
+    pub tp_gbps: f64,
+    pub equal_gbps: f64,
     /// TP over equal, all phases together.
-    gbps_ratio: f64,
+    pub gbps_ratio: f64,
     /// TP over equal for each pair of adjacent phases (one of each), in order.
-    gbps_ratio_per_pair: Vec<f64>,
-    tp_rooms_per_sec: f64,
-    equal_rooms_per_sec: f64,
-    rooms_per_sec_ratio: f64,
-    rooms_per_sec_ratio_per_pair: Vec<f64>,
+    pub gbps_ratio_per_pair: Vec<f64>,
+    pub tp_rooms_per_sec: f64,
+    pub equal_rooms_per_sec: f64,
+    pub rooms_per_sec_ratio: f64,
+    pub rooms_per_sec_ratio_per_pair: Vec<f64>,
     /// KV bytes delivered per room (every decode rank's together): the same on both
     /// unless heads are replicated on the decode side (MLA: each decode rank receives
     /// the whole latent).
-    tp_bytes_per_room: f64,
-    equal_bytes_per_room: f64,
+    pub tp_bytes_per_room: f64,
+    pub equal_bytes_per_room: f64,
     /// Data runs the prefill engines wrote (TCP frames, RDMA writes) per page of one
     /// buffer at the prefill's page size.
-    tp_runs_per_page: f64,
-    equal_runs_per_page: f64,
+    pub tp_runs_per_page: f64,
+    pub equal_runs_per_page: f64,
 }
 
 pub fn tp_split(p: &Params, r: &Report) -> Option<TpSplit> {
@@ -156,7 +161,7 @@ pub fn tp_split(p: &Params, r: &Report) -> Option<TpSplit> {
 }
 
 /// Nearest-rank percentile of sorted values (NaN when empty).
-fn pct(sorted: &[f64], q: f64) -> f64 {
+pub(crate) fn pct(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
@@ -164,165 +169,7 @@ fn pct(sorted: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
-/// Percentiles of how late the prefill scheduler woke after a layer's end, in µs.
-#[derive(Serialize)]
-pub struct LateUs {
-    p50: f64,
-    p99: f64,
-    max: f64,
-    n: usize,
-}
-
-/// `--layerwise`: time-to-first-token (first layer's compute -> decode SUCCESS) of the
-/// layer-wise phases against the whole-chunk phases, both with simulated compute, and
-/// the bulk GB/s of both with none; measured in turn in the same run.
-#[derive(Serialize)]
-pub struct LayerwiseSplit {
-    compute_us_per_layer: u64,
-    /// The compute alone of a room (every layer of every chunk), ms: the median room.
-    compute_ms: f64,
-    layerwise_ttft_ms: Latency,
-    whole_chunk_ttft_ms: Latency,
-    /// Each room's TTFT over its compute alone: the median and the 99th percentile room.
-    layerwise_over_compute_p50: f64,
-    layerwise_over_compute_p99: f64,
-    whole_chunk_over_compute_p50: f64,
-    whole_chunk_over_compute_p99: f64,
-    /// 1 - layer-wise TTFT / whole-chunk TTFT, at the median and at p99.
-    reduction_p50: f64,
-    reduction_p99: f64,
-    /// For each pair of adjacent phases with compute (one of each), in order: the
-    /// layer-wise phase's median TTFT over compute, and the reduction at the median.
-    layerwise_over_compute_p50_per_pair: Vec<f64>,
-    reduction_p50_per_pair: Vec<f64>,
-    /// The phases without compute: GB/s delivered layer-wise and whole-chunk, their
-    /// ratio all phases together and pair by pair.
-    bulk_layerwise_gbps: f64,
-    bulk_whole_chunk_gbps: f64,
-    bulk_gbps_ratio: f64,
-    bulk_gbps_ratio_per_pair: Vec<f64>,
-    /// How late the prefill scheduler woke after each layer's end (its sleep's overshoot,
-    /// plus whatever else held the thread), over the phases with compute.
-    compute_late_us: LateUs,
-    /// Where a layer-wise room's time goes past its compute: TTFT = compute + the
-    /// scheduler's late wake after the last layer + the rest (the last layer's transfer,
-    /// whatever earlier layers still had to move, SUCCESS reaching the decode poll); ms,
-    /// median and p99 room of each part.
-    layerwise_last_wake_ms: [f64; 2],
-    layerwise_after_last_enqueue_ms: [f64; 2],
-    whole_chunk_last_wake_ms: [f64; 2],
-    whole_chunk_after_last_enqueue_ms: [f64; 2],
-}
-
-/// The parts of TTFT past the compute ([`LayerwiseSplit`]): the last wake's lateness and
-/// the rest, ns per room.
-fn tail(k: &KvResult) -> (Vec<u64>, Vec<u64>) {
-    let rest = k
-        .ttft
-        .iter()
-        .zip(&k.compute)
-        .zip(&k.last_late)
-        .map(|((&t, &c), &l)| t.saturating_sub(c + l))
-        .collect();
-    (k.last_late.clone(), rest)
-}
-
-/// Median and p99 of nanoseconds, in ms.
-fn p50_p99(ns: &[u64]) -> [f64; 2] {
-    let v = sorted(ns);
-    [pct_ms(&v, 0.5), pct_ms(&v, 0.99)]
-}
-
-/// Each room's TTFT over its compute alone, sorted.
-fn over_compute(k: &KvResult) -> Vec<f64> {
-    let mut v: Vec<f64> = k
-        .ttft
-        .iter()
-        .zip(&k.compute)
-        .map(|(&t, &c)| t as f64 / c as f64)
-        .collect();
-    v.sort_unstable_by(f64::total_cmp);
-    v
-}
-
-pub fn layerwise_split(p: &Params, r: &Report) -> Option<LayerwiseSplit> {
-    if !p.layerwise {
-        return None;
-    }
-    let total = |computing: bool, by_layer: bool| {
-        let mut t = KvResult::default();
-        r.phases
-            .iter()
-            .filter(|k| {
-                (k.feed.compute_us_per_layer > 0) == computing && k.feed.by_layer == by_layer
-            })
-            .for_each(|k| t.absorb(k));
-        t
-    };
-    let (lw, wc) = (total(true, true), total(true, false));
-    let (bulk_lw, bulk_wc) = (total(false, true), total(false, false));
-    // Adjacent phases of one kind (with or without compute), one of each way of sending.
-    let per_pair = |computing: bool, f: &dyn Fn(&KvResult, &KvResult) -> f64| -> Vec<f64> {
-        r.phases
-            .chunks_exact(2)
-            .filter(|w| (w[0].feed.compute_us_per_layer > 0) == computing)
-            .filter_map(|w| {
-                let (l, c) = if w[0].feed.by_layer {
-                    (&w[0], &w[1])
-                } else {
-                    (&w[1], &w[0])
-                };
-                (l.feed.by_layer && !c.feed.by_layer).then(|| f(l, c))
-            })
-            .collect()
-    };
-    let p50 = |k: &KvResult| pct_ms(&sorted(&k.ttft), 0.5);
-    let p99 = |k: &KvResult| pct_ms(&sorted(&k.ttft), 0.99);
-    let (lw_over, wc_over) = (over_compute(&lw), over_compute(&wc));
-    let late = sorted(&lw.late.iter().chain(&wc.late).copied().collect::<Vec<_>>());
-    let late_us = |q: f64| pct_ms(&late, q) * 1e3;
-    let (lw_wake, lw_rest) = tail(&lw);
-    let (wc_wake, wc_rest) = tail(&wc);
-    Some(LayerwiseSplit {
-        compute_us_per_layer: p.compute_us_per_layer,
-        compute_ms: pct_ms(
-            &sorted(
-                &lw.compute
-                    .iter()
-                    .chain(&wc.compute)
-                    .copied()
-                    .collect::<Vec<_>>(),
-            ),
-            0.5,
-        ),
-        layerwise_ttft_ms: Latency::of(&lw.ttft),
-        whole_chunk_ttft_ms: Latency::of(&wc.ttft),
-        layerwise_over_compute_p50: pct(&lw_over, 0.5),
-        layerwise_over_compute_p99: pct(&lw_over, 0.99),
-        whole_chunk_over_compute_p50: pct(&wc_over, 0.5),
-        whole_chunk_over_compute_p99: pct(&wc_over, 0.99),
-        reduction_p50: 1.0 - p50(&lw) / p50(&wc),
-        reduction_p99: 1.0 - p99(&lw) / p99(&wc),
-        layerwise_over_compute_p50_per_pair: per_pair(true, &|l, _| pct(&over_compute(l), 0.5)),
-        reduction_p50_per_pair: per_pair(true, &|l, c| 1.0 - p50(l) / p50(c)),
-        bulk_layerwise_gbps: bulk_lw.gbps(),
-        bulk_whole_chunk_gbps: bulk_wc.gbps(),
-        bulk_gbps_ratio: bulk_lw.gbps() / bulk_wc.gbps(),
-        bulk_gbps_ratio_per_pair: per_pair(false, &|l, c| l.gbps() / c.gbps()),
-        compute_late_us: LateUs {
-            p50: late_us(0.5),
-            p99: late_us(0.99),
-            max: late_us(1.0),
-            n: late.len(),
-        },
-        layerwise_last_wake_ms: p50_p99(&lw_wake),
-        layerwise_after_last_enqueue_ms: p50_p99(&lw_rest),
-        whole_chunk_last_wake_ms: p50_p99(&wc_wake),
-        whole_chunk_after_last_enqueue_ms: p50_p99(&wc_rest),
-    })
-}
-
-fn min_max(v: &[f64]) -> (f64, f64) {
+pub(crate) fn min_max(v: &[f64]) -> (f64, f64) {
     v.iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
             (a.min(x), b.max(x))
@@ -330,7 +177,7 @@ fn min_max(v: &[f64]) -> (f64, f64) {
 }
 
 /// The figures derived from a report.
-pub struct Derived {
+struct Derived {
     /// Each kvxfer phase against the mean of the TCP baselines on either side of it.
     pub phase_ratios: Vec<f64>,
     pub tcp_gbps: f64,
@@ -362,7 +209,7 @@ pub fn engine_cpu_s(k: &KvResult) -> f64 {
     k.decode.secs() - k.decode_bench().secs() + k.prefill.secs() - k.prefill_driver.secs()
 }
 
-pub fn derive(r: &Report) -> Derived {
+fn derive(r: &Report) -> Derived {
     let phase_ratios = r
         .phases
         .iter()
@@ -402,73 +249,86 @@ pub fn derive(r: &Report) -> Derived {
     }
 }
 
-/// The `--json` line: one object, its keys listed in docs/BENCHMARKS.md.
+/// What a run measured, computed once from its [`Report`]: the `--json` line is this
+/// object (its keys listed in docs/BENCHMARKS.md), and the human table is written from it
+/// (`human.rs`).
 #[derive(Serialize)]
-struct Json<'a> {
-    preset: &'a str,
-    transport: &'a str,
-    same_host: &'a str,
-    integrity: &'a str,
-    verify: &'static str,
-    verify_priority: &'static str,
-    bytes: u64,
-    bytes_checked: u64,
-    seconds: f64,
-    gbps: f64,
-    baseline_tcp_gbps: f64,
-    baseline_memcpy_gbps: f64,
-    baseline_tcp_runs_gbps: Vec<f64>,
-    baseline_memcpy_runs_gbps: Vec<f64>,
-    baseline_memcpy_pages_gbps: Option<f64>,
-    ratio_vs_memcpy_pages: Option<f64>,
-    ratio_vs_tcp: f64,
-    kvxfer_runs_gbps: Vec<f64>,
-    ratio_vs_tcp_per_phase: &'a [f64],
-    ratio_vs_memcpy: f64,
-    auth: &'static str,
+pub struct Model {
+    pub preset: String,
+    pub transport: String,
+    pub same_host: String,
+    pub integrity: String,
+    pub verify: String,
+    pub verify_priority: String,
+    pub bytes: u64,
+    pub bytes_checked: u64,
+    pub seconds: f64,
+    pub gbps: f64,
+    pub baseline_tcp_gbps: f64,
+    pub baseline_memcpy_gbps: f64,
+    pub baseline_tcp_runs_gbps: Vec<f64>,
+    pub baseline_memcpy_runs_gbps: Vec<f64>,
+    pub baseline_memcpy_pages_gbps: Option<f64>,
+    pub ratio_vs_memcpy_pages: Option<f64>,
+    pub ratio_vs_tcp: f64,
+    pub kvxfer_runs_gbps: Vec<f64>,
+    pub ratio_vs_tcp_per_phase: Vec<f64>,
+    pub ratio_vs_memcpy: f64,
+    pub auth: String,
     /// `--tls`: the "on" engines also ran TLS and encrypt_data.
-    tls: bool,
-    kvxfer_runs_auth: Vec<bool>,
-    kvxfer_runs_rooms_per_sec: Vec<f64>,
-    auth_on_vs_off: Option<AuthSplit>,
-    prefill_tp: usize,
-    decode_tp: usize,
+    pub tls: bool,
+    pub kvxfer_runs_auth: Vec<bool>,
+    pub kvxfer_runs_rooms_per_sec: Vec<f64>,
+    pub auth_on_vs_off: Option<AuthSplit>,
+    pub prefill_tp: usize,
+    pub decode_tp: usize,
     /// "hnd" or "nhd" between layouts, null at TP 1 -> 1 (whole pages copied).
-    page_order: Option<&'static str>,
-    decode_page_tokens: usize,
-    tp_vs_equal: Option<TpSplit>,
-    layerwise: Option<LayerwiseSplit>,
-    cpu_ratio_vs_tcp: f64,
-    cores_busy: CoresBusy,
-    loadavg: [f64; 2],
-    pool_pages: &'static str,
-    decode_pool_huge_fraction: Option<f64>,
-    rooms: u64,
-    rooms_ok: u64,
-    rooms_per_sec: f64,
-    latency_ms: Latency,
-    latency_basis: &'static str,
-    latency_decode_ms: Latency,
-    latency_prefill_ms: Latency,
-    first_byte_ms: Latency,
-    first_byte_basis: &'static str,
-    first_byte_seen_at_success: u64,
-    failed_by_reason: &'a BTreeMap<String, u64>,
-    prefill_failed_by_reason: &'a BTreeMap<String, u64>,
-    expected_failures: u64,
-    unexpected_failures: u64,
-    prefill_expected_failures: u64,
-    prefill_unexpected_failures: u64,
-    aborts_planned: u64,
-    aborts_too_late: u64,
-    split_prefill_failed_decode_ok: u64,
-    split_prefill_ok_decode_failed: u64,
-    cpu_s_per_gb: CpuPerGb,
-    switches_per_gb: SwitchesPerGb,
-    phases: Vec<PhaseJson>,
-    baseline_tcp_runs: Vec<TcpRunJson>,
-    config: JsonConfig,
-    errors: &'a [String],
+    pub page_order: Option<String>,
+    pub decode_page_tokens: usize,
+    pub tp_vs_equal: Option<TpSplit>,
+    pub layerwise: Option<LayerwiseSplit>,
+    pub cpu_ratio_vs_tcp: f64,
+    pub cores_busy: CoresBusy,
+    pub loadavg: [f64; 2],
+    pub pool_pages: &'static str,
+    pub decode_pool_huge_fraction: Option<f64>,
+    pub rooms: u64,
+    pub rooms_ok: u64,
+    pub rooms_per_sec: f64,
+    pub latency_ms: Latency,
+    pub latency_basis: &'static str,
+    pub latency_decode_ms: Latency,
+    pub latency_prefill_ms: Latency,
+    pub first_byte_ms: Latency,
+    pub first_byte_basis: &'static str,
+    pub first_byte_seen_at_success: u64,
+    pub failed_by_reason: BTreeMap<String, u64>,
+    pub prefill_failed_by_reason: BTreeMap<String, u64>,
+    pub expected_failures: u64,
+    pub unexpected_failures: u64,
+    pub prefill_expected_failures: u64,
+    pub prefill_unexpected_failures: u64,
+    pub aborts_planned: u64,
+    pub aborts_too_late: u64,
+    pub split_prefill_failed_decode_ok: u64,
+    pub split_prefill_ok_decode_failed: u64,
+    pub cpu_s_per_gb: CpuPerGb,
+    pub switches_per_gb: SwitchesPerGb,
+    pub phases: Vec<PhaseRow>,
+    pub baseline_tcp_runs: Vec<TcpRun>,
+    pub config: RunConfig,
+    pub errors: Vec<String>,
+    /// Both processes on one host (cross-process latencies were measured). Not in the
+    /// JSON line: `latency_basis` says it.
+    #[serde(skip)]
+    pub one_host: bool,
+    /// The CPU of both sides' TCP streams together, per GB streamed; and of the
+    /// benchmark's own threads in the kvxfer phases, per GB delivered (decode / prefill).
+    /// Not in the JSON line: the parts are.
+    #[serde(skip)]
+    pub tcp_cpu_s_per_gb: f64,
+    #[serde(skip)]
+    pub bench_threads: [PerGb; 2],
 }
 
 const FIRST_BYTE_BASIS: &str = "first enqueue (prefill) to the decode side's first poll that \
@@ -477,52 +337,52 @@ const FIRST_BYTE_BASIS: &str = "first enqueue (prefill) to the decode side's fir
 /// CPU seconds per wall second: both processes, and the whole host (the processes, the
 /// kernel's threads, anything else running).
 #[derive(Serialize)]
-struct CoresBusy {
-    kvxfer: f64,
-    baseline_tcp: f64,
-    host_kvxfer: Option<f64>,
-    host_baseline_tcp: Option<f64>,
+pub struct CoresBusy {
+    pub kvxfer: f64,
+    pub baseline_tcp: f64,
+    pub host_kvxfer: Option<f64>,
+    pub host_baseline_tcp: Option<f64>,
 }
 
 /// CPU seconds per GB delivered (the baselines': per GB streamed).
 #[derive(Serialize)]
-struct CpuPerGb {
-    decode: f64,
-    decode_verify: f64,
-    decode_driver: f64,
-    prefill_driver: f64,
-    engines: f64,
-    decode_sys: f64,
-    prefill: f64,
-    prefill_sys: f64,
-    baseline_tcp_recv: f64,
-    baseline_tcp_send: f64,
+pub struct CpuPerGb {
+    pub decode: f64,
+    pub decode_verify: f64,
+    pub decode_driver: f64,
+    pub prefill_driver: f64,
+    pub engines: f64,
+    pub decode_sys: f64,
+    pub prefill: f64,
+    pub prefill_sys: f64,
+    pub baseline_tcp_recv: f64,
+    pub baseline_tcp_send: f64,
 }
 
 /// Context switches per GB over every kvxfer phase (the baselines': per GB streamed):
 /// each process, and the benchmark's own threads inside it.
 #[derive(Serialize)]
-struct SwitchesPerGb {
-    decode_voluntary: f64,
-    decode_involuntary: f64,
-    decode_bench_voluntary: f64,
-    decode_bench_involuntary: f64,
-    prefill_voluntary: f64,
-    prefill_involuntary: f64,
-    prefill_bench_voluntary: f64,
-    prefill_bench_involuntary: f64,
-    baseline_tcp_recv_voluntary: f64,
-    baseline_tcp_recv_involuntary: f64,
-    baseline_tcp_send_voluntary: f64,
-    baseline_tcp_send_involuntary: f64,
+pub struct SwitchesPerGb {
+    pub decode_voluntary: f64,
+    pub decode_involuntary: f64,
+    pub decode_bench_voluntary: f64,
+    pub decode_bench_involuntary: f64,
+    pub prefill_voluntary: f64,
+    pub prefill_involuntary: f64,
+    pub prefill_bench_voluntary: f64,
+    pub prefill_bench_involuntary: f64,
+    pub baseline_tcp_recv_voluntary: f64,
+    pub baseline_tcp_recv_involuntary: f64,
+    pub baseline_tcp_send_voluntary: f64,
+    pub baseline_tcp_send_involuntary: f64,
 }
 
 /// What one process (or some of its threads) used over a phase, per GB moved.
 #[derive(Serialize)]
-struct PerGb {
-    cpu_s_per_gb: f64,
-    voluntary_switches_per_gb: f64,
-    involuntary_switches_per_gb: f64,
+pub struct PerGb {
+    pub cpu_s_per_gb: f64,
+    pub voluntary_switches_per_gb: f64,
+    pub involuntary_switches_per_gb: f64,
 }
 
 impl PerGb {
@@ -538,63 +398,63 @@ impl PerGb {
 /// A process over a kvxfer phase, and the benchmark's threads in it (decode: the
 /// checkers and the scheduler loop; prefill: the scheduler loop).
 #[derive(Serialize)]
-struct ProcessJson {
+pub struct Process {
     #[serde(flatten)]
-    all: PerGb,
-    bench_threads: PerGb,
+    pub all: PerGb,
+    pub bench_threads: PerGb,
 }
 
 /// One kvxfer phase on its own.
 #[derive(Serialize)]
-struct PhaseJson {
-    phase: usize,
-    auth: bool,
+pub struct PhaseRow {
+    pub phase: usize,
+    pub auth: bool,
     /// A phase of the TP ranks (false: the equal-TP comparison, or no TP).
-    tp: bool,
+    pub tp: bool,
     /// `--layerwise`: whether the phase enqueued layer by layer, its compute per layer
     /// (0: a bulk phase), and its rooms' time-to-first-token (null otherwise).
-    layerwise: Option<bool>,
-    compute_us_per_layer: Option<u64>,
-    ttft_ms: Latency,
-    runs_per_page: f64,
-    gb: f64,
-    gbps: f64,
-    rooms_per_sec: f64,
-    first_byte_ms: Latency,
-    decode: ProcessJson,
-    prefill: ProcessJson,
+    pub layerwise: Option<bool>,
+    pub compute_us_per_layer: Option<u64>,
+    pub ttft_ms: Latency,
+    pub runs_per_page: f64,
+    pub gb: f64,
+    pub gbps: f64,
+    pub rooms_per_sec: f64,
+    pub first_byte_ms: Latency,
+    pub decode: Process,
+    pub prefill: Process,
 }
 
 /// One TCP baseline on its own.
 #[derive(Serialize)]
-struct TcpRunJson {
-    run: usize,
-    gb: f64,
-    gbps: f64,
-    decode: PerGb,
-    prefill: PerGb,
+pub struct TcpRun {
+    pub run: usize,
+    pub gb: f64,
+    pub gbps: f64,
+    pub decode: PerGb,
+    pub prefill: PerGb,
 }
 
 #[derive(Serialize)]
-struct JsonConfig {
-    layers: usize,
-    buffers: usize,
-    item_len: usize,
-    page_tokens: usize,
-    prompt_min: usize,
-    prompt_max: usize,
-    chunk_tokens: usize,
-    concurrency: usize,
-    abort_rate: f64,
-    conns: usize,
+pub struct RunConfig {
+    pub layers: usize,
+    pub buffers: usize,
+    pub item_len: usize,
+    pub page_tokens: usize,
+    pub prompt_min: usize,
+    pub prompt_max: usize,
+    pub chunk_tokens: usize,
+    pub concurrency: usize,
+    pub abort_rate: f64,
+    pub conns: usize,
     /// A count, or "default".
-    workers: serde_json::Value,
-    quick: bool,
+    pub workers: serde_json::Value,
+    pub quick: bool,
 }
 
-fn phase_json(i: usize, k: &KvResult) -> PhaseJson {
+fn phase_row(i: usize, k: &KvResult) -> PhaseRow {
     let gb = k.gb();
-    PhaseJson {
+    PhaseRow {
         phase: i + 1,
         auth: k.auth,
         tp: k.tp,
@@ -606,578 +466,201 @@ fn phase_json(i: usize, k: &KvResult) -> PhaseJson {
         gbps: k.gbps(),
         rooms_per_sec: k.rooms_per_sec(),
         first_byte_ms: Latency::of(&k.lat_first),
-        decode: ProcessJson {
+        decode: Process {
             all: PerGb::of(k.decode, gb),
             bench_threads: PerGb::of(k.decode_bench(), gb),
         },
-        prefill: ProcessJson {
+        prefill: Process {
             all: PerGb::of(k.prefill, gb),
             bench_threads: PerGb::of(k.prefill_driver, gb),
         },
     }
 }
 
-pub fn json(p: &Params, r: &Report) -> String {
-    let d = derive(r);
-    let k = &r.kv;
-    let gbps = k.gbps();
+fn tcp_run(i: usize, m: &Measured, send: Usage) -> TcpRun {
+    let gb = m.bytes as f64 / 1e9;
+    TcpRun {
+        run: i + 1,
+        gb,
+        gbps: m.gbps(),
+        decode: PerGb::of(m.usage, gb),
+        prefill: PerGb::of(send, gb),
+    }
+}
+
+fn cpu_per_gb(k: &KvResult, d: &Derived) -> CpuPerGb {
     let per_gb = |s: f64| s / d.gb;
-    let (lat, basis) = if r.same_host {
-        (&k.lat_e2e, "first enqueue (prefill) to decode SUCCESS")
-    } else {
-        (&k.lat_decode, "decode set_destination to decode SUCCESS")
-    };
+    CpuPerGb {
+        decode: per_gb(k.decode.secs()),
+        decode_verify: per_gb(k.verify.secs()),
+        decode_driver: per_gb(k.driver.secs()),
+        prefill_driver: per_gb(k.prefill_driver.secs()),
+        engines: per_gb(engine_cpu_s(k)),
+        decode_sys: per_gb(k.decode.sys_secs()),
+        prefill: per_gb(k.prefill.secs()),
+        prefill_sys: per_gb(k.prefill.sys_secs()),
+        baseline_tcp_recv: d.tcp_recv.secs() / d.tcp_gb,
+        baseline_tcp_send: d.tcp_send.secs() / d.tcp_gb,
+    }
+}
+
+fn switches_per_gb(k: &KvResult, d: &Derived) -> SwitchesPerGb {
+    let per_gb = |n: u64| n as f64 / d.gb;
+    let per_tcp_gb = |n: u64| n as f64 / d.tcp_gb;
     let (kb, pb, tr, ts) = (k.decode_bench(), k.prefill_driver, d.tcp_recv, d.tcp_send);
-    let j = Json {
-        preset: &p.preset,
-        transport: &p.transport,
-        same_host: &p.same_host,
-        integrity: &p.integrity,
-        verify: p.verify.name(),
-        verify_priority: p.verify_priority.name(),
-        bytes: k.bytes,
-        bytes_checked: k.bytes_checked,
-        seconds: k.secs,
-        gbps,
-        baseline_tcp_gbps: d.tcp_gbps,
-        baseline_memcpy_gbps: d.memcpy_gbps,
-        baseline_tcp_runs_gbps: r.tcp.iter().map(Measured::gbps).collect(),
-        baseline_memcpy_runs_gbps: r.memcpy.iter().map(Measured::gbps).collect(),
-        baseline_memcpy_pages_gbps: d.memcpy_pages_gbps,
-        ratio_vs_memcpy_pages: d.memcpy_pages_gbps.map(|m| gbps / m),
-        ratio_vs_tcp: gbps / d.tcp_gbps,
-        kvxfer_runs_gbps: r.phases.iter().map(KvResult::gbps).collect(),
-        ratio_vs_tcp_per_phase: &d.phase_ratios,
-        ratio_vs_memcpy: gbps / d.memcpy_gbps,
-        auth: p.auth.name(),
-        tls: p.tls,
-        kvxfer_runs_auth: r.phases.iter().map(|k| k.auth).collect(),
-        kvxfer_runs_rooms_per_sec: r.phases.iter().map(KvResult::rooms_per_sec).collect(),
-        auth_on_vs_off: auth_split(r),
-        prefill_tp: p.prefill_tp,
-        decode_tp: p.decode_tp,
-        page_order: p.layouts().then(|| p.page_order.name()),
-        decode_page_tokens: p.side_page_tokens(Side::Decode),
-        tp_vs_equal: tp_split(p, r),
-        layerwise: layerwise_split(p, r),
-        cpu_ratio_vs_tcp: d.cpu_ratio,
-        cores_busy: CoresBusy {
-            kvxfer: d.kv_cores,
-            baseline_tcp: d.tcp_cores,
-            host_kvxfer: d.host_kv_cores,
-            host_baseline_tcp: d.host_tcp_cores,
-        },
-        loadavg: [r.loadavg.0, r.loadavg.1],
-        pool_pages: r.pool_pages,
-        decode_pool_huge_fraction: r.pool_huge_fraction,
-        rooms: k.rooms,
-        rooms_ok: k.ok,
-        rooms_per_sec: k.rooms_per_sec(),
-        latency_ms: Latency::of(lat),
-        latency_basis: basis,
-        latency_decode_ms: Latency::of(&k.lat_decode),
-        latency_prefill_ms: Latency::of(&k.lat_prefill),
-        first_byte_ms: Latency::of(&k.lat_first),
-        first_byte_basis: FIRST_BYTE_BASIS,
-        first_byte_seen_at_success: k.first_at_success,
-        failed_by_reason: &k.failed,
-        prefill_failed_by_reason: &k.prefill_failed,
-        expected_failures: k.expected,
-        unexpected_failures: k.unexpected,
-        prefill_expected_failures: k.prefill_expected,
-        prefill_unexpected_failures: k.prefill_unexpected,
-        aborts_planned: k.aborts_planned,
-        aborts_too_late: k.aborts_too_late,
-        split_prefill_failed_decode_ok: k.split_prefill_failed_decode_ok,
-        split_prefill_ok_decode_failed: k.split_prefill_ok_decode_failed,
-        cpu_s_per_gb: CpuPerGb {
-            decode: per_gb(k.decode.secs()),
-            decode_verify: per_gb(k.verify.secs()),
-            decode_driver: per_gb(k.driver.secs()),
-            prefill_driver: per_gb(k.prefill_driver.secs()),
-            engines: per_gb(engine_cpu_s(k)),
-            decode_sys: per_gb(k.decode.sys_secs()),
-            prefill: per_gb(k.prefill.secs()),
-            prefill_sys: per_gb(k.prefill.sys_secs()),
-            baseline_tcp_recv: tr.secs() / d.tcp_gb,
-            baseline_tcp_send: ts.secs() / d.tcp_gb,
-        },
-        switches_per_gb: SwitchesPerGb {
-            decode_voluntary: per_gb(k.decode.voluntary as f64),
-            decode_involuntary: per_gb(k.decode.involuntary as f64),
-            decode_bench_voluntary: per_gb(kb.voluntary as f64),
-            decode_bench_involuntary: per_gb(kb.involuntary as f64),
-            prefill_voluntary: per_gb(k.prefill.voluntary as f64),
-            prefill_involuntary: per_gb(k.prefill.involuntary as f64),
-            prefill_bench_voluntary: per_gb(pb.voluntary as f64),
-            prefill_bench_involuntary: per_gb(pb.involuntary as f64),
-            baseline_tcp_recv_voluntary: tr.voluntary as f64 / d.tcp_gb,
-            baseline_tcp_recv_involuntary: tr.involuntary as f64 / d.tcp_gb,
-            baseline_tcp_send_voluntary: ts.voluntary as f64 / d.tcp_gb,
-            baseline_tcp_send_involuntary: ts.involuntary as f64 / d.tcp_gb,
-        },
-        phases: r
-            .phases
-            .iter()
-            .enumerate()
-            .map(|(i, k)| phase_json(i, k))
-            .collect(),
-        baseline_tcp_runs: r
-            .tcp
-            .iter()
-            .zip(&r.tcp_send)
-            .enumerate()
-            .map(|(i, (m, send))| {
-                let gb = m.bytes as f64 / 1e9;
-                TcpRunJson {
-                    run: i + 1,
-                    gb,
-                    gbps: m.gbps(),
-                    decode: PerGb::of(m.usage, gb),
-                    prefill: PerGb::of(*send, gb),
-                }
-            })
-            .collect(),
-        config: JsonConfig {
-            layers: p.layers,
-            buffers: p.n_buffers(),
-            item_len: p.item_len(),
-            page_tokens: p.page_tokens,
-            prompt_min: p.prompt_min,
-            prompt_max: p.prompt_max,
-            chunk_tokens: p.chunk_tokens,
-            concurrency: p.concurrency,
-            abort_rate: p.abort_rate,
-            conns: p.conns,
-            workers: p.workers.map_or("default".into(), Into::into),
-            quick: p.quick,
-        },
-        errors: &k.errors,
-    };
-    serde_json::to_string(&j).expect("a report is plain data")
-}
-
-/// The rows of the `--layerwise` comparison.
-fn layerwise_rows(p: &Params, l: &LayerwiseSplit) -> String {
-    let mut o = String::new();
-    let chunks = p.chunks_for(p.pages_for(p.prompt_max));
-    let _ = writeln!(
-        o,
-        "  layer by layer: {} us x {} layers x {} chunk(s) = {:.3} ms of compute per room \
-         (median room)",
-        l.compute_us_per_layer, p.layers, chunks, l.compute_ms
-    );
-    let ttft = |name: &str, t: &Latency, r50: f64, r99: f64| {
-        format!(
-            "  {name:<36} p50 {:>9.3}  p99 {:>9.3} ms   {r50:.3}x / {r99:.3}x the compute alone \
-             (median / p99 room)\n",
-            t.p50, t.p99
-        )
-    };
-    o.push_str(&ttft(
-        "TTFT, layer-wise",
-        &l.layerwise_ttft_ms,
-        l.layerwise_over_compute_p50,
-        l.layerwise_over_compute_p99,
-    ));
-    o.push_str(&ttft(
-        "TTFT, whole-chunk",
-        &l.whole_chunk_ttft_ms,
-        l.whole_chunk_over_compute_p50,
-        l.whole_chunk_over_compute_p99,
-    ));
-    let (lo, hi) = min_max(&l.reduction_p50_per_pair);
-    let (clo, chi) = min_max(&l.layerwise_over_compute_p50_per_pair);
-    let _ = writeln!(
-        o,
-        "  {:<36} p50 {:>8.1}%  p99 {:>8.1}%      pairs of phases: {:.1}%..{:.1}% lower, \
-         layer-wise {clo:.3}x..{chi:.3}x the compute",
-        "TTFT, layer-wise lower by",
-        l.reduction_p50 * 100.0,
-        l.reduction_p99 * 100.0,
-        lo * 100.0,
-        hi * 100.0
-    );
-    let (blo, bhi) = min_max(&l.bulk_gbps_ratio_per_pair);
-    let _ = writeln!(
-        o,
-        "  {:<36} {:>8.3} {:>9}   whole-chunk {:.3} GB/s; pairs of phases {blo:.3}x..{bhi:.3}x",
-        "kvxfer, no compute, layer-wise / whole",
-        l.bulk_layerwise_gbps,
-        format!("{:.3}x", l.bulk_gbps_ratio),
-        l.bulk_whole_chunk_gbps
-    );
-    let part = |x: [f64; 2]| format!("{:.3} / {:.3}", x[0], x[1]);
-    let _ = writeln!(
-        o,
-        "  TTFT past the compute, p50 / p99 ms: layer-wise: last wake late {}, after the last \
-         enqueue {}; whole-chunk: {}, {}",
-        part(l.layerwise_last_wake_ms),
-        part(l.layerwise_after_last_enqueue_ms),
-        part(l.whole_chunk_last_wake_ms),
-        part(l.whole_chunk_after_last_enqueue_ms)
-    );
-    let c = &l.compute_late_us;
-    let _ = writeln!(
-        o,
-        "  compute sleeps (clock_nanosleep to each layer's end, 1 ns timer slack) woke late by \
-         p50 {:.1} p99 {:.1} max {:.1} us over {} layers",
-        c.p50, c.p99, c.max, c.n
-    );
-    o
-}
-
-fn ratio(x: f64, base: f64) -> String {
-    if base.is_finite() && base > 0.0 {
-        format!("{:.2}x", x / base)
-    } else {
-        "-".into()
+    SwitchesPerGb {
+        decode_voluntary: per_gb(k.decode.voluntary),
+        decode_involuntary: per_gb(k.decode.involuntary),
+        decode_bench_voluntary: per_gb(kb.voluntary),
+        decode_bench_involuntary: per_gb(kb.involuntary),
+        prefill_voluntary: per_gb(k.prefill.voluntary),
+        prefill_involuntary: per_gb(k.prefill.involuntary),
+        prefill_bench_voluntary: per_gb(pb.voluntary),
+        prefill_bench_involuntary: per_gb(pb.involuntary),
+        baseline_tcp_recv_voluntary: per_tcp_gb(tr.voluntary),
+        baseline_tcp_recv_involuntary: per_tcp_gb(tr.involuntary),
+        baseline_tcp_send_voluntary: per_tcp_gb(ts.voluntary),
+        baseline_tcp_send_involuntary: per_tcp_gb(ts.involuntary),
     }
 }
 
-/// Two figures of a row of the per-GB block: "decode / prefill".
-fn pair(a: f64, b: f64, decimals: usize) -> String {
-    format!("{a:.decimals$} / {b:.decimals$}")
+fn run_config(p: &Params) -> RunConfig {
+    RunConfig {
+        layers: p.layers,
+        buffers: p.n_buffers(),
+        item_len: p.item_len(),
+        page_tokens: p.page_tokens,
+        prompt_min: p.prompt_min,
+        prompt_max: p.prompt_max,
+        chunk_tokens: p.chunk_tokens,
+        concurrency: p.concurrency,
+        abort_rate: p.abort_rate,
+        conns: p.conns,
+        workers: p.workers.map_or("default".into(), Into::into),
+        quick: p.quick,
+    }
 }
 
-pub fn human(p: &Params, r: &Report) -> String {
-    let d = derive(r);
-    let k = &r.kv;
-    let mut o = String::new();
-    let _ = writeln!(
-        o,
-        "\nkvxfer-bench {}  (transport {}, same_host {}, integrity {}, verify {} at {} \
-         priority, {} connection(s) per peer, workers {}, auth {}{})",
-        p.preset,
-        p.transport,
-        p.same_host,
-        p.integrity,
-        p.verify.name(),
-        p.verify_priority.name(),
-        p.conns,
-        p.workers.map_or("default".to_string(), |w| w.to_string()),
-        p.auth.name(),
-        if p.tls {
-            ", with TLS and encrypt_data"
+impl Model {
+    /// The figures of run `r` of `p`.
+    pub fn of(p: &Params, r: &Report) -> Model {
+        let d = derive(r);
+        let k = &r.kv;
+        let (lat, basis) = if r.same_host {
+            (&k.lat_e2e, "first enqueue (prefill) to decode SUCCESS")
         } else {
-            ""
-        }
-    );
-    let _ = writeln!(o, "  {}", p.shape_line());
-    let _ = writeln!(
-        o,
-        "  host load average {:.2} before, {:.2} after (2 cores here: other work shares them)",
-        r.loadavg.0, r.loadavg.1
-    );
-    let _ = writeln!(
-        o,
-        "  pools and baseline buffers on {} pages{}",
-        r.pool_pages,
-        r.pool_huge_fraction.map_or(String::new(), |f| format!(
-            " ({:.0}% of the decode pool in huge pages)",
-            f * 100.0
-        ))
-    );
-    let _ = writeln!(
-        o,
-        "  {:<36} {:>8} {:>9}   CPU s per GB, decode process / prefill process",
-        "", "GB/s", "kvxfer/x"
-    );
-    let _ = writeln!(
-        o,
-        "  {:<36} {:>8.3} {:>9}   {:.3} / {:.3} (checker {:.3}, scheduler loops {:.3} + {:.3})",
-        "kvxfer, delivered and verified",
-        k.gbps(),
-        "",
-        k.decode.secs() / d.gb,
-        k.prefill.secs() / d.gb,
-        k.verify.secs() / d.gb,
-        k.driver.secs() / d.gb,
-        k.prefill_driver.secs() / d.gb
-    );
-    let mut tp_name = format!("TP {}->{}", p.prefill_tp, p.decode_tp);
-    if p.side_page_tokens(Side::Decode) != p.page_tokens {
-        tp_name += &format!(
-            " pages {}->{}",
-            p.page_tokens,
-            p.side_page_tokens(Side::Decode)
-        );
-    }
-    let phase_name = |i: usize, ph: &KvResult| {
-        let auth = match (p.auth, ph.auth) {
-            (Auth::Both, true) if p.tls => ", auth+tls+encrypt",
-            (Auth::Both, true) => ", auth on",
-            (Auth::Both, false) => ", auth off",
-            _ => "",
+            (&k.lat_decode, "decode set_destination to decode SUCCESS")
         };
-        let feed = ph.feed.name();
-        let tp = match (p.layouts(), ph.tp) {
-            (false, _) if ph.feed.simulate => &feed,
-            (false, _) => "",
-            (true, true) => &tp_name,
-            (true, false) => "TP 1->1",
-        };
-        format!(
-            "kvxfer, phase {}{auth}{}{tp}",
-            i + 1,
-            if tp.is_empty() { "" } else { ", " }
-        )
-    };
-    for (i, ph) in r.phases.iter().enumerate() {
-        // On one host only (across hosts the two clocks differ).
-        let first = sorted(&ph.lat_first);
-        let mut first = if first.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; first byte p50 {:.3} p99 {:.3} ms",
-                pct_ms(&first, 0.5),
-                pct_ms(&first, 0.99)
-            )
-        };
-        if !ph.ttft.is_empty() && ph.feed.compute_us_per_layer > 0 {
-            let t = sorted(&ph.ttft);
-            first += &format!(
-                "; TTFT p50 {:.3} p99 {:.3} ms",
-                pct_ms(&t, 0.5),
-                pct_ms(&t, 0.99)
-            );
-        }
-        let _ = writeln!(
-            o,
-            "  {:<36} {:>8.3} {:>9}   {:.0} rooms/s, {:.3} runs/page{first}",
-            phase_name(i, ph),
-            ph.gbps(),
-            d.phase_ratios
-                .get(i)
-                .map_or(String::new(), |x| format!("{x:.2}x tcp")),
-            ph.rooms_per_sec(),
-            ph.runs_per_page(),
-        );
-    }
-    if let Some(t) = tp_split(p, r) {
-        let (lo, hi) = min_max(&t.gbps_ratio_per_pair);
-        let _ = writeln!(
-            o,
-            "  {:<36} {:>8.3} {:>9}   pairs of phases {lo:.3}x..{hi:.3}x; {:.0} / {:.0} rooms/s = \
-             {:.3}x; runs/page {:.3} / {:.3}",
-            format!("kvxfer, {tp_name} / 1->1"),
-            t.tp_gbps,
-            format!("{:.3}x", t.gbps_ratio),
-            t.tp_rooms_per_sec,
-            t.equal_rooms_per_sec,
-            t.rooms_per_sec_ratio,
-            t.tp_runs_per_page,
-            t.equal_runs_per_page
-        );
-        if t.tp_bytes_per_room != t.equal_bytes_per_room {
-            let _ = writeln!(
-                o,
-                "  (the TP phases deliver {:.3}x the bytes per room of the 1->1 phases: heads \
-                 replicated on the decode ranks, or a last decode page of another size)",
-                t.tp_bytes_per_room / t.equal_bytes_per_room
-            );
-        }
-    }
-    if let Some(l) = layerwise_split(p, r) {
-        o.push_str(&layerwise_rows(p, &l));
-    }
-    if let Some(a) = auth_split(r) {
-        let _ = writeln!(
-            o,
-            "  {:<36} {:>8.3} {:>9}   {:.0} / {:.0} rooms/s = {:.3}x",
-            if p.tls {
-                "kvxfer, auth+tls+encrypt / off"
-            } else {
-                "kvxfer, auth on / off"
+        let gbps = k.gbps();
+        Model {
+            preset: p.preset.name(),
+            transport: p.transport.name(),
+            same_host: p.same_host.name(),
+            integrity: p.integrity.name(),
+            verify: p.verify.name(),
+            verify_priority: p.verify_priority.name(),
+            bytes: k.bytes,
+            bytes_checked: k.bytes_checked,
+            seconds: k.secs,
+            gbps,
+            baseline_tcp_gbps: d.tcp_gbps,
+            baseline_memcpy_gbps: d.memcpy_gbps,
+            baseline_tcp_runs_gbps: r.tcp.iter().map(Measured::gbps).collect(),
+            baseline_memcpy_runs_gbps: r.memcpy.iter().map(Measured::gbps).collect(),
+            baseline_memcpy_pages_gbps: d.memcpy_pages_gbps,
+            ratio_vs_memcpy_pages: d.memcpy_pages_gbps.map(|m| gbps / m),
+            ratio_vs_tcp: gbps / d.tcp_gbps,
+            kvxfer_runs_gbps: r.phases.iter().map(KvResult::gbps).collect(),
+            ratio_vs_tcp_per_phase: d.phase_ratios.clone(),
+            ratio_vs_memcpy: gbps / d.memcpy_gbps,
+            auth: p.auth.name(),
+            tls: p.tls,
+            kvxfer_runs_auth: r.phases.iter().map(|k| k.auth).collect(),
+            kvxfer_runs_rooms_per_sec: r.phases.iter().map(KvResult::rooms_per_sec).collect(),
+            auth_on_vs_off: auth_split(r),
+            prefill_tp: p.prefill_tp,
+            decode_tp: p.decode_tp,
+            page_order: p.layouts().then(|| p.page_order.name()),
+            decode_page_tokens: p.side_page_tokens(Side::Decode),
+            tp_vs_equal: tp_split(p, r),
+            layerwise: layerwise_split(p, r, d.tcp_gbps),
+            cpu_ratio_vs_tcp: d.cpu_ratio,
+            cores_busy: CoresBusy {
+                kvxfer: d.kv_cores,
+                baseline_tcp: d.tcp_cores,
+                host_kvxfer: d.host_kv_cores,
+                host_baseline_tcp: d.host_tcp_cores,
             },
-            a.on_gbps,
-            format!("{:.3}x", a.gbps_ratio),
-            a.on_rooms_per_sec,
-            a.off_rooms_per_sec,
-            a.rooms_per_sec_ratio
-        );
-    }
-    for (i, m) in r.tcp.iter().enumerate() {
-        let send = r.tcp_send.get(i).map_or(f64::NAN, |u| u.secs());
-        let gb = m.bytes as f64 / 1e9;
-        let _ = writeln!(
-            o,
-            "  {:<36} {:>8.3} {:>9}   {:.3} / {:.3}",
-            format!("baseline tcp stream, run {}", i + 1),
-            m.gbps(),
-            ratio(k.gbps(), m.gbps()),
-            m.usage.secs() / gb,
-            send / gb
-        );
-    }
-    if !r.tcp.is_empty() {
-        let _ = writeln!(
-            o,
-            "  {:<36} {:>8.3} {:>9}",
-            "baseline tcp stream, mean",
-            d.tcp_gbps,
-            ratio(k.gbps(), d.tcp_gbps)
-        );
-    }
-    for (i, m) in r.memcpy.iter().enumerate() {
-        let _ = writeln!(
-            o,
-            "  {:<36} {:>8.3} {:>9}",
-            format!("baseline memcpy, run {}", i + 1),
-            m.gbps(),
-            ratio(k.gbps(), m.gbps())
-        );
-    }
-    if !r.memcpy.is_empty() {
-        let _ = writeln!(
-            o,
-            "  {:<36} {:>8.3} {:>9}",
-            "baseline memcpy, mean",
-            d.memcpy_gbps,
-            ratio(k.gbps(), d.memcpy_gbps)
-        );
-    }
-    if let Some(m) = d.memcpy_pages_gbps {
-        let _ = writeln!(
-            o,
-            "  {:<36} {:>8.3} {:>9}",
-            format!("memcpy of the pages, {} threads", p.conns),
-            m,
-            ratio(k.gbps(), m)
-        );
-    }
-    if !r.tcp.is_empty() {
-        let _ = writeln!(
-            o,
-            "  CPU per GB, both sides: engines {:.3} s (benchmark threads excluded), tcp stream \
-             {:.3} s: {:.2}x; cores busy: kvxfer {:.2}, tcp stream {:.2}",
-            engine_cpu_s(k) / d.gb,
-            (d.tcp_recv.secs() + d.tcp_send.secs()) / d.tcp_gb,
-            d.cpu_ratio,
-            d.kv_cores,
-            d.tcp_cores
-        );
-        if let (Some(kv), Some(tcp)) = (d.host_kv_cores, d.host_tcp_cores) {
-            let _ = writeln!(
-                o,
-                "  this host's CPUs busy (the kernel's threads too: a loopback stream's \
-                 receive work runs in ksoftirqd): kvxfer {kv:.2}, tcp stream {tcp:.2}"
-            );
+            loadavg: [r.loadavg.0, r.loadavg.1],
+            pool_pages: r.pool_pages,
+            decode_pool_huge_fraction: r.pool_huge_fraction,
+            rooms: k.rooms,
+            rooms_ok: k.ok,
+            rooms_per_sec: k.rooms_per_sec(),
+            latency_ms: Latency::of(lat),
+            latency_basis: basis,
+            latency_decode_ms: Latency::of(&k.lat_decode),
+            latency_prefill_ms: Latency::of(&k.lat_prefill),
+            first_byte_ms: Latency::of(&k.lat_first),
+            first_byte_basis: FIRST_BYTE_BASIS,
+            first_byte_seen_at_success: k.first_at_success,
+            failed_by_reason: k.failed.clone(),
+            prefill_failed_by_reason: k.prefill_failed.clone(),
+            expected_failures: k.expected,
+            unexpected_failures: k.unexpected,
+            prefill_expected_failures: k.prefill_expected,
+            prefill_unexpected_failures: k.prefill_unexpected,
+            aborts_planned: k.aborts_planned,
+            aborts_too_late: k.aborts_too_late,
+            split_prefill_failed_decode_ok: k.split_prefill_failed_decode_ok,
+            split_prefill_ok_decode_failed: k.split_prefill_ok_decode_failed,
+            cpu_s_per_gb: cpu_per_gb(k, &d),
+            switches_per_gb: switches_per_gb(k, &d),
+            phases: r
+                .phases
+                .iter()
+                .enumerate()
+                .map(|(i, k)| phase_row(i, k))
+                .collect(),
+            baseline_tcp_runs: r
+                .tcp
+                .iter()
+                .zip(&r.tcp_send)
+                .enumerate()
+                .map(|(i, (m, send))| tcp_run(i, m, *send))
+                .collect(),
+            config: run_config(p),
+            errors: k.errors.clone(),
+            one_host: r.same_host,
+            tcp_cpu_s_per_gb: (d.tcp_recv.secs() + d.tcp_send.secs()) / d.tcp_gb,
+            bench_threads: [
+                PerGb::of(k.decode_bench(), d.gb),
+                PerGb::of(k.prefill_driver, d.gb),
+            ],
         }
     }
-    // Per GB, each process: CPU and context switches, every phase on its own line.
-    let _ = writeln!(
-        o,
-        "  {:<36} {:>15}  {:>17}  {:>15}",
-        "per GB, decode / prefill process", "CPU s", "vol. switches", "invol. switches"
-    );
-    let mut per_gb = |name: String, dec: Usage, pre: Usage, gb: f64| {
-        let _ = writeln!(
-            o,
-            "  {:<36} {:>15}  {:>17}  {:>15}",
-            name,
-            pair(dec.secs() / gb, pre.secs() / gb, 3),
-            pair(dec.voluntary as f64 / gb, pre.voluntary as f64 / gb, 0),
-            pair(dec.involuntary as f64 / gb, pre.involuntary as f64 / gb, 0)
-        );
-    };
-    for (i, ph) in r.phases.iter().enumerate() {
-        per_gb(phase_name(i, ph), ph.decode, ph.prefill, ph.gb());
+
+    /// The `--json` line.
+    pub fn json(&self) -> String {
+        serde_json::to_string(self).expect("a report is plain data")
     }
-    per_gb(
-        "  of which benchmark threads".into(),
-        k.decode_bench(),
-        k.prefill_driver,
-        d.gb,
-    );
-    for (i, (m, send)) in r.tcp.iter().zip(&r.tcp_send).enumerate() {
-        let name = format!("baseline tcp stream, run {}", i + 1);
-        per_gb(name, m.usage, *send, m.bytes as f64 / 1e9);
-    }
-    let _ = writeln!(
-        o,
-        "  rooms: {} ok of {} started in {:.2} s: {:.1} rooms/s, {:.2} GB delivered and \
-         verified ({:.2} GB checked word by word)",
-        k.ok,
-        k.rooms,
-        k.secs,
-        k.rooms_per_sec(),
-        d.gb,
-        k.bytes_checked as f64 / 1e9
-    );
-    let lat = |name: &str, v: &[u64]| {
-        let v = sorted(v);
-        format!(
-            "  latency {:<44} p50 {:>9.3}  p99 {:>9.3}  p999 {:>9.3}  max {:>9.3} ms\n",
-            name,
-            pct_ms(&v, 0.5),
-            pct_ms(&v, 0.99),
-            pct_ms(&v, 0.999),
-            pct_ms(&v, 1.0)
-        )
-    };
-    if r.same_host {
-        o.push_str(&lat("first enqueue -> decode TRANSFERRING", &k.lat_first));
-        o.push_str(&lat("first enqueue -> decode SUCCESS", &k.lat_e2e));
-    }
-    o.push_str(&lat(
-        "decode set_destination -> decode SUCCESS",
-        &k.lat_decode,
-    ));
-    o.push_str(&lat("first enqueue -> prefill SUCCESS", &k.lat_prefill));
-    if k.first_at_success > 0 {
-        let _ = writeln!(
-            o,
-            "  (first byte: {} of {} rooms went from waiting to SUCCESS between two polls; \
-             their first byte counts as seen at SUCCESS)",
-            k.first_at_success,
-            k.lat_first.len()
-        );
-    }
-    let list = |m: &BTreeMap<String, u64>| {
-        if m.is_empty() {
-            "none".to_string()
-        } else {
-            m.iter()
-                .map(|(k, v)| format!("{k} {v}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        }
-    };
-    let _ = writeln!(
-        o,
-        "  failed (decode side): {}; expected (planned aborts) {}, unexpected {}",
-        list(&k.failed),
-        k.expected,
-        k.unexpected
-    );
-    let _ = writeln!(
-        o,
-        "  failed (prefill side): {}; expected {}, unexpected {}; aborts planned {}, too late \
-         to fail {}",
-        list(&k.prefill_failed),
-        k.prefill_expected,
-        k.prefill_unexpected,
-        k.aborts_planned,
-        k.aborts_too_late
-    );
-    let _ = writeln!(
-        o,
-        "  outcomes that differ between the sides: decode SUCCESS with prefill FAILED {}, \
-         prefill SUCCESS with decode FAILED {}",
-        k.split_prefill_failed_decode_ok, k.split_prefill_ok_decode_failed
-    );
-    for e in &k.errors {
-        let _ = writeln!(o, "  error: {e}");
-    }
-    o
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::args::{Cli, Feed};
+
+    /// The `--json` line of run `r`.
+    fn json(p: &Params, r: &Report) -> String {
+        Model::of(p, r).json()
+    }
+
+    /// The human table of run `r`.
+    fn human(p: &Params, r: &Report) -> String {
+        crate::human::write(p, &Model::of(p, r))
+    }
+    use crate::args::Cli;
+    use crate::params::Feed;
     use clap::Parser;
 
     /// The top-level keys of the `--json` line (docs/BENCHMARKS.md lists them;
@@ -1466,38 +949,49 @@ mod tests {
         }
         let v: serde_json::Value = serde_json::from_str(&json(&p, &r)).unwrap();
         let l = &v["layerwise"];
-        assert_eq!(l["compute_us_per_layer"], 1000);
-        assert_eq!(l["compute_ms"], 32.0);
+        // 256 pages of a 4096-token chunk x 32 KiB x K and V.
+        assert_eq!(l["layer_bytes"], 16 << 20);
+        assert!(l["layer_us_at_tcp"].is_null(), "no baselines: {l}");
+        let sweep = l["sweep"].as_array().unwrap();
+        assert_eq!(sweep.len(), 2);
+        let s = &sweep[0];
+        assert_eq!(s["compute_us_per_layer"], 1000);
+        assert_eq!(s["compute_ms"], 32.0);
+        assert_eq!(s["pairs"], 2);
         // Layer-wise 32 34 36 36 36 40, whole-chunk 48 48 48 64 64 80.
-        assert_eq!(l["layerwise_ttft_ms"]["p50"], 36.0);
-        assert_eq!(l["layerwise_ttft_ms"]["n"], 6);
-        assert_eq!(l["whole_chunk_ttft_ms"]["p50"], 48.0);
-        assert_eq!(l["whole_chunk_ttft_ms"]["p99"], 80.0);
-        assert_eq!(l["layerwise_over_compute_p50"], 36.0 / 32.0);
-        assert_eq!(l["layerwise_over_compute_p99"], 40.0 / 32.0);
-        assert_eq!(l["whole_chunk_over_compute_p50"], 1.5);
-        assert_eq!(l["reduction_p50"], 0.25);
-        assert_eq!(l["reduction_p99"], 0.5);
-        // Pair 1: 34 against 64; pair 2: 36 against 48.
+        assert_eq!(s["layerwise_ttft_ms"]["p50"], 36.0);
+        assert_eq!(s["layerwise_ttft_ms"]["n"], 6);
+        assert_eq!(s["whole_chunk_ttft_ms"]["p50"], 48.0);
+        assert_eq!(s["whole_chunk_ttft_ms"]["p99"], 80.0);
+        assert_eq!(s["ttft_ratio_p50"], 0.75);
+        assert_eq!(s["ttft_ratio_p99"], 0.5);
+        assert_eq!(s["layerwise_over_compute_p50"], 36.0 / 32.0);
+        assert_eq!(s["layerwise_over_compute_p99"], 40.0 / 32.0);
+        assert_eq!(s["whole_chunk_over_compute_p50"], 1.5);
+        // Pair 1: 34 against 64 (p99 40 against 80); pair 2: 36 against 48.
         assert_eq!(
-            l["reduction_p50_per_pair"],
-            serde_json::json!([1.0 - 34.0 / 64.0, 0.25])
+            s["ttft_ratio_p50_per_pair"],
+            serde_json::json!([34.0 / 64.0, 0.75])
         );
-        assert_eq!(
-            l["layerwise_over_compute_p50_per_pair"],
-            serde_json::json!([34.0 / 32.0, 36.0 / 32.0])
-        );
-        // Bulk: layer-wise 4 + 4 against whole-chunk 5 + 4 GB in 2 s each.
-        assert_eq!(l["bulk_layerwise_gbps"], 4.0);
-        assert_eq!(l["bulk_whole_chunk_gbps"], 4.5);
-        assert_eq!(l["bulk_gbps_ratio_per_pair"], serde_json::json!([0.8, 1.0]));
+        assert_eq!(s["ttft_ratio_p99_per_pair"], serde_json::json!([0.5, 0.75]));
+        assert_eq!(s["ttft_ratio_p50_median"], (34.0 / 64.0 + 0.75) / 2.0);
+        assert_eq!(s["ttft_ratio_p99_median"], 0.625);
+        assert_eq!(s["reduction_p50"], 1.0 - (34.0 / 64.0 + 0.75) / 2.0);
         assert_eq!(l["compute_late_us"]["p50"], 50.0);
         assert_eq!(l["compute_late_us"]["max"], 150.0);
         assert_eq!(l["compute_late_us"]["n"], 8);
         // Layer-wise 36 ms = 32 of compute + 1 of late wake + 3 after the last enqueue.
-        assert_eq!(l["layerwise_last_wake_ms"], serde_json::json!([1.0, 1.0]));
-        assert_eq!(l["layerwise_after_last_enqueue_ms"][0], 3.0);
-        assert_eq!(l["whole_chunk_after_last_enqueue_ms"][1], 47.0);
+        assert_eq!(s["layerwise_last_wake_ms"], serde_json::json!([1.0, 1.0]));
+        assert_eq!(s["layerwise_after_last_enqueue_ms"][0], 3.0);
+        assert_eq!(s["whole_chunk_after_last_enqueue_ms"][1], 47.0);
+        // No compute: GB/s layer-wise 4 + 4 against whole-chunk 5 + 4 in 2 s each, and
+        // no TTFT over a compute of 0.
+        let b = &sweep[1];
+        assert_eq!(b["compute_us_per_layer"], 0);
+        assert_eq!(b["layerwise_gbps"], 4.0);
+        assert_eq!(b["whole_chunk_gbps"], 4.5);
+        assert_eq!(b["gbps_ratio_per_pair"], serde_json::json!([0.8, 1.0]));
+        assert!(b["layerwise_over_compute_p50"].is_null(), "{b}");
         let ph = &v["phases"];
         assert_eq!(ph[1]["layerwise"], false);
         assert_eq!(ph[2]["compute_us_per_layer"], 0);
@@ -1506,11 +1000,8 @@ mod tests {
         for row in [
             "kvxfer, phase 1, layer-wise, 1000 us/layer",
             "kvxfer, phase 8, layer-wise, 0 us/layer",
-            "1000 us x 32 layers x 1 chunk(s) = 32.000 ms of compute per room",
-            "1.125x / 1.250x the compute alone",
-            "p50     25.0%  p99     50.0%",
-            "pairs of phases: 25.0%..46.9% lower",
-            "pairs of phases 0.800x..1.000x",
+            "32 layers x 1 chunk(s) a room, 16.0 MiB a layer",
+            "2 pairs, LW/WC p50 0.531x..0.750x; x the compute alone, p50: 1.125 / 1.500",
         ] {
             assert!(text.contains(row), "{row}: {text}");
         }

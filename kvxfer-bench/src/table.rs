@@ -24,8 +24,10 @@ use kvxfer::room::{RoomTable, NO_DEADLINE};
 use kvxfer::{BufferDesc, Cause, Config, Engine, Role, RoomPeers, State};
 use serde::Serialize;
 
-use crate::args::Params;
+use crate::args::Named;
+use crate::params::Params;
 use crate::pattern::mix;
+use crate::preset::Preset;
 use crate::sys::{thread_cpu_ns, Pages, Region};
 
 const BATCH: usize = 1000;
@@ -35,6 +37,7 @@ fn engine(role: &str, mem: &Region) -> Result<Engine, String> {
     let mut set = |k: &str, v: &str| c.set(k, v).map_err(|e| e.to_string());
     set("role", role)?;
     set("transport", "tcp")?;
+    set("same_host", "off")?;
     set("same_host", "off")?;
     // Nothing may time out while the rooms sit there being polled.
     for k in [
@@ -94,42 +97,119 @@ struct AbortRow {
     disjoint_per_sec: f64,
 }
 
-/// The `--json` line of `kvxfer-bench table`.
+/// What `kvxfer-bench table` measured: the `--json` line is this object, and the human
+/// table is written from it.
 #[derive(Serialize)]
-struct TableJson<'a> {
-    preset: &'static str,
+struct TableReport {
+    preset: String,
     room_poll_median_ns_1: f64,
     room_poll_median_ns_max_rooms: f64,
     max_rooms: usize,
-    room_poll_ns: &'a [PollRow],
+    room_poll_ns: Vec<PollRow>,
     create_clear_per_sec_1_thread: f64,
     create_clear_per_sec_2_threads: f64,
     table_create_remove_per_sec: f64,
-    abort_contention: &'a [AbortRow],
+    abort_contention: Vec<AbortRow>,
     checks_passed: bool,
+    /// How the figures were taken, and the checks that failed (the table's, not the
+    /// JSON line's).
+    #[serde(skip)]
+    sizes: Sizes,
+    #[serde(skip)]
+    notes: Vec<String>,
+}
+
+/// The sizes of a run: batches per median, rooms per create+clear run, live rooms and
+/// rounds of the abort contention.
+#[derive(Clone, Copy)]
+struct Sizes {
+    batches: usize,
+    big: usize,
+    create_clear: usize,
+    abort_rooms: usize,
+    rounds: usize,
+}
+
+impl Sizes {
+    fn of(p: &Params) -> Sizes {
+        if p.quick {
+            Sizes {
+                batches: 300,
+                big: 10_000,
+                create_clear: 20_000,
+                abort_rooms: 5_000,
+                rounds: 3,
+            }
+        } else {
+            Sizes {
+                batches: 3000,
+                big: 100_000,
+                create_clear: 200_000,
+                abort_rooms: 20_000,
+                rounds: 5,
+            }
+        }
+    }
 }
 
 pub fn run(p: &Params) -> Result<(String, bool), String> {
-    let big = if p.quick { 10_000 } else { 100_000 };
-    let batches = if p.quick { 300 } else { 3000 };
+    let z = Sizes::of(p);
     let mem_p = Region::new(64 * 16, Pages::Small);
     let mem_d = Region::new(64 * 16, Pages::Small);
     let pe = engine("prefill", &mem_p)?;
-    let de = engine("decode", &mem_d)?;
-    let peers = RoomPeers::Prefills(vec![pe.address().to_string()]);
-    let mut ok = true;
-    let mut notes: Vec<String> = Vec::new();
-
-    // room_poll at growing numbers of live rooms.
-    let id = |i: usize| mix(0xDEC0DE ^ i as u64);
     let table = RoomTable::<()>::new();
+    let rows = {
+        let de = engine("decode", &mem_d)?;
+        let peers = RoomPeers::Prefills(vec![pe.address().to_string()]);
+        poll_rows(p, z, &de, &peers, &table)?
+    };
+    eprintln!("kvxfer-bench [table]: create+clear");
+    let cc1 = create_clear(&pe, z.create_clear, 1)?;
+    let cc2 = create_clear(&pe, z.create_clear, 2)?;
+    let cc_table = table_create_remove(&table, z.create_clear);
+    let mut notes = Vec::new();
+    let aborts = abort_contention(&pe, z, &mut notes)?;
+    drop(pe);
+    let last = rows.last().expect("at least one size");
+    let r = TableReport {
+        preset: Preset::Table.name(),
+        room_poll_median_ns_1: rows[0].sweep,
+        room_poll_median_ns_max_rooms: last.sweep,
+        max_rooms: last.rooms,
+        create_clear_per_sec_1_thread: cc1,
+        create_clear_per_sec_2_threads: cc2,
+        table_create_remove_per_sec: cc_table,
+        abort_contention: aborts,
+        checks_passed: notes.is_empty(),
+        room_poll_ns: rows,
+        sizes: z,
+        notes,
+    };
+    let mut o = human(&r);
+    if p.json {
+        o.push_str(&serde_json::to_string(&r).map_err(|e| e.to_string())?);
+        o.push('\n');
+    }
+    Ok((o, r.checks_passed))
+}
+
+/// `room_poll` at growing numbers of live rooms on decode engine `de` (and the bare
+/// table's `state` under the same ids).
+fn poll_rows(
+    p: &Params,
+    z: Sizes,
+    de: &Engine,
+    peers: &RoomPeers,
+    table: &RoomTable<()>,
+) -> Result<Vec<PollRow>, String> {
+    let id = |i: usize| mix(0xDEC0DE ^ i as u64);
+    let sizes: Vec<usize> = if p.quick {
+        vec![1, 1000, z.big]
+    } else {
+        vec![1, 1000, 10_000, z.big]
+    };
     let mut rows = Vec::new();
     let mut live = 0usize;
-    let sizes: Vec<usize> = if p.quick {
-        vec![1, 1000, big]
-    } else {
-        vec![1, 1000, 10_000, big]
-    };
     for n in sizes {
         eprintln!("kvxfer-bench [table]: room_poll with {n} live rooms");
         while live < n {
@@ -148,146 +228,94 @@ pub fn run(p: &Params) -> Result<(String, bool), String> {
             std::thread::sleep(Duration::from_millis(1));
         }
         let ids: Vec<u64> = (0..n).map(id).collect();
-        let mut shuffled = ids.clone();
-        for i in (1..shuffled.len()).rev() {
-            shuffled.swap(i, (mix(i as u64) % (i as u64 + 1)) as usize);
-        }
-        let poll = |x: u64| {
-            black_box(de.room_poll(black_box(x)).ok());
-        };
-        rows.push(PollRow {
-            rooms: n,
-            hot: median_ns(batches, |_| poll(ids[0])),
-            sweep: median_ns(batches, |i| poll(ids[i % n])),
-            random: median_ns(batches, |i| poll(shuffled[i % n])),
-            table_hot: median_ns(batches, |_| {
-                black_box(table.state(black_box(ids[0])));
-            }),
-            table_sweep: median_ns(batches, |i| {
-                black_box(table.state(black_box(ids[i % n])));
-            }),
-        });
+        rows.push(poll_row(z.batches, de, table, &ids));
     }
-    drop(de);
+    Ok(rows)
+}
 
-    // create + clear.
-    eprintln!("kvxfer-bench [table]: create+clear");
-    let m = if p.quick { 20_000 } else { 200_000 };
-    let cc = |threads: usize| -> Result<f64, String> {
-        let t = Instant::now();
-        std::thread::scope(|s| -> Result<(), String> {
-            let hs: Vec<_> = (0..threads)
-                .map(|k| {
-                    let pe = &pe;
-                    s.spawn(move || -> Result<(), String> {
-                        for i in 0..m / threads {
-                            let x = mix(((k as u64) << 40) | i as u64);
-                            pe.room_create(x, RoomPeers::Decoders(1))
-                                .map_err(|e| e.to_string())?;
-                            pe.room_clear(x).map_err(|e| e.to_string())?;
-                        }
-                        Ok(())
-                    })
-                })
-                .collect();
-            for h in hs {
-                h.join().map_err(|_| "create+clear thread panicked")??;
-            }
-            Ok(())
-        })?;
-        Ok(m as f64 / t.elapsed().as_secs_f64())
+/// The poll figures over the live rooms `ids`.
+fn poll_row(batches: usize, de: &Engine, table: &RoomTable<()>, ids: &[u64]) -> PollRow {
+    let n = ids.len();
+    let mut shuffled = ids.to_vec();
+    for i in (1..shuffled.len()).rev() {
+        shuffled.swap(i, (mix(i as u64) % (i as u64 + 1)) as usize);
+    }
+    let poll = |x: u64| {
+        black_box(de.room_poll(black_box(x)).ok());
     };
-    let cc1 = cc(1)?;
-    let cc2 = cc(2)?;
+    PollRow {
+        rooms: n,
+        hot: median_ns(batches, |_| poll(ids[0])),
+        sweep: median_ns(batches, |i| poll(ids[i % n])),
+        random: median_ns(batches, |i| poll(shuffled[i % n])),
+        table_hot: median_ns(batches, |_| {
+            black_box(table.state(black_box(ids[0])));
+        }),
+        table_sweep: median_ns(batches, |i| {
+            black_box(table.state(black_box(ids[i % n])));
+        }),
+    }
+}
+
+/// `room_create` then `room_clear` of `m` rooms on prefill engine `pe` from `threads`
+/// threads: calls of each per second.
+fn create_clear(pe: &Engine, m: usize, threads: usize) -> Result<f64, String> {
+    let t = Instant::now();
+    std::thread::scope(|s| -> Result<(), String> {
+        let hs: Vec<_> = (0..threads)
+            .map(|k| {
+                s.spawn(move || -> Result<(), String> {
+                    for i in 0..m / threads {
+                        let x = mix(((k as u64) << 40) | i as u64);
+                        pe.room_create(x, RoomPeers::Decoders(1))
+                            .map_err(|e| e.to_string())?;
+                        pe.room_clear(x).map_err(|e| e.to_string())?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().map_err(|_| "create+clear thread panicked")??;
+        }
+        Ok(())
+    })?;
+    Ok(m as f64 / t.elapsed().as_secs_f64())
+}
+
+/// The bare table's `create` then `remove` of `m` rooms, per second.
+fn table_create_remove(table: &RoomTable<()>, m: usize) -> f64 {
     let t = Instant::now();
     for i in 0..m {
         let x = mix(i as u64 ^ 0xABCD);
         let _ = black_box(table.create(x, Role::Prefill, NO_DEADLINE, ()));
         black_box(table.remove(x));
     }
-    let cc_table = m as f64 / t.elapsed().as_secs_f64();
+    m as f64 / t.elapsed().as_secs_f64()
+}
 
-    // Abort contention.
-    let r = if p.quick { 5_000 } else { 20_000 };
-    let rounds = if p.quick { 3 } else { 5 };
+/// T threads released together abort the same live rooms, and disjoint ones: the median
+/// of the rounds at each T; a check that fails is noted in `notes`.
+fn abort_contention(
+    pe: &Engine,
+    z: Sizes,
+    notes: &mut Vec<String>,
+) -> Result<Vec<AbortRow>, String> {
     let mut aborts = Vec::new();
     let mut round = 0u64;
     for threads in [1usize, 2, 4, 8, 16, 32] {
         eprintln!("kvxfer-bench [table]: abort contention, {threads} threads");
-        // One round: `threads` threads released together abort the rooms; returns (CPU ns
-        // per call, calls per wall second).
-        let mut one = |same: bool| -> Result<(f64, f64), String> {
-            round += 1;
-            let ids: Vec<u64> = (0..r)
-                .map(|i| mix(0xAB0_0000 ^ (round << 32) ^ i as u64))
-                .collect();
-            for &x in &ids {
-                pe.room_create(x, RoomPeers::Decoders(1))
-                    .map_err(|e| e.to_string())?;
-            }
-            let before = pe.metrics().rooms_failed[0];
-            let barrier = Arc::new(Barrier::new(threads));
-            let calls = if same { r * threads } else { r };
-            let (wall, cpu_ns) = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..threads)
-                    .map(|k| {
-                        let (pe, ids, barrier) = (&pe, &ids, barrier.clone());
-                        s.spawn(move || {
-                            let mine: Vec<u64> = if same {
-                                ids.clone()
-                            } else {
-                                ids.iter().skip(k).step_by(threads).copied().collect()
-                            };
-                            let reason = format!("thread {k}");
-                            barrier.wait();
-                            let (t, c) = (Instant::now(), thread_cpu_ns());
-                            for x in mine {
-                                let _ = pe.room_abort(x, &reason);
-                            }
-                            (t, Instant::now(), thread_cpu_ns() - c)
-                        })
-                    })
-                    .collect();
-                let done: Vec<(Instant, Instant, u64)> =
-                    hs.into_iter().filter_map(|h| h.join().ok()).collect();
-                // Wall time: from the first thread starting to the last one finishing.
-                let first = done.iter().map(|d| d.0).min();
-                let last = done.iter().map(|d| d.1).max();
-                let wall = match (first, last) {
-                    (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
-                    _ => f64::NAN,
-                };
-                (wall, done.iter().map(|d| d.2).sum::<u64>())
-            });
-            let after = pe.metrics().rooms_failed[0];
-            assert_eq!(Cause::ALL[0], Cause::Aborted);
-            if after - before != r as u64 {
-                ok = false;
-                notes.push(format!(
-                    "{threads} threads: {} aborts counted for {r} rooms",
-                    after - before
-                ));
-            }
-            for &x in &ids {
-                let good = pe.room_poll(x).ok() == Some(State::Failed)
-                    && pe
-                        .room_failure(x)
-                        .is_ok_and(|f| f.cause == Cause::Aborted && f.message.contains("thread "));
-                if !good {
-                    ok = false;
-                    notes.push(format!(
-                        "{threads} threads: room {x} not failed by exactly one abort"
-                    ));
-                    break;
-                }
-                let _ = pe.room_clear(x);
-            }
-            Ok((cpu_ns as f64 / calls as f64, calls as f64 / wall))
-        };
         let mut median = |same: bool| -> Result<(f64, f64), String> {
             let mut v = Vec::new();
-            for _ in 0..rounds {
-                v.push(one(same)?);
+            for _ in 0..z.rounds {
+                round += 1;
+                v.push(abort_round(
+                    pe,
+                    z.abort_rooms,
+                    (threads, same),
+                    round,
+                    notes,
+                )?);
             }
             v.sort_by(|a, b| a.1.total_cmp(&b.1));
             Ok(v[v.len() / 2])
@@ -302,19 +330,104 @@ pub fn run(p: &Params) -> Result<(String, bool), String> {
             disjoint_per_sec,
         });
     }
-    drop(pe);
+    Ok(aborts)
+}
 
+/// One round: `threads` threads released together abort `r` fresh rooms (each thread
+/// every room when `same`, else a share); CPU ns per call and calls per wall second.
+/// Checks that every room ends FAILED, counted once, with one of the threads' reasons.
+fn abort_round(
+    pe: &Engine,
+    r: usize,
+    (threads, same): (usize, bool),
+    round: u64,
+    notes: &mut Vec<String>,
+) -> Result<(f64, f64), String> {
+    let ids: Vec<u64> = (0..r)
+        .map(|i| mix(0xAB0_0000 ^ (round << 32) ^ i as u64))
+        .collect();
+    for &x in &ids {
+        pe.room_create(x, RoomPeers::Decoders(1))
+            .map_err(|e| e.to_string())?;
+    }
+    let before = pe.metrics().rooms_failed[0];
+    let calls = if same { r * threads } else { r };
+    let (wall, cpu_ns) = abort_threads(pe, &ids, threads, same);
+    let after = pe.metrics().rooms_failed[0];
+    assert_eq!(Cause::ALL[0], Cause::Aborted);
+    if after - before != r as u64 {
+        notes.push(format!(
+            "{threads} threads: {} aborts counted for {r} rooms",
+            after - before
+        ));
+    }
+    for &x in &ids {
+        let good = pe.room_poll(x).ok() == Some(State::Failed)
+            && pe
+                .room_failure(x)
+                .is_ok_and(|f| f.cause == Cause::Aborted && f.message.contains("thread "));
+        if !good {
+            notes.push(format!(
+                "{threads} threads: room {x} not failed by exactly one abort"
+            ));
+            break;
+        }
+        let _ = pe.room_clear(x);
+    }
+    Ok((cpu_ns as f64 / calls as f64, calls as f64 / wall))
+}
+
+/// The aborting threads of one round: wall seconds from the first thread starting to
+/// the last one finishing, and their CPU ns together.
+fn abort_threads(pe: &Engine, ids: &[u64], threads: usize, same: bool) -> (f64, u64) {
+    let barrier = Arc::new(Barrier::new(threads));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|k| {
+                let barrier = barrier.clone();
+                s.spawn(move || {
+                    let mine: Vec<u64> = if same {
+                        ids.to_vec()
+                    } else {
+                        ids.iter().skip(k).step_by(threads).copied().collect()
+                    };
+                    let reason = format!("thread {k}");
+                    barrier.wait();
+                    let (t, c) = (Instant::now(), thread_cpu_ns());
+                    for x in mine {
+                        let _ = pe.room_abort(x, &reason);
+                    }
+                    (t, Instant::now(), thread_cpu_ns() - c)
+                })
+            })
+            .collect();
+        let done: Vec<(Instant, Instant, u64)> =
+            hs.into_iter().filter_map(|h| h.join().ok()).collect();
+        let first = done.iter().map(|d| d.0).min();
+        let last = done.iter().map(|d| d.1).max();
+        let wall = match (first, last) {
+            (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
+            _ => f64::NAN,
+        };
+        (wall, done.iter().map(|d| d.2).sum::<u64>())
+    })
+}
+
+/// The human table of `r`.
+fn human(r: &TableReport) -> String {
+    let z = r.sizes;
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "\nkvxfer-bench table  (median of {batches} batches of {BATCH} calls; ns per call)"
+        "\nkvxfer-bench table  (median of {} batches of {BATCH} calls; ns per call)",
+        z.batches
     );
     let _ = writeln!(
         o,
         "  {:>12}  {:>10} {:>10} {:>10}   {:>12} {:>12}",
         "live rooms", "poll hot", "sweep", "random", "table hot", "table sweep"
     );
-    for r in &rows {
+    for r in &r.room_poll_ns {
         let _ = writeln!(
             o,
             "  {:>12}  {:>10.1} {:>10.1} {:>10.1}   {:>12.1} {:>12.1}",
@@ -323,44 +436,32 @@ pub fn run(p: &Params) -> Result<(String, bool), String> {
     }
     let _ = writeln!(
         o,
-        "  create+clear (prefill engine): {cc1:.0}/s on 1 thread, {cc2:.0}/s on 2 threads; \
-         bare RoomTable create+remove {cc_table:.0}/s"
+        "  create+clear (prefill engine): {:.0}/s on 1 thread, {:.0}/s on 2 threads; \
+         bare RoomTable create+remove {:.0}/s",
+        r.create_clear_per_sec_1_thread,
+        r.create_clear_per_sec_2_threads,
+        r.table_create_remove_per_sec
     );
     let _ = writeln!(
         o,
-        "  abort contention ({r} live rooms, median of {rounds} rounds; CPU ns per call, calls per \
-         wall second)"
+        "  abort contention ({} live rooms, median of {} rounds; CPU ns per call, calls per \
+         wall second)",
+        z.abort_rooms, z.rounds
     );
     let _ = writeln!(
         o,
         "  {:>8}  {:>14} {:>14}   {:>14} {:>14}",
         "threads", "same CPU ns", "same calls/s", "disjoint CPU ns", "disjoint /s"
     );
-    for a in &aborts {
+    for a in &r.abort_contention {
         let _ = writeln!(
             o,
             "  {:>8}  {:>14.1} {:>14.0}   {:>14.1} {:>14.0}",
             a.threads, a.same_ns, a.same_per_sec, a.disjoint_ns, a.disjoint_per_sec
         );
     }
-    for n in &notes {
+    for n in &r.notes {
         let _ = writeln!(o, "  FAILED CHECK: {n}");
     }
-    if p.json {
-        let j = TableJson {
-            preset: "table",
-            room_poll_median_ns_1: rows[0].sweep,
-            room_poll_median_ns_max_rooms: rows[rows.len() - 1].sweep,
-            max_rooms: rows[rows.len() - 1].rooms,
-            room_poll_ns: &rows,
-            create_clear_per_sec_1_thread: cc1,
-            create_clear_per_sec_2_threads: cc2,
-            table_create_remove_per_sec: cc_table,
-            abort_contention: &aborts,
-            checks_passed: ok,
-        };
-        o.push_str(&serde_json::to_string(&j).map_err(|e| e.to_string())?);
-        o.push('\n');
-    }
-    Ok((o, ok))
+    o
 }

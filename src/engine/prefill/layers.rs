@@ -7,8 +7,19 @@
 //! one chunk, a page list that overlaps an open chunk's without being it, and a room
 //! closed (`is_last`) while a chunk still misses a layer are refused with a reason that
 //! names the chunk and the layer; the engine fails the room with it. The room state
-//! machine does not change: each call is a chunk job for the worker, in order.
+//! machine does not change: each call is a chunk to plan, in order.
+//!
+//! Calls that wait to be planned join ([`join`]): while a room's earlier chunks are
+//! being planned, or its batches are still queued for a sender, the layers that come are
+//! planned together once a sender takes the room's queued batches down to one, so a link
+//! that falls behind the compute gets whole batches, not one small job per layer. A layer
+//! is never held for a later one: with (at most one batch) of its room queued, it is
+//! planned at once.
 
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use super::Chunk;
 use crate::transport::Memory;
 
 /// The kv buffers that layers `first .. first + count` name, as a mask over the
@@ -47,6 +58,26 @@ pub(crate) fn buffers_of(kv: &Memory, first: u32, count: u32) -> Result<Vec<bool
 /// The layer a buffer belongs to, for messages.
 pub(crate) fn layer_of(kv: &Memory, buffer: usize) -> u32 {
     kv.layer(buffer).unwrap_or(buffer as u32)
+}
+
+/// Queues `chunk` behind those of `queue`, in order: a layer call of the chunk at the
+/// back of the queue (the same source pages at the same place) joins it, as one call of
+/// both calls' layers (the last call's `is_last`, aux slot and total with it). A whole
+/// chunk, or layers of another chunk, go behind.
+pub(crate) fn join(queue: &mut VecDeque<Chunk>, chunk: Chunk) {
+    if let Some(back) = queue.back_mut() {
+        if let (Some(a), Some(b)) = (&back.buffers, &chunk.buffers) {
+            if back.pages == chunk.pages && back.start == chunk.start && !back.is_last {
+                let both: Arc<[bool]> = a.iter().zip(b.iter()).map(|(x, y)| *x || *y).collect();
+                back.buffers = Some(both);
+                back.is_last = chunk.is_last;
+                back.aux = chunk.aux.or(back.aux);
+                back.total = chunk.total.or(back.total);
+                return;
+            }
+        }
+    }
+    queue.push_back(chunk);
 }
 
 /// Where a call's chunk goes.
@@ -256,6 +287,47 @@ mod tests {
                 total: Some(4)
             })
         );
+    }
+
+    fn call(pages: &[u32], start: usize, layers: Option<&[usize]>, is_last: bool) -> Chunk {
+        Chunk {
+            pages: pages.to_vec(),
+            is_last,
+            aux: is_last.then_some(7),
+            start,
+            buffers: layers.map(|l| mask(l).into()),
+            total: is_last.then_some(start + pages.len()),
+        }
+    }
+
+    #[test]
+    fn waiting_layers_of_one_chunk_join_and_anything_else_queues_behind_in_order() {
+        let mut q = VecDeque::new();
+        join(&mut q, call(&[4, 5], 0, Some(&[0]), false));
+        join(&mut q, call(&[4, 5], 0, Some(&[1]), false));
+        assert_eq!(q.len(), 1);
+        assert_eq!(q[0].buffers.as_deref(), Some(&mask(&[0, 1])[..]));
+        // Another chunk's layer, then a whole chunk, then layers of the first chunk's
+        // pages at another place: each behind the one before.
+        join(&mut q, call(&[6], 2, Some(&[0]), false));
+        join(&mut q, call(&[4, 5], 0, Some(&[0]), false));
+        join(&mut q, call(&[8], 3, None, false));
+        join(&mut q, call(&[8], 3, None, false));
+        assert_eq!(q.len(), 5);
+        // The call that closes the room joins with its aux slot and total; nothing joins
+        // a closed chunk.
+        join(&mut q, call(&[6], 2, Some(&[1]), false));
+        assert_eq!(q.len(), 6);
+        let mut q = VecDeque::new();
+        join(&mut q, call(&[6], 2, Some(&[0]), false));
+        join(&mut q, call(&[6], 2, Some(&[1]), true));
+        assert_eq!(q.len(), 1);
+        let c = &q[0];
+        assert!(c.is_last);
+        assert_eq!((c.aux, c.total), (Some(7), Some(3)));
+        assert_eq!(c.buffers.as_deref(), Some(&[true; 4][..]));
+        join(&mut q, call(&[6], 2, Some(&[0]), false));
+        assert_eq!(q.len(), 2);
     }
 
     #[test]

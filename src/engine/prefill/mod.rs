@@ -70,13 +70,18 @@ pub(crate) struct PrefillRoom {
     /// The room was made WAITING_FOR_INPUT (every destination arrived and the Ready
     /// transition was applied): chunks are planned from now on, not before.
     ready: bool,
-    /// Chunks handed to the room's worker and not yet planned by it.
-    at_worker: usize,
-    /// A thread is planning one of the room's chunks itself ([`PrefillEngine::hand_on`]);
-    /// chunks that come meanwhile wait in `after_here`, then go to the worker in order.
-    here: bool,
-    after_here: VecDeque<Chunk>,
-    /// Chunks enqueued before every destination arrived.
+    /// A thread plans the room's chunks (the one that handed on a small chunk, or a
+    /// sender that took one of the room's batches), or a worker was handed the room
+    /// ([`PrefillEngine::hand_on`]); chunks that come meanwhile wait in `waiting`.
+    planning: bool,
+    /// Chunks handed on and not planned yet, in order. The layers of one chunk join while
+    /// they wait ([`layers::join`]), and a layer call waits while the room has batches
+    /// queued (`queued`, beyond one), so that a link that falls behind the compute sends
+    /// the layers that came meanwhile together, in full batches.
+    waiting: VecDeque<Chunk>,
+    /// Batches planned and not yet taken by a sender (nor dropped), every destination.
+    queued: usize,
+    /// Chunks enqueued before every destination arrived (layers of one chunk joined).
     held: VecDeque<Chunk>,
     /// The last chunk was enqueued.
     closed: bool,
@@ -101,9 +106,9 @@ impl PrefillRoom {
             bound: bound.map(Vec::into_boxed_slice),
             dests: Vec::new(),
             ready: false,
-            at_worker: 0,
-            here: false,
-            after_here: VecDeque::new(),
+            planning: false,
+            waiting: VecDeque::new(),
+            queued: 0,
             held: VecDeque::new(),
             closed: false,
             chunks: Chunks::default(),
@@ -135,7 +140,7 @@ fn ext(room: &PRoom) -> &Mutex<PrefillRoom> {
     &room.ext
 }
 
-/// A unit of work for a prefill worker: one chunk of one room.
+/// One chunk of one room, handed on to be planned.
 pub(crate) struct Job {
     room: Arc<PRoom>,
     chunk: Chunk,
@@ -182,7 +187,8 @@ pub(crate) struct PrefillEngine {
     /// comes up, closed when it is lost).
     outboxes: Mutex<HashMap<usize, Arc<Outbox>>>,
     holding: Mutex<Holding<Arc<Peer>>>,
-    workers: RwLock<Vec<mpsc::Sender<Job>>>,
+    /// Each worker's queue of rooms whose waiting chunks it plans.
+    workers: RwLock<Vec<mpsc::Sender<Arc<PRoom>>>>,
     acks: Acks,
 }
 
@@ -194,7 +200,7 @@ impl PrefillEngine {
         listener: TcpListener,
     ) -> Result<Arc<PrefillEngine>> {
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..node.config.workers)
-            .map(|_| mpsc::channel::<Job>())
+            .map(|_| mpsc::channel::<Arc<PRoom>>())
             .unzip();
         let engine = Arc::new(PrefillEngine {
             core: Core::new(node.clone(), control.clone()),
@@ -315,7 +321,7 @@ impl PrefillEngine {
         };
         p.closed = chunk.is_last;
         if !p.ready {
-            p.held.push_back(chunk);
+            layers::join(&mut p.held, chunk);
             return Ok(());
         }
         // Handed on under the lock, so that chunks keep their order with held ones.
@@ -335,19 +341,19 @@ impl PrefillEngine {
         Ok(())
     }
 
-    /// Sends `job` to the worker that owns its room (rooms spread over all workers; one
-    /// room's chunks always go to the same worker, in order). Returns false when the
+    /// Hands `room` to the worker that owns it, to plan its waiting chunks (rooms spread
+    /// over all workers; one room always goes to the same worker). Returns false when the
     /// engine is shutting down: the caller fails the room, once it holds no room lock
     /// (failing reads the room's destinations under that lock).
     #[must_use]
-    fn dispatch(&self, job: Job) -> bool {
+    fn dispatch(&self, room: &Arc<PRoom>) -> bool {
         let workers = self.workers.read();
         if workers.is_empty() {
             return false;
         }
-        let h = job.room.generation().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        let h = room.generation().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
         let w = (h as usize) % workers.len();
-        workers[w].send(job).is_ok()
+        workers[w].send(room.clone()).is_ok()
     }
 
     /// Fails a room whose chunk could not be dispatched.

@@ -2,6 +2,12 @@
 //! its links. Every link of the peer has a sender thread that takes batches from the
 //! outbox, so one room's frames go out over all of the peer's connections (or RDMA
 //! queue pairs) at once, and a slow peer holds up only its own links.
+//!
+//! Rooms are served oldest first: what is queued for a room goes out before what a
+//! younger room queued earlier. A room sent layer by layer queues its last layers after
+//! the next room's first ones; in arrival order a link behind the compute would share
+//! itself between the two and finish both late, where whole chunks finish one room,
+//! then the next.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -65,7 +71,8 @@ pub(crate) enum Item {
 }
 
 struct Queue<T> {
-    items: VecDeque<T>,
+    /// Each item with its room's order (the room's generation: older rooms first).
+    items: VecDeque<(u64, T)>,
     closed: bool,
 }
 
@@ -100,17 +107,26 @@ impl<T> Outbox<T> {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Queues `batches` in order (one chunk's for this destination), then wakes the
-    /// senders in one call: as many as there are batches, all when several. Once the
-    /// outbox is closed nothing is queued and `batches` come back.
-    pub fn push_all(&self, batches: Vec<T>) -> Vec<T> {
+    /// Queues `batches` in order (one chunk's for this destination, or a room's Done),
+    /// behind everything queued for rooms of order `room` or older and ahead of younger
+    /// rooms' items, then wakes the senders in one call: as many as there are batches,
+    /// all when several. Once the outbox is closed nothing is queued and `batches` come
+    /// back.
+    pub fn push_all(&self, room: u64, batches: Vec<T>) -> Vec<T> {
         let n = batches.len();
         {
             let mut q = self.queue();
             if q.closed {
                 return batches;
             }
-            q.items.extend(batches);
+            let at = q
+                .items
+                .iter()
+                .rposition(|(order, _)| *order <= room)
+                .map_or(0, |i| i + 1);
+            for (k, b) in batches.into_iter().enumerate() {
+                q.items.insert(at + k, (room, b));
+            }
         }
         match n {
             0 => {}
@@ -127,7 +143,7 @@ impl<T> Outbox<T> {
             if q.closed {
                 return None;
             }
-            if let Some(b) = q.items.pop_front() {
+            if let Some((_, b)) = q.items.pop_front() {
                 return Some(b);
             }
             q = self.ready.wait(q).unwrap_or_else(PoisonError::into_inner);
@@ -140,7 +156,7 @@ impl<T> Outbox<T> {
         let mut q = self.queue();
         q.closed = true;
         self.ready.notify_all();
-        q.items.drain(..).collect()
+        q.items.drain(..).map(|(_, b)| b).collect()
     }
 }
 
@@ -167,7 +183,7 @@ mod tests {
         // Both senders are asleep in pop() once the queue's lock is free and nobody
         // has taken anything; give them the time to get there.
         thread::sleep(Duration::from_millis(50));
-        assert!(outbox.push_all(vec![1, 2]).is_empty());
+        assert!(outbox.push_all(0, vec![1, 2]).is_empty());
         let mut got: Vec<_> = (0..2)
             .map(|_| {
                 rx.recv_timeout(Duration::from_secs(10))
@@ -184,11 +200,32 @@ mod tests {
     #[test]
     fn batches_keep_their_order_and_come_back_once_closed() {
         let outbox = Outbox::<u32>::default();
-        assert!(outbox.push_all(vec![1, 2]).is_empty());
-        assert!(outbox.push_all(vec![3]).is_empty());
+        assert!(outbox.push_all(7, vec![1, 2]).is_empty());
+        assert!(outbox.push_all(7, vec![3]).is_empty());
         assert_eq!(outbox.pop(), Some(1));
         assert_eq!(outbox.close(), vec![2, 3]);
         assert_eq!(outbox.pop(), None);
-        assert_eq!(outbox.push_all(vec![4, 5]), vec![4, 5]);
+        assert_eq!(outbox.push_all(7, vec![4, 5]), vec![4, 5]);
+    }
+
+    /// An older room's batches go ahead of those a younger room queued before them, in
+    /// their order and behind the older room's own; rooms of one age keep theirs.
+    #[test]
+    fn an_older_rooms_batches_go_ahead_of_a_younger_rooms_queued_before_them() {
+        let outbox = Outbox::<u32>::default();
+        assert!(outbox.push_all(1, vec![10, 11]).is_empty());
+        assert!(outbox.push_all(2, vec![20, 21]).is_empty());
+        assert!(outbox.push_all(1, vec![12, 13]).is_empty());
+        assert!(outbox.push_all(3, vec![30]).is_empty());
+        assert!(outbox.push_all(0, vec![1]).is_empty());
+        assert!(outbox.push_all(2, vec![22]).is_empty());
+        let order: Vec<u32> = std::iter::from_fn(|| {
+            let q = outbox.queue();
+            let empty = q.items.is_empty();
+            drop(q);
+            (!empty).then(|| outbox.pop().unwrap())
+        })
+        .collect();
+        assert_eq!(order, vec![1, 10, 11, 12, 13, 20, 21, 22, 30]);
     }
 }

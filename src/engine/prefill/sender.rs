@@ -1,8 +1,11 @@
-//! The prefill's data path. A small chunk is planned by the thread that hands it on
-//! (the scheduler's enqueue, or the control reader when the destination makes the room
-//! ready) when nothing of its room waits for a worker; workers take the other chunks of
-//! the rooms hashed to them. Either way a room's chunks are planned in order, each
-//! chunk's data frames for each destination ([`plan`]), in batches
+//! The prefill's data path. One thread at a time plans a room's chunks, in order: the
+//! thread that hands on a small chunk while nothing of its room waits (the scheduler's
+//! enqueue, or the control reader when the destination makes the room ready), or the
+//! worker the room is hashed to for the others. A layer call also waits while the room
+//! has batches queued for a sender; the layers that come meanwhile join it, and the
+//! sender that takes the room's queued batches down to one plans them together
+//! ([`PrefillEngine::taken`]). Each chunk becomes its data frames for each destination
+//! ([`plan`]), in batches
 //! queued in the destination engine's outbox; a sender thread per link of that engine
 //! writes them ([`PrefillEngine::send_loop`]), so one room's frames go out over every
 //! connection (or RDMA queue pair) at once. Whoever ends the last batch of a room's last
@@ -13,7 +16,7 @@ use std::sync::{mpsc, Arc};
 
 use super::outbox::{Batch, Item, Outbox, Ticket};
 use super::plan::{batches, plan, Grouped, Place};
-use super::{ext, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
+use super::{ext, layers, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
 use crate::control::Peer;
 use crate::engine::lifecycle;
 use crate::proto::{Message, Target};
@@ -29,46 +32,70 @@ const PLAN_HERE_RUNS: usize = 1024;
 
 /// What became of a chunk handed on ([`PrefillEngine::hand_on`]).
 pub(super) enum Handed {
-    /// Queued for the room's worker, or after a chunk being planned here (false: the
-    /// engine is shutting down, the caller fails the room).
+    /// Waiting behind the room's earlier chunks or queued batches, or handed to the
+    /// room's worker (false: the engine is shutting down, the caller fails the room).
     Queued(bool),
     /// The caller plans it, once it holds no lock of the room ([`PrefillEngine::plan_here`]).
     Here(Job),
 }
 
+/// How many of a room's batches may stay queued while its waiting layers are planned: a
+/// layer call waits while more are queued, and the sender that takes the batch that
+/// leaves this many plans the layers that waited. One batch stays queued, for another
+/// link to take while that sender plans.
+const QUEUED_RESERVE: usize = 1;
+
+/// The thread that plans a room's chunks: the one that handed a chunk on (the
+/// scheduler's enqueue, a control reader; small chunks only, [`PLAN_HERE_RUNS`]), a
+/// sender that took one of the room's batches, or the room's worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Planner {
+    Caller,
+    Sender,
+    Worker,
+}
+
 impl PrefillEngine {
-    /// Hands on the next chunk of a ready room, in order (under the room's lock `p`): a
-    /// small chunk when nothing of the room waits for a worker is the caller's to plan
-    /// ([`Handed::Here`]); one that comes while the caller plans waits for it; any other
-    /// goes to the room's worker.
+    /// Hands on the next chunk of a ready room, in order (under the room's lock `p`).
+    /// It waits while the room's earlier chunks are planned, and a layer call also while
+    /// the room has batches queued for a sender (more than [`QUEUED_RESERVE`]): the
+    /// layers that come meanwhile join it and are planned together when a sender takes
+    /// the room's batches down to the reserve ([`PrefillEngine::taken`]). Otherwise a
+    /// small chunk is the caller's to plan ([`Handed::Here`]), and any other goes to the
+    /// room's worker.
     pub(super) fn hand_on(&self, p: &mut PrefillRoom, job: Job) -> Handed {
-        if p.here {
-            p.after_here.push_back(job.chunk);
+        let behind_batches = job.chunk.buffers.is_some() && p.queued > QUEUED_RESERVE;
+        if p.planning || !p.waiting.is_empty() || behind_batches {
+            layers::join(&mut p.waiting, job.chunk);
             return Handed::Queued(true);
         }
-        if p.at_worker == 0 && self.small(p, &job) {
-            p.here = true;
+        p.planning = true;
+        if self.plans(Planner::Caller, p, &job.room, &job.chunk) {
             return Handed::Here(job);
         }
-        let sent = self.dispatch(job);
-        if sent {
-            p.at_worker += 1;
-        }
-        Handed::Queued(sent)
+        p.waiting.push_back(job.chunk);
+        Handed::Queued(self.dispatch(&job.room))
     }
 
-    /// Whether `job` is small enough to plan here ([`PLAN_HERE_RUNS`]) and not empty,
-    /// with workers running (not stopping) and no test pause point armed in a worker's
-    /// path.
-    fn small(&self, p: &PrefillRoom, job: &Job) -> bool {
+    /// Whether `planner` plans `chunk` itself rather than the room's worker: a worker
+    /// plans any chunk; a sender any that is not empty (a plan takes microseconds per
+    /// thousand page runs, less than the worker's wakeup on the room's path, and the
+    /// sender was about to write one of the room's batches anyway); a caller only a
+    /// small one (it is the scheduler's thread). None but a worker plans while the
+    /// workers stop, or while a test pause point is armed in a worker's path.
+    fn plans(&self, planner: Planner, p: &PrefillRoom, room: &PRoom, chunk: &Chunk) -> bool {
+        if planner == Planner::Worker {
+            return true;
+        }
         #[cfg(feature = "test-hooks")]
         if ["worker.mid_chunk", "worker.before_complete"]
             .iter()
-            .any(|h| crate::testing::is_armed(h, job.room.id()))
+            .any(|h| crate::testing::is_armed(h, room.id()))
         {
             return false;
         }
-        let buffers = match &job.chunk.buffers {
+        let _ = room;
+        let buffers = match &chunk.buffers {
             Some(b) => b.iter().filter(|on| **on).count(),
             None => self
                 .core
@@ -80,49 +107,95 @@ impl PrefillEngine {
         };
         // An empty chunk stays with the worker: there is nothing to plan, and it only
         // completes the room.
-        let runs = job.chunk.pages.len() * buffers * p.dests.len();
-        (1..=PLAN_HERE_RUNS).contains(&runs) && !self.workers.read().is_empty()
+        let runs = chunk.pages.len() * buffers * p.dests.len();
+        let most = match planner {
+            Planner::Caller => PLAN_HERE_RUNS,
+            _ => usize::MAX,
+        };
+        (1..=most).contains(&runs) && !self.workers.read().is_empty()
     }
 
-    /// Plans a chunk [`PrefillEngine::hand_on`] gave the caller, then hands the chunks
-    /// that came meanwhile to the room's worker, in order.
+    /// Plans a chunk [`PrefillEngine::hand_on`] gave the caller, then the chunks that
+    /// came meanwhile ([`PrefillEngine::plan_waiting`]).
     pub(super) fn plan_here(&self, job: Job) {
-        let room = job.room.clone();
         #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("prefill.plan_here", room.id());
-        self.plan_job(&job);
-        let mut p = ext(&room).lock();
-        p.here = false;
-        let mut sent = true;
-        while let Some(chunk) = p.after_here.pop_front() {
-            let ok = self.dispatch(Job {
-                room: room.clone(),
-                chunk,
-            });
-            if ok {
-                p.at_worker += 1;
+        crate::testing::pause_point("prefill.plan_here", job.room.id());
+        self.plan_waiting(Planner::Caller, &job.room, job.chunk);
+    }
+
+    /// A worker thread: plans the waiting chunks of the rooms handed to it, until the
+    /// engine stops.
+    pub(super) fn worker(&self, _index: usize, rooms: mpsc::Receiver<Arc<PRoom>>) {
+        for room in rooms {
+            let first = ext(&room).lock().waiting.pop_front();
+            match first {
+                Some(chunk) => self.plan_waiting(Planner::Worker, &room, chunk),
+                None => ext(&room).lock().planning = false,
             }
-            sent &= ok;
         }
+    }
+
+    /// Plans `chunk` of `room` (`planner` is the room's planner), then each chunk that
+    /// waits behind it while it may go: a whole chunk at once, a layer call once the
+    /// room's queued batches are down to the reserve (else the sender that takes them
+    /// there plans it, with the layers that join it meanwhile). What `planner` does not
+    /// plan itself ([`PrefillEngine::plans`]) goes to the room's worker.
+    fn plan_waiting(&self, planner: Planner, room: &Arc<PRoom>, mut chunk: Chunk) {
+        loop {
+            self.plan_job(room, &chunk);
+            let mut p = ext(room).lock();
+            let next = match p.waiting.front() {
+                Some(c) if c.buffers.is_none() || p.queued <= QUEUED_RESERVE => {
+                    p.waiting.pop_front()
+                }
+                _ => None,
+            };
+            let Some(next) = next else {
+                p.planning = false;
+                return;
+            };
+            if self.plans(planner, &p, room, &next) {
+                chunk = next;
+                continue;
+            }
+            p.waiting.push_front(next);
+            drop(p);
+            if !self.dispatch(room) {
+                self.fail_undispatched(room);
+            }
+            return;
+        }
+    }
+
+    /// A sender took one of `room`'s batches: once they are down to the reserve, the
+    /// layers that waited are planned, on this thread (before it writes the batch it
+    /// took, so that the room's next batches are queued while it does).
+    pub(super) fn taken(&self, room: &Arc<PRoom>) {
+        let mut p = ext(room).lock();
+        p.queued -= 1;
+        if p.queued > QUEUED_RESERVE || p.planning {
+            return;
+        }
+        let Some(chunk) = p.waiting.pop_front() else {
+            return;
+        };
+        p.planning = true;
+        if self.plans(Planner::Sender, &p, room, &chunk) {
+            drop(p);
+            self.plan_waiting(Planner::Sender, room, chunk);
+            return;
+        }
+        p.waiting.push_front(chunk);
         drop(p);
-        if !sent {
-            self.fail_undispatched(&room);
+        if !self.dispatch(room) {
+            self.fail_undispatched(room);
         }
     }
 
-    /// A worker thread: plans chunks in order until the engine stops.
-    pub(super) fn worker(&self, _index: usize, jobs: mpsc::Receiver<Job>) {
-        for job in jobs {
-            self.plan_job(&job);
-            ext(&job.room).lock().at_worker -= 1;
-        }
-    }
-
-    /// Plans `job`'s chunk; a failure, or a panic, fails its room with the reason.
-    pub(super) fn plan_job(&self, job: &Job) {
-        let room = &job.room;
+    /// Plans `chunk` of `room`; a failure, or a panic, fails the room with the reason.
+    fn plan_job(&self, room: &Arc<PRoom>, chunk: &Chunk) {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.plan_chunk(room, &job.chunk)
+            self.plan_chunk(room, chunk)
         }));
         let failure = match r {
             Ok(Ok(())) => None,
@@ -265,6 +338,7 @@ impl PrefillEngine {
         {
             let mut p = ext(room).lock();
             p.outstanding += batches_planned;
+            p.queued += batches_planned;
             if chunk.is_last {
                 p.sealed = true;
                 p.finishes = finishes;
@@ -289,7 +363,7 @@ impl PrefillEngine {
                     })
                 })
                 .collect();
-            for item in outbox.push_all(batches) {
+            for item in outbox.push_all(room.generation(), batches) {
                 // The engine was lost meanwhile (its loss fails the room).
                 if let Item::Batch(batch) = item {
                     self.batch_ended(&batch, false, None);
@@ -317,7 +391,10 @@ impl PrefillEngine {
     pub(super) fn send_loop(&self, peer: &Arc<Peer>, link: &Arc<dyn DataLink>, outbox: &Outbox) {
         while let Some(item) = outbox.pop() {
             match item {
-                Item::Batch(batch) => self.send_batch(link, &batch),
+                Item::Batch(batch) => {
+                    self.taken(&batch.room);
+                    self.send_batch(link, &batch)
+                }
                 Item::Done { room, frame } => self.write_done(&room, peer, link, &frame),
             }
             if link.is_broken() {
@@ -486,6 +563,10 @@ impl PrefillEngine {
         {
             let mut p = ext(&batch.room).lock();
             p.outstanding -= 1;
+            if link.is_none() {
+                // Dropped from its outbox, never taken.
+                p.queued -= 1;
+            }
         }
         if batch.room.state().is_terminal() {
             // Its writes are complete: acknowledgements waiting for them go.
@@ -528,10 +609,13 @@ impl PrefillEngine {
                 }
                 _ => match self.outbox(&peer) {
                     // Closed meanwhile: the engine is lost, and the decode side with it.
-                    Some(outbox) => drop(outbox.push_all(vec![Item::Done {
-                        room: room.clone(),
-                        frame,
-                    }])),
+                    Some(outbox) => drop(outbox.push_all(
+                        room.generation(),
+                        vec![Item::Done {
+                            room: room.clone(),
+                            frame,
+                        }],
+                    )),
                     None => self.core.control.lose(
                         &peer,
                         format!("no data connection left to send Done of room {}", room.id()),
