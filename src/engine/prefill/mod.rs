@@ -9,6 +9,7 @@ pub(crate) mod holding;
 mod layers;
 mod outbox;
 mod plan;
+mod send;
 mod sender;
 
 use sender::Handed;
