@@ -43,7 +43,7 @@ static_assert(static_cast<int>(kvxfer::LogLevel::Error) == KVXFER_LOG_ERROR &&
 static_assert(KVXFER_ROOM_STATES == 5 &&
                   sizeof(kvxfer_metrics{}.rooms_by_state) == KVXFER_ROOM_STATES * sizeof(uint64_t),
               "rooms_by_state has one entry per state");
-static_assert(KVXFER_METRICS_CAUSES > KVXFER_CAUSE_INTERNAL &&
+static_assert(KVXFER_METRICS_CAUSES > KVXFER_CAUSE_INTEGRITY &&
                   sizeof(kvxfer_metrics{}.rooms_failed_by_cause) ==
                       KVXFER_METRICS_CAUSES * sizeof(uint64_t),
               "rooms_failed_by_cause has an entry for every cause value");
@@ -172,6 +172,7 @@ TEST(Status, RoomStateAndCauseNamesAreTheirCConstants) {
         {KVXFER_CAUSE_TRANSFER, "KVXFER_CAUSE_TRANSFER"},
         {KVXFER_CAUSE_SHUTDOWN, "KVXFER_CAUSE_SHUTDOWN"},
         {KVXFER_CAUSE_INTERNAL, "KVXFER_CAUSE_INTERNAL"},
+        {KVXFER_CAUSE_INTEGRITY, "KVXFER_CAUSE_INTEGRITY"},
     };
     for (const auto &c : causes) {
         EXPECT_STREQ(kvxfer_failure_cause_str(c.first), c.second);
@@ -179,7 +180,7 @@ TEST(Status, RoomStateAndCauseNamesAreTheirCConstants) {
     for (int32_t unknown : {-1, 5, INT32_MIN, INT32_MAX}) {
         EXPECT_STREQ(kvxfer_room_state_str(unknown), "KVXFER_UNKNOWN_ROOM_STATE") << unknown;
     }
-    for (int32_t unknown : {-1, 0, 11, KVXFER_METRICS_CAUSES}) {
+    for (int32_t unknown : {-1, 0, 12, KVXFER_METRICS_CAUSES}) {
         EXPECT_STREQ(kvxfer_failure_cause_str(unknown), "KVXFER_UNKNOWN_CAUSE") << unknown;
     }
 }
