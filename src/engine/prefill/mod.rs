@@ -9,9 +9,10 @@ pub(crate) mod holding;
 mod layers;
 mod outbox;
 mod plan;
+mod planner;
 mod sender;
 
-use sender::Handed;
+use planner::Handed;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::TcpListener;

@@ -1,0 +1,204 @@
+//! Who plans a room's chunks, and when. One thread at a time plans a room's chunks, in
+//! order: the thread that hands on a small chunk while nothing of its room waits (the
+//! scheduler's enqueue, or the control reader when the destination makes the room
+//! ready), or the worker the room is hashed to for the others. A layer call also waits
+//! while the room has batches queued for a sender; the layers that come meanwhile join
+//! it ([`layers::join`]), and the sender that takes the room's queued batches down to one
+//! plans them together ([`PrefillEngine::taken`]). Planning a chunk
+//! ([`PrefillEngine::plan_chunk`]) queues its batches for the senders (`sender.rs`).
+
+use std::sync::{mpsc, Arc};
+
+use super::{ext, layers, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
+use crate::engine::lifecycle;
+use crate::room::{Cause, FailureReason};
+
+/// The most runs (source pages x kv buffers sent x destinations) of a chunk that the
+/// thread handing it on plans itself, rather than a worker: a plan this small takes
+/// microseconds, less than waking a worker on the room's critical path (a wakeup is a
+/// switch of core, and on a virtual machine a round trip through the host).
+const PLAN_HERE_RUNS: usize = 1024;
+
+/// What became of a chunk handed on ([`PrefillEngine::hand_on`]).
+pub(super) enum Handed {
+    /// Waiting behind the room's earlier chunks or queued batches, or handed to the
+    /// room's worker (false: the engine is shutting down, the caller fails the room).
+    Queued(bool),
+    /// The caller plans it, once it holds no lock of the room ([`PrefillEngine::plan_here`]).
+    Here(Job),
+}
+
+/// How many of a room's batches may stay queued while its waiting layers are planned: a
+/// layer call waits while more are queued, and the sender that takes the batch that
+/// leaves this many plans the layers that waited. One batch stays queued, for another
+/// link to take while that sender plans.
+const QUEUED_RESERVE: usize = 1;
+
+/// The thread that plans a room's chunks: the one that handed a chunk on (the
+/// scheduler's enqueue, a control reader; small chunks only, [`PLAN_HERE_RUNS`]), a
+/// sender that took one of the room's batches, or the room's worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Planner {
+    Caller,
+    Sender,
+    Worker,
+}
+
+impl PrefillEngine {
+    /// Hands on the next chunk of a ready room, in order (under the room's lock `p`).
+    /// It waits while the room's earlier chunks are planned, and a layer call also while
+    /// the room has batches queued for a sender (more than [`QUEUED_RESERVE`]): the
+    /// layers that come meanwhile join it and are planned together when a sender takes
+    /// the room's batches down to the reserve ([`PrefillEngine::taken`]). Otherwise a
+    /// small chunk is the caller's to plan ([`Handed::Here`]), and any other goes to the
+    /// room's worker.
+    pub(super) fn hand_on(&self, p: &mut PrefillRoom, job: Job) -> Handed {
+        let behind_batches = job.chunk.buffers.is_some() && p.queued > QUEUED_RESERVE;
+        if p.planning || !p.waiting.is_empty() || behind_batches {
+            layers::join(&mut p.waiting, job.chunk);
+            return Handed::Queued(true);
+        }
+        p.planning = true;
+        if self.plans(Planner::Caller, p, &job.room, &job.chunk) {
+            return Handed::Here(job);
+        }
+        p.waiting.push_back(job.chunk);
+        Handed::Queued(self.dispatch(&job.room))
+    }
+
+    /// Whether `planner` plans `chunk` itself rather than the room's worker: a worker
+    /// plans any chunk; a sender any that is not empty (a plan takes microseconds per
+    /// thousand page runs, less than the worker's wakeup on the room's path, and the
+    /// sender was about to write one of the room's batches anyway); a caller only a
+    /// small one (it is the scheduler's thread). None but a worker plans while the
+    /// workers stop, or while a test pause point is armed in a worker's path.
+    fn plans(&self, planner: Planner, p: &PrefillRoom, room: &PRoom, chunk: &Chunk) -> bool {
+        if planner == Planner::Worker {
+            return true;
+        }
+        #[cfg(feature = "test-hooks")]
+        if ["worker.mid_chunk", "worker.before_complete"]
+            .iter()
+            .any(|h| crate::testing::is_armed(h, room.id()))
+        {
+            return false;
+        }
+        let _ = room;
+        let buffers = match &chunk.buffers {
+            Some(b) => b.iter().filter(|on| **on).count(),
+            None => self
+                .core
+                .node
+                .memory
+                .kv
+                .get()
+                .map_or(0, |m| m.buffers().len()),
+        };
+        // An empty chunk stays with the worker: there is nothing to plan, and it only
+        // completes the room.
+        let runs = chunk.pages.len() * buffers * p.dests.len();
+        let most = match planner {
+            Planner::Caller => PLAN_HERE_RUNS,
+            _ => usize::MAX,
+        };
+        (1..=most).contains(&runs) && !self.workers.read().is_empty()
+    }
+
+    /// Plans a chunk [`PrefillEngine::hand_on`] gave the caller, then the chunks that
+    /// came meanwhile ([`PrefillEngine::plan_waiting`]).
+    pub(super) fn plan_here(&self, job: Job) {
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("prefill.plan_here", job.room.id());
+        self.plan_waiting(Planner::Caller, &job.room, job.chunk);
+    }
+
+    /// A worker thread: plans the waiting chunks of the rooms handed to it, until the
+    /// engine stops.
+    pub(super) fn worker(&self, _index: usize, rooms: mpsc::Receiver<Arc<PRoom>>) {
+        for room in rooms {
+            let first = ext(&room).lock().waiting.pop_front();
+            match first {
+                Some(chunk) => self.plan_waiting(Planner::Worker, &room, chunk),
+                None => ext(&room).lock().planning = false,
+            }
+        }
+    }
+
+    /// Plans `chunk` of `room` (`planner` is the room's planner), then each chunk that
+    /// waits behind it while it may go: a whole chunk at once, a layer call once the
+    /// room's queued batches are down to the reserve (else the sender that takes them
+    /// there plans it, with the layers that join it meanwhile). What `planner` does not
+    /// plan itself ([`PrefillEngine::plans`]) goes to the room's worker.
+    fn plan_waiting(&self, planner: Planner, room: &Arc<PRoom>, mut chunk: Chunk) {
+        loop {
+            self.plan_job(room, &chunk);
+            let mut p = ext(room).lock();
+            let next = match p.waiting.front() {
+                Some(c) if c.buffers.is_none() || p.queued <= QUEUED_RESERVE => {
+                    p.waiting.pop_front()
+                }
+                _ => None,
+            };
+            let Some(next) = next else {
+                p.planning = false;
+                return;
+            };
+            if self.plans(planner, &p, room, &next) {
+                chunk = next;
+                continue;
+            }
+            p.waiting.push_front(next);
+            drop(p);
+            if !self.dispatch(room) {
+                self.fail_undispatched(room);
+            }
+            return;
+        }
+    }
+
+    /// A sender took one of `room`'s batches: once they are down to the reserve, the
+    /// layers that waited are planned, on this thread (before it writes the batch it
+    /// took, so that the room's next batches are queued while it does).
+    pub(super) fn taken(&self, room: &Arc<PRoom>) {
+        let mut p = ext(room).lock();
+        p.queued -= 1;
+        if p.queued > QUEUED_RESERVE || p.planning {
+            return;
+        }
+        let Some(chunk) = p.waiting.pop_front() else {
+            return;
+        };
+        p.planning = true;
+        if self.plans(Planner::Sender, &p, room, &chunk) {
+            drop(p);
+            self.plan_waiting(Planner::Sender, room, chunk);
+            return;
+        }
+        p.waiting.push_front(chunk);
+        drop(p);
+        if !self.dispatch(room) {
+            self.fail_undispatched(room);
+        }
+    }
+
+    /// Plans `chunk` of `room`; a failure, or a panic, fails the room with the reason.
+    fn plan_job(&self, room: &Arc<PRoom>, chunk: &Chunk) {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.plan_chunk(room, chunk)
+        }));
+        let failure = match r {
+            Ok(Ok(())) => None,
+            Ok(Err(reason)) => Some(reason),
+            Err(_) => Some(FailureReason::local(
+                Cause::Internal,
+                format!(
+                    "internal error (panic) while planning a chunk of room {}",
+                    room.id()
+                ),
+            )),
+        };
+        if let Some(reason) = failure {
+            lifecycle::fail(self, room, reason, None);
+        }
+    }
+}
