@@ -8,14 +8,14 @@
 //! once. Unarmed points cost one relaxed atomic load.
 //!
 //! Points in the engine:
-//! - `"worker.mid_chunk"` (src/engine/prefill/sender.rs, `write_batch`): a prefill worker has
+//! - `"worker.mid_chunk"` (src/engine/prefill/send.rs, `write_batch`): a prefill worker has
 //!   just written one batch of a chunk's frames and not yet the next one (nor the
 //!   chunk's Done, nor its state change). While it is armed for a room, that room's
 //!   batches hold one frame each, so the point falls between two frames.
 //! - `"rdma.batch_done"` (src/transport/rdma/link.rs): a batch's RDMA WRITEs completed,
 //!   and the worker still counts them on the room (its io count), so an acknowledgement
 //!   of an abort must wait.
-//! - `"worker.before_complete"` (src/engine/prefill/sender.rs, `try_complete`): every byte of the room's last chunk is
+//! - `"worker.before_complete"` (src/engine/prefill/send.rs, `try_complete`): every byte of the room's last chunk is
 //!   written; the worker has not yet claimed SUCCESS nor sent Done.
 //! - `"decode.send_destination"` (src/engine/decode/mod.rs): a decode room found waiting
 //!   with its destination set, and its destination is about to be sent (the room's lock
@@ -30,7 +30,7 @@
 //!   and its prefill engines looked up (their connections may be under way), and it is
 //!   not yet attached to them.
 //!
-//! - `"prefill.write_done"` (src/engine/prefill/sender.rs, `write_done`): a sender
+//! - `"prefill.write_done"` (src/engine/prefill/send.rs, `write_done`): a sender
 //!   thread is about to write the room's Done on its data connection.
 //! - `"accept.link_up"` (src/control/accept.rs), keyed by the port of the prefill
 //!   engine's own address: a decode engine's data connection is admitted and its link

@@ -196,7 +196,8 @@ fn seeds() -> Vec<Vec<u8>> {
             n_pages: 2,
             byte_len: 32,
             page_off: 0,
-            digest: 0,
+            // A digest (integrity=verify): any value passes the codec.
+            digest: 0xDEAD_BEEF,
         }),
         runs_frame(&[
             DataHeader {
@@ -209,7 +210,7 @@ fn seeds() -> Vec<Vec<u8>> {
                 byte_len: 16,
                 // A slice of the page (layouts that differ).
                 page_off: 8,
-                digest: 0,
+                digest: 0x0102_0304,
             },
             DataHeader {
                 room: 1,

@@ -62,6 +62,7 @@ fn child_decode() {
 const REQUIRE: (&str, &str) = ("same_host", "require");
 const AUTO: (&str, &str) = ("same_host", "auto");
 const OFF: (&str, &str) = ("same_host", "off");
+const NO_INTEGRITY: (&str, &str) = ("integrity", "off");
 
 /// Moves `src` into `dst` as room `room` of `t`; both sides' outcome.
 fn transfer(t: &Pair, room: u64, src: &[u32], dst: &[u32]) -> (State, State) {
@@ -298,13 +299,22 @@ const ROOMS: u64 = 16;
 #[test]
 fn a_prefill_process_stopped_or_killed_mid_copy_fails_the_decode_rooms_in_bounded_time() {
     for sig in ["-STOP", "-KILL"] {
-        let mut child = ChildPrefill::start_in(&[], None, &[("KVXFER_TEST_SAME_HOST", "require")]);
+        // Every room takes every page (integrity off: live rooms share the pages).
+        let mut child = ChildPrefill::start_in(
+            &[],
+            None,
+            &[
+                ("KVXFER_TEST_SAME_HOST", "require"),
+                ("KVXFER_TEST_INTEGRITY", "off"),
+            ],
+        );
         let mem = poisoned(BUFS, PAGES, ITEM);
         let d = engine(
             "decode",
             &mem,
             &[
                 REQUIRE,
+                NO_INTEGRITY,
                 ("heartbeat_interval_ms", "100"),
                 ("heartbeat_misses", "5"),
             ],
@@ -363,11 +373,13 @@ fn a_prefill_process_stopped_or_killed_mid_copy_fails_the_decode_rooms_in_bounde
 #[test]
 fn a_decode_process_stopped_mid_copy_fails_the_prefill_rooms_in_bounded_time() {
     let mem = source(BUFS, PAGES, ITEM);
+    // Every room takes every page (integrity off: live rooms share the pages).
     let p = engine(
         "prefill",
         &mem,
         &[
             REQUIRE,
+            NO_INTEGRITY,
             ("heartbeat_interval_ms", "100"),
             ("heartbeat_misses", "5"),
         ],
@@ -378,6 +390,7 @@ fn a_decode_process_stopped_mid_copy_fails_the_prefill_rooms_in_bounded_time() {
         &[
             ("KVXFER_CHILD_DECODE", "1"),
             ("KVXFER_TEST_SAME_HOST", "require"),
+            ("KVXFER_TEST_INTEGRITY", "off"),
         ],
     );
     for r in 1..=ROOMS {

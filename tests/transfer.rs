@@ -317,7 +317,9 @@ fn the_waiting_deadline_fails_a_room_that_never_gets_data() {
 
 #[test]
 fn many_rooms_at_once_all_succeed_and_clear_leaves_nothing() {
-    let t = pair(&[]);
+    // 64 rooms in 64 pages: live rooms share destination pages, which a host never does
+    // and integrity=verify would rightly catch (another room's bytes where a run landed).
+    let t = pair(&[("integrity", "off")]);
     for room in 100..164u64 {
         t.create(room);
         let dst: Vec<u32> = (0..4).map(|i| (room as u32 % 16) * 4 + i).collect();

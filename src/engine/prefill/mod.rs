@@ -9,10 +9,10 @@ pub(crate) mod holding;
 mod layers;
 mod outbox;
 mod plan;
-mod planner;
+mod send;
 mod sender;
 
-use planner::Handed;
+use sender::Handed;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::TcpListener;

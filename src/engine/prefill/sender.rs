@@ -1,28 +1,219 @@
-//! The prefill's data path. A room's chunks are planned in order, one thread at a time
-//! ([`planner`](super::planner)); each chunk becomes its data frames for each destination
-//! ([`plan`]), in batches queued in the destination engine's outbox; a sender thread per link of that engine
-//! writes them ([`PrefillEngine::send_loop`]), so one room's frames go out over every
-//! connection (or RDMA queue pair) at once. Whoever ends the last batch of a room's last
-//! chunk claims the room's completion and sends Done.
+//! The prefill's data path. One thread at a time plans a room's chunks, in order: the
+//! thread that hands on a small chunk while nothing of its room waits (the scheduler's
+//! enqueue, or the control reader when the destination makes the room ready), or the
+//! worker the room is hashed to for the others. A layer call also waits while the room
+//! has batches queued for a sender; the layers that come meanwhile join it, and the
+//! sender that takes the room's queued batches down to one plans them together
+//! ([`PrefillEngine::taken`]). Each chunk becomes its data frames for each destination
+//! ([`plan`]), in batches
+//! queued in the destination engine's outbox; a sender thread per link of that engine
+//! writes them (`send.rs`).
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 
 use super::outbox::{Batch, Item, Outbox, Ticket};
 use super::plan::{batches, plan, Grouped, Place};
-use super::{ext, Chunk, PRoom, PrefillEngine};
+use super::{ext, layers, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
 use crate::control::Peer;
 use crate::engine::lifecycle;
 use crate::proto::{Message, Target};
 use crate::room::{Cause, FailureReason, Refusal};
 use crate::slice;
-use crate::transport::{DataLink, Sent, Watch};
+
+/// The most runs (source pages x kv buffers sent x destinations) of a chunk that the
+/// thread handing it on plans itself, rather than a worker: a plan this small takes
+/// microseconds, less than waking a worker on the room's critical path (a wakeup is a
+/// switch of core, and on a virtual machine a round trip through the host).
+const PLAN_HERE_RUNS: usize = 1024;
+
+/// What became of a chunk handed on ([`PrefillEngine::hand_on`]).
+pub(super) enum Handed {
+    /// Waiting behind the room's earlier chunks or queued batches, or handed to the
+    /// room's worker (false: the engine is shutting down, the caller fails the room).
+    Queued(bool),
+    /// The caller plans it, once it holds no lock of the room ([`PrefillEngine::plan_here`]).
+    Here(Job),
+}
+
+/// How many of a room's batches may stay queued while its waiting layers are planned: a
+/// layer call waits while more are queued, and the sender that takes the batch that
+/// leaves this many plans the layers that waited. One batch stays queued, for another
+/// link to take while that sender plans.
+const QUEUED_RESERVE: usize = 1;
+
+/// The thread that plans a room's chunks: the one that handed a chunk on (the
+/// scheduler's enqueue, a control reader; small chunks only, [`PLAN_HERE_RUNS`]), a
+/// sender that took one of the room's batches, or the room's worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Planner {
+    Caller,
+    Sender,
+    Worker,
+}
 
 impl PrefillEngine {
+    /// Hands on the next chunk of a ready room, in order (under the room's lock `p`).
+    /// It waits while the room's earlier chunks are planned, and a layer call also while
+    /// the room has batches queued for a sender (more than [`QUEUED_RESERVE`]): the
+    /// layers that come meanwhile join it and are planned together when a sender takes
+    /// the room's batches down to the reserve ([`PrefillEngine::taken`]). Otherwise a
+    /// small chunk is the caller's to plan ([`Handed::Here`]), and any other goes to the
+    /// room's worker.
+    pub(super) fn hand_on(&self, p: &mut PrefillRoom, job: Job) -> Handed {
+        let behind_batches = job.chunk.buffers.is_some() && p.queued > QUEUED_RESERVE;
+        if p.planning || !p.waiting.is_empty() || behind_batches {
+            layers::join(&mut p.waiting, job.chunk);
+            return Handed::Queued(true);
+        }
+        p.planning = true;
+        if self.plans(Planner::Caller, p, &job.room, &job.chunk) {
+            return Handed::Here(job);
+        }
+        p.waiting.push_back(job.chunk);
+        Handed::Queued(self.dispatch(&job.room))
+    }
+
+    /// Whether `planner` plans `chunk` itself rather than the room's worker: a worker
+    /// plans any chunk; a sender any that is not empty (a plan takes microseconds per
+    /// thousand page runs, less than the worker's wakeup on the room's path, and the
+    /// sender was about to write one of the room's batches anyway); a caller only a
+    /// small one (it is the scheduler's thread). None but a worker plans while the
+    /// workers stop, or while a test pause point is armed in a worker's path.
+    fn plans(&self, planner: Planner, p: &PrefillRoom, room: &PRoom, chunk: &Chunk) -> bool {
+        if planner == Planner::Worker {
+            return true;
+        }
+        #[cfg(feature = "test-hooks")]
+        if ["worker.mid_chunk", "worker.before_complete"]
+            .iter()
+            .any(|h| crate::testing::is_armed(h, room.id()))
+        {
+            return false;
+        }
+        let _ = room;
+        let buffers = match &chunk.buffers {
+            Some(b) => b.iter().filter(|on| **on).count(),
+            None => self
+                .core
+                .node
+                .memory
+                .kv
+                .get()
+                .map_or(0, |m| m.buffers().len()),
+        };
+        // An empty chunk stays with the worker: there is nothing to plan, and it only
+        // completes the room.
+        let runs = chunk.pages.len() * buffers * p.dests.len();
+        let most = match planner {
+            Planner::Caller => PLAN_HERE_RUNS,
+            _ => usize::MAX,
+        };
+        (1..=most).contains(&runs) && !self.workers.read().is_empty()
+    }
+
+    /// Plans a chunk [`PrefillEngine::hand_on`] gave the caller, then the chunks that
+    /// came meanwhile ([`PrefillEngine::plan_waiting`]).
+    pub(super) fn plan_here(&self, job: Job) {
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("prefill.plan_here", job.room.id());
+        self.plan_waiting(Planner::Caller, &job.room, job.chunk);
+    }
+
+    /// A worker thread: plans the waiting chunks of the rooms handed to it, until the
+    /// engine stops.
+    pub(super) fn worker(&self, _index: usize, rooms: mpsc::Receiver<Arc<PRoom>>) {
+        for room in rooms {
+            let first = ext(&room).lock().waiting.pop_front();
+            match first {
+                Some(chunk) => self.plan_waiting(Planner::Worker, &room, chunk),
+                None => ext(&room).lock().planning = false,
+            }
+        }
+    }
+
+    /// Plans `chunk` of `room` (`planner` is the room's planner), then each chunk that
+    /// waits behind it while it may go: a whole chunk at once, a layer call once the
+    /// room's queued batches are down to the reserve (else the sender that takes them
+    /// there plans it, with the layers that join it meanwhile). What `planner` does not
+    /// plan itself ([`PrefillEngine::plans`]) goes to the room's worker.
+    fn plan_waiting(&self, planner: Planner, room: &Arc<PRoom>, mut chunk: Chunk) {
+        loop {
+            self.plan_job(room, &chunk);
+            let mut p = ext(room).lock();
+            let next = match p.waiting.front() {
+                Some(c) if c.buffers.is_none() || p.queued <= QUEUED_RESERVE => {
+                    p.waiting.pop_front()
+                }
+                _ => None,
+            };
+            let Some(next) = next else {
+                p.planning = false;
+                return;
+            };
+            if self.plans(planner, &p, room, &next) {
+                chunk = next;
+                continue;
+            }
+            p.waiting.push_front(next);
+            drop(p);
+            if !self.dispatch(room) {
+                self.fail_undispatched(room);
+            }
+            return;
+        }
+    }
+
+    /// A sender took one of `room`'s batches: once they are down to the reserve, the
+    /// layers that waited are planned, on this thread (before it writes the batch it
+    /// took, so that the room's next batches are queued while it does).
+    pub(super) fn taken(&self, room: &Arc<PRoom>) {
+        let mut p = ext(room).lock();
+        p.queued -= 1;
+        if p.queued > QUEUED_RESERVE || p.planning {
+            return;
+        }
+        let Some(chunk) = p.waiting.pop_front() else {
+            return;
+        };
+        p.planning = true;
+        if self.plans(Planner::Sender, &p, room, &chunk) {
+            drop(p);
+            self.plan_waiting(Planner::Sender, room, chunk);
+            return;
+        }
+        p.waiting.push_front(chunk);
+        drop(p);
+        if !self.dispatch(room) {
+            self.fail_undispatched(room);
+        }
+    }
+
+    /// Plans `chunk` of `room`; a failure, or a panic, fails the room with the reason.
+    fn plan_job(&self, room: &Arc<PRoom>, chunk: &Chunk) {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.plan_chunk(room, chunk)
+        }));
+        let failure = match r {
+            Ok(Ok(())) => None,
+            Ok(Err(reason)) => Some(reason),
+            Err(_) => Some(FailureReason::local(
+                Cause::Internal,
+                format!(
+                    "internal error (panic) while planning a chunk of room {}",
+                    room.id()
+                ),
+            )),
+        };
+        if let Some(reason) = failure {
+            lifecycle::fail(self, room, reason, None);
+        }
+    }
+
     /// Plans one chunk for every destination and queues its batches in the destinations'
     /// outboxes; for the last chunk, the Done frames too. Returns the reason to fail the
     /// room with, if any.
-    pub(super) fn plan_chunk(&self, room: &Arc<PRoom>, chunk: &Chunk) -> Result<(), FailureReason> {
+    fn plan_chunk(&self, room: &Arc<PRoom>, chunk: &Chunk) -> Result<(), FailureReason> {
         if room.state().is_terminal() {
             // Skipped: the room is already terminal (aborted, failed or done).
             return Ok(());
@@ -183,274 +374,11 @@ impl PrefillEngine {
         Ok(())
     }
 
-    fn chunk_sent(&self) {
+    pub(super) fn chunk_sent(&self) {
         self.core
             .node
             .metrics
             .chunks
             .fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A sender thread: writes the batches (and Done frames) of `peer`'s outbox over
-    /// `link` until the outbox closes (the peer is lost or the engine stops), or the link
-    /// breaks.
-    pub(super) fn send_loop(&self, peer: &Arc<Peer>, link: &Arc<dyn DataLink>, outbox: &Outbox) {
-        while let Some(item) = outbox.pop() {
-            match item {
-                Item::Batch(batch) => {
-                    self.taken(&batch.room);
-                    self.send_batch(link, &batch)
-                }
-                Item::Done { room, frame } => self.write_done(&room, peer, link, &frame),
-            }
-            if link.is_broken() {
-                // The others carry the outbox; a peer with no link left is lost.
-                let left = {
-                    let mut links = peer.data.write();
-                    links.retain(|l| !Arc::ptr_eq(l, link));
-                    links.len()
-                };
-                if left == 0 {
-                    self.core
-                        .control
-                        .lose(peer, "every data connection to it broke".to_string());
-                }
-                return;
-            }
-        }
-    }
-
-    /// Writes one batch on `link` and ends it; a failure (or a panic) fails its room.
-    fn send_batch(&self, link: &Arc<dyn DataLink>, batch: &Batch) {
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.write_batch(link, batch)
-        }));
-        let written = match r {
-            Ok(Ok(written)) => written,
-            Ok(Err(reason)) => {
-                lifecycle::fail(self, &batch.room, reason, None);
-                false
-            }
-            Err(_) => {
-                let why = format!(
-                    "internal error (panic) while sending a batch of room {}",
-                    batch.room.id()
-                );
-                lifecycle::fail(
-                    self,
-                    &batch.room,
-                    FailureReason::local(Cause::Internal, why),
-                    None,
-                );
-                false
-            }
-        };
-        self.batch_ended(batch, written, Some(link));
-        if batch.last {
-            // Done went out behind it on this link, or will not: either way nothing
-            // may wait in the socket now.
-            link.flush();
-        }
-    }
-
-    /// Writes room `room`'s Done `frame` to `peer` on `link` (a sender thread's own). The
-    /// room is SUCCESS already (every byte was handed over): if the write fails, the
-    /// decode side learns of the broken link as a lost peer.
-    fn write_done(&self, room: &PRoom, peer: &Arc<Peer>, link: &Arc<dyn DataLink>, frame: &[u8]) {
-        #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("prefill.write_done", room.id());
-        if let Err(e) = link.finish(frame) {
-            self.core.control.lose(
-                peer,
-                format!("writing Done of room {} failed: {e}", room.id()),
-            );
-        }
-    }
-
-    /// Writes one batch. `Ok(false)`: skipped or cut short, its room having ended.
-    ///
-    /// The batch is counted on the room (`begin_io`) before the state check and until the
-    /// link is done reading it, so a scheduler that waits for `kvxfer_room_drained`
-    /// never reuses pages a transport still reads.
-    fn write_batch(&self, link: &Arc<dyn DataLink>, batch: &Batch) -> Result<bool, FailureReason> {
-        let room = &batch.room;
-        let mut io = Some(room.begin_io());
-        let ended = || room.state().is_terminal();
-        if ended() {
-            return Ok(false);
-        }
-        let memory = &self.core.node.memory;
-        let mut runs = Vec::with_capacity(batch.frames.len());
-        for f in &batch.frames {
-            let mem = match f.hdr.target {
-                Target::Kv => memory.kv.get(),
-                Target::Aux => memory.aux.get(),
-            }
-            .expect("planned only for registered buffers");
-            let pages = mem
-                .pages(f.hdr.buffer as usize, f.src, f.hdr.n_pages)
-                .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
-            let bytes = usize::try_from(f.src_off)
-                .ok()
-                .and_then(|off| pages.get(off..off.checked_add(f.hdr.byte_len as usize)?))
-                .ok_or_else(|| {
-                    FailureReason::local(
-                        Cause::Internal,
-                        format!(
-                            "planned bytes {}+{} lie outside source page {}",
-                            f.src_off, f.hdr.byte_len, f.src
-                        ),
-                    )
-                })?;
-            let mut h = f.hdr;
-            #[cfg_attr(not(feature = "test-hooks"), allow(unused_mut))]
-            let mut bytes = bytes;
-            if self.core.node.config.integrity {
-                h.digest = crate::integrity::digest(&h, bytes);
-                #[cfg(feature = "test-hooks")]
-                integrity_faults(&mut h, &mut bytes);
-            }
-            runs.push((h, bytes));
-        }
-        // A slow link: once the room ends, its pages are no longer read, and the io count
-        // drops before the frame in progress is ended with zeros.
-        let mut release = || drop(io.take());
-        let mut watch = Watch {
-            ended: &ended,
-            release: &mut release,
-        };
-        let sent = if batch.last {
-            link.write_last_runs(&runs, &mut watch)
-        } else {
-            link.write_runs(&runs, &mut watch)
-        };
-        let sent = sent.map_err(|e| {
-            FailureReason::local(
-                Cause::Transfer,
-                format!(
-                    "room {}: writing to {} failed: {e}",
-                    room.id(),
-                    batch.peer.name
-                ),
-            )
-        })?;
-        drop(io);
-        if sent == Sent::RoomEnded {
-            return Ok(false);
-        }
-        self.core
-            .node
-            .metrics
-            .bytes_sent
-            .fetch_add(batch.bytes as u64, Ordering::Relaxed);
-        self.core
-            .node
-            .metrics
-            .data_runs_sent
-            .fetch_add(batch.frames.len() as u64, Ordering::Relaxed);
-        lifecycle::progressed(self, room);
-        #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("worker.mid_chunk", room.id());
-        Ok(true)
-    }
-
-    /// One batch ended (`written` whole, or not, on `link`): counts its chunk once every
-    /// batch of it was written, sends acknowledgements its writes were holding, and
-    /// completes the room if this was the last batch of its last chunk.
-    pub(super) fn batch_ended(
-        &self,
-        batch: &Batch,
-        written: bool,
-        link: Option<&Arc<dyn DataLink>>,
-    ) {
-        if batch.chunk.end(written) {
-            self.chunk_sent();
-        }
-        {
-            let mut p = ext(&batch.room).lock();
-            p.outstanding -= 1;
-            if link.is_none() {
-                // Dropped from its outbox, never taken.
-                p.queued -= 1;
-            }
-        }
-        if batch.room.state().is_terminal() {
-            // Its writes are complete: acknowledgements waiting for them go.
-            self.acks.send_due(&self.core);
-        }
-        self.try_complete(&batch.room, link.map(|l| (&batch.peer, l)));
-    }
-
-    /// Completes the room once its last chunk was planned and every batch of it ended:
-    /// claims SUCCESS (if the room is still live), then sends Done to every destination:
-    /// on `free`'s link to its engine (the link whose sender just ended the room's last
-    /// batch, so free at once; Done and the room's frames may go over different links),
-    /// else through the engine's outbox, for one of its senders (never on this thread,
-    /// which may be the scheduler's or a control reader's: a write can wait on the
-    /// network).
-    fn try_complete(&self, room: &Arc<PRoom>, free: Option<(&Arc<Peer>, &Arc<dyn DataLink>)>) {
-        let finishes = {
-            let mut p = ext(room).lock();
-            if !p.sealed || p.outstanding > 0 || p.finishes.is_empty() {
-                return;
-            }
-            std::mem::take(&mut p.finishes)
-        };
-        if room.state().is_terminal() {
-            return; // a batch did not go out: the room failed, and no Done goes out
-        }
-        #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("worker.before_complete", room.id());
-        // Every byte is with the transport. Claim completion before telling the decode
-        // engines: an abort that comes after the claim finds the room SUCCESS and changes
-        // nothing, and one that came before it means no Done is sent, so the two sides
-        // never disagree about a prefill-side abort racing the last chunk.
-        if !lifecycle::complete(self, room) {
-            return; // aborted meanwhile: already FAILED, and no Done goes out
-        }
-        for (peer, frame) in finishes {
-            match free {
-                Some((p, l)) if Arc::ptr_eq(p, &peer) && !l.is_broken() => {
-                    self.write_done(room, &peer, l, &frame)
-                }
-                _ => match self.outbox(&peer) {
-                    // Closed meanwhile: the engine is lost, and the decode side with it.
-                    Some(outbox) => drop(outbox.push_all(
-                        room.generation(),
-                        vec![Item::Done {
-                            room: room.clone(),
-                            frame,
-                        }],
-                    )),
-                    None => self.core.control.lose(
-                        &peer,
-                        format!("no data connection left to send Done of room {}", room.id()),
-                    ),
-                },
-            }
-        }
-    }
-}
-
-/// Test-only faults of a run whose digest was just made, each taken once per room
-/// (src/testing.rs): `"integrity.wrong_page"` sends it to the next page,
-/// `"integrity.wrong_offset"` (a part of a page of at least 16 bytes) writes its first
-/// bytes 8 bytes further into its page, within its own range, and
-/// `"integrity.earlier_use"` carries the digest of the room id's previous generation.
-#[cfg(feature = "test-hooks")]
-fn integrity_faults(h: &mut crate::proto::DataHeader, bytes: &mut &[u8]) {
-    use crate::testing::take_fault;
-    if take_fault("integrity.wrong_page", h.room) {
-        h.first_page += 1;
-    } else if h.n_pages == 1 && h.byte_len >= 16 && take_fault("integrity.wrong_offset", h.room) {
-        h.page_off += 8;
-        h.byte_len -= 8;
-        *bytes = &bytes[..bytes.len() - 8];
-    } else if take_fault("integrity.earlier_use", h.room) {
-        let earlier = crate::proto::DataHeader {
-            generation: h.generation - 1,
-            ..*h
-        };
-        h.digest = crate::integrity::digest(&earlier, bytes);
     }
 }
