@@ -204,11 +204,18 @@ int run_prefill(const Options &o) {
         std::vector<uint32_t> src;
         uint32_t slot;
         std::size_t sent = 0;
-        Clock::time_point first;
+        Clock::time_point created;
+        // When a poll first saw the room past BOOTSTRAPPING: the decode side's destination
+        // had arrived (the decode process creates its room only once it has a free slot,
+        // so a prefill room can wait seconds for it).
+        Clock::time_point ready;
+        bool seen_ready = false;
         bool aborted = false;
     };
     std::deque<Live> live;
-    std::vector<double> latency;
+    // Per request that succeeded: the destination's arrival to SUCCESS (the transfer as
+    // the prefill side sees it), and the wait before it for the decode side.
+    std::vector<double> latency, waited;
     int next = 0, ok = 0, failed = 0;
     while (next < o.requests || !live.empty()) {
         while (next < o.requests && static_cast<int>(live.size()) < o.concurrency) {
@@ -219,7 +226,7 @@ int run_prefill(const Options &o) {
                 for (std::size_t b = 0; b < kBuffers; ++b) fill_page(pool.page(b, l.src[j]), l.p.room, b, j);
             fill_aux(pool.slot(l.slot), l.p.room);
             e.create_prefill_room(l.p.room, 1);
-            l.first = Clock::now();
+            l.created = Clock::now();
             live.push_back(std::move(l));
         }
         // One chunk per live room per pass: chunked prefill interleaves requests.
@@ -248,9 +255,18 @@ int run_prefill(const Options &o) {
         }
         for (auto it = live.begin(); it != live.end();) {
             kvxfer::RoomState s = e.poll(it->p.room);
+            if (s != kvxfer::RoomState::Bootstrapping && !it->seen_ready) {
+                it->ready = Clock::now();
+                it->seen_ready = true;
+            }
             if (!kvxfer::is_terminal(s)) { ++it; continue; }
-            if (s == kvxfer::RoomState::Success) { ++ok; latency.push_back(ms_since(it->first)); }
-            else ++failed;
+            if (s == kvxfer::RoomState::Success) {
+                ++ok;
+                latency.push_back(ms_since(it->ready));
+                waited.push_back(std::chrono::duration<double, std::milli>(it->ready - it->created).count());
+            } else {
+                ++failed;
+            }
             e.clear(it->p.room);
             pool.give_back(it->src, it->slot);
             it = live.erase(it);
@@ -258,8 +274,10 @@ int run_prefill(const Options &o) {
         std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     kvxfer_metrics m = e.metrics();
-    std::printf("PREFILL ok=%d failed=%d p50=%.2f p99=%.2f bytes_sent=%" PRIu64 "\n", ok, failed,
-                percentile(latency, 0.5), percentile(latency, 0.99), m.bytes_sent);
+    std::printf("PREFILL ok=%d failed=%d, destination -> success p50=%.2f p99=%.2f ms "
+                "(before it, waiting for the decode's destination p50=%.2f p99=%.2f ms), bytes_sent=%" PRIu64 "\n",
+                ok, failed, percentile(latency, 0.5), percentile(latency, 0.99), percentile(waited, 0.5),
+                percentile(waited, 0.99), m.bytes_sent);
     std::fflush(stdout);
     // Stay up until the decode process has seen everything it needs.
     char buf[16];

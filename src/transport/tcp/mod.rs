@@ -26,7 +26,7 @@ const TICK: Duration = Duration::from_millis(10);
 /// window) has taken. Without it Linux queues up to the whole send buffer (4 MiB by
 /// default), which the receiver then copies out after it has left the caches; with
 /// four 4 MiB rooms in flight on two cores the engines moved 0.89 of the plain stream
-/// instead of 0.79 (docs/BENCHMARKS.md, issue 12, ninth round). It does not bound the
+/// instead of 0.79 (docs/bench-journal, issue 12, ninth round). It does not bound the
 /// data in flight, so a long fat link still fills its window. It also keeps what an
 /// ended room has already committed to the socket short.
 pub const NOTSENT_LOWAT: usize = 1 << 20;
