@@ -315,16 +315,10 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, pid: u32, limits: &Limits) ->
     };
     let mut r = BufReader::new(s);
     loop {
-        let hdr = match proto::read_frame_header(&mut r, limits) {
+        let hdr = match super::tcp::recv::next_frame(&mut r, sink, limits) {
             Ok(h) => h,
-            Err(ReadError::Closed) => return "data connection closed".to_string(),
-            Err(ReadError::Proto(e)) => {
-                sink.protocol_error();
-                return format!("malformed frame: {e}");
-            }
-            Err(e) => return format!("data read failed: {e}"),
+            Err(why) => return why,
         };
-        sink.heard();
         let r = match proto::read_control(&mut r, &hdr, limits) {
             Ok(Message::Copy { runs }) => copy(sink, pid, &runs).and_then(|whole| {
                 let (h, _) = runs[0];

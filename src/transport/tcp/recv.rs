@@ -281,20 +281,34 @@ pub trait FrameSink {
     fn protocol_error(&self);
 }
 
+/// The next frame header on a data connection, with `sink` told that the peer was
+/// heard; otherwise why the connection ends (a malformed header is counted by `sink`).
+pub(crate) fn next_frame<R: io::Read, S: FrameSink>(
+    r: &mut R,
+    sink: &S,
+    limits: &Limits,
+) -> Result<proto::FrameHeader, String> {
+    let hdr = match proto::read_frame_header(r, limits) {
+        Ok(h) => h,
+        Err(ReadError::Closed) => return Err("data connection closed".to_string()),
+        Err(ReadError::Proto(e)) => {
+            sink.protocol_error();
+            return Err(format!("malformed frame: {e}"));
+        }
+        Err(e) => return Err(format!("data read failed: {e}")),
+    };
+    sink.heard();
+    Ok(hdr)
+}
+
 /// Reads one data connection until it ends; returns why it ended.
 pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
     let mut s = DataStream::new(s);
     loop {
-        let hdr = match proto::read_frame_header(&mut s, limits) {
+        let hdr = match next_frame(&mut s, sink, limits) {
             Ok(h) => h,
-            Err(ReadError::Closed) => return "data connection closed".to_string(),
-            Err(ReadError::Proto(e)) => {
-                sink.protocol_error();
-                return format!("malformed frame: {e}");
-            }
-            Err(e) => return format!("data read failed: {e}"),
+            Err(why) => return why,
         };
-        sink.heard();
         let r = match hdr.kind {
             Kind::Data => proto::read_data_header(&mut s, &hdr, limits)
                 .map_err(|e| e.to_string())
