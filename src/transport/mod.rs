@@ -179,18 +179,11 @@ impl Memory {
         off: usize,
         len: usize,
     ) -> Result<&[u8]> {
-        let (addr, pages_len) = self.range(buffer, first, n)?;
-        if off.checked_add(len).is_none_or(|end| end > pages_len) {
-            return Err(err!(
-                InvalidArgument,
-                "bytes {off}+{len} lie outside pages {first}..{} of buffer {buffer}",
-                first as u64 + n as u64
-            ));
-        }
-        // SAFETY: inside registered memory as in `pages`, `off + len` checked above. The
-        // bytes are the ones one run of a room took (`DecodeRoom::take_grants`), which no
-        // other receiver writes.
-        Ok(unsafe { std::slice::from_raw_parts((addr + off) as *const u8, len) })
+        let addr = self.run_addr(buffer, first, n, off, len)?;
+        // SAFETY: inside registered memory as in `pages`, `off + len` checked by
+        // `run_addr`. The bytes are the ones one run of a room took
+        // (`DecodeRoom::take_grants`), which no other receiver writes.
+        Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
     }
 
     /// Bytes `off..off + len` of pages `first..first+n` of `buffer`, for receiving into:
@@ -207,6 +200,22 @@ impl Memory {
         off: usize,
         len: usize,
     ) -> Result<&mut [u8]> {
+        let addr = self.run_addr(buffer, first, n, off, len)?;
+        // SAFETY: inside registered memory as in `pages` (`off + len` is checked against
+        // the pages' extent by `run_addr`). Exclusive use of KV bytes: destination pages
+        // belong to exactly one live room, and the room admits each of its bytes to one
+        // run only (`DecodeRoom::take_grants` refuses a run that repeats taken bytes), so
+        // the receiver threads of the room's peers (several links, several prefill ranks
+        // writing head slices of one page) hold disjoint ranges. The one exception is an
+        // aux row, which every prefill engine of a room sends (pipeline stages, ranks):
+        // two of them may write the same row at once, plain bytes of the request's own
+        // metadata that the host reads only after SUCCESS.
+        Ok(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
+    }
+
+    /// The address of byte `off` of pages `first..first+n` of `buffer`, once `off + len`
+    /// is checked to lie inside those pages.
+    fn run_addr(&self, buffer: usize, first: u32, n: u32, off: usize, len: usize) -> Result<usize> {
         let (addr, pages_len) = self.range(buffer, first, n)?;
         if off.checked_add(len).is_none_or(|end| end > pages_len) {
             return Err(err!(
@@ -215,16 +224,7 @@ impl Memory {
                 first as u64 + n as u64
             ));
         }
-        // SAFETY: inside registered memory as in `pages` (`off + len` is checked against
-        // the pages' extent just above). Exclusive use of KV bytes: destination pages
-        // belong to exactly one live room, and the room admits each of its bytes to one
-        // run only (`DecodeRoom::take_grants` refuses a run that repeats taken bytes), so
-        // the receiver threads of the room's peers (several links, several prefill ranks
-        // writing head slices of one page) hold disjoint ranges. The one exception is an
-        // aux row, which every prefill engine of a room sends (pipeline stages, ranks):
-        // two of them may write the same row at once, plain bytes of the request's own
-        // metadata that the host reads only after SUCCESS.
-        Ok(unsafe { std::slice::from_raw_parts_mut((addr + off) as *mut u8, len) })
+        Ok(addr + off)
     }
 
     /// The item length of `buffer`.
