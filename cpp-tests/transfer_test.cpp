@@ -140,10 +140,11 @@ TEST_F(Transfer, ChunksArriveInTheGrantedPagesWithTheAuxRowAndBothSidesSucceed) 
     EXPECT_EQ(poll(d_.get(), 1), KVXFER_ROOM_SUCCESS);
 }
 
-// integrity=verify on both engines over TCP: the room succeeds verified, the path is
-// TCP, and the metrics count the bytes verified.
+// integrity=verify on both engines over TCP (also in the soft-RoCE guest, where the
+// default transport is RDMA): the room succeeds verified, the path is TCP, and the
+// metrics count the bytes verified.
 TEST_F(Transfer, AVerifiedRoomSaysSoAndItsPathIsReported) {
-    start({{"integrity", "verify"}, {"same_host", "off"}});
+    start({{"integrity", "verify"}, {"same_host", "off"}, {"transport", "tcp"}});
     create(2);
     std::vector<uint32_t> dst = {9, 10}, src = {3, 4};
     ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 2, dst.data(), dst.size(), -1)));
