@@ -200,16 +200,7 @@ fn a_chunk_enqueued_while_the_destination_s_engine_is_lost_fails_the_room_as_pee
 fn a_done_for_a_room_that_does_not_pull_from_its_sender_is_counted() {
     let dmem = poisoned();
     let d = engine("decode", &dmem, &[TCP, ("connections_per_peer", "1")]);
-    let (mut a, mut b) = (FakePrefill::listen(), FakePrefill::listen());
-    d.room_create(31, RoomPeers::Prefills(vec![a.addr.clone()]))
-        .unwrap();
-    d.room_set_destination(31, &[1], None).unwrap();
-    a.handshake(BUFS, PAGES, ITEM, 1);
-    let generation = a.destination().generation;
-    d.room_create(32, RoomPeers::Prefills(vec![b.addr.clone()]))
-        .unwrap();
-    b.handshake(BUFS, PAGES, ITEM, 1);
-    wait_state(&d, 32, State::WaitingForInput);
+    let (_a, mut b, generation) = fake::two_prefills(&d, 31, 32, (BUFS, PAGES, ITEM));
     let before = d.metrics().unknown_room_frames;
     // Engine B claims it finished room 31, which pulls from A only.
     b.done(31, generation, 1);

@@ -16,7 +16,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::fake::{self, FakePrefill};
-use common::{engine, wait_state, wait_terminal, wait_until, Region, POISON};
+use common::{engine, wait_terminal, wait_until, Region, POISON};
 use kvxfer::proto::Message;
 use kvxfer::testing;
 use kvxfer::{Cause, RoomPeers, State};
@@ -39,16 +39,7 @@ fn poisoned() -> Vec<Region> {
 fn an_abort_from_an_engine_the_room_does_not_pull_from_is_counted_and_ignored() {
     let dmem = poisoned();
     let d = engine("decode", &dmem, &[TCP, ("connections_per_peer", "1")]);
-    let (mut a, mut b) = (FakePrefill::listen(), FakePrefill::listen());
-    d.room_create(31, RoomPeers::Prefills(vec![a.addr.clone()]))
-        .unwrap();
-    d.room_set_destination(31, &[1], None).unwrap();
-    a.handshake(BUFS, PAGES, ITEM, 1);
-    let generation = a.destination().generation;
-    d.room_create(32, RoomPeers::Prefills(vec![b.addr.clone()]))
-        .unwrap();
-    b.handshake(BUFS, PAGES, ITEM, 1);
-    wait_state(&d, 32, State::WaitingForInput);
+    let (mut a, mut b, generation) = fake::two_prefills(&d, 31, 32, (BUFS, PAGES, ITEM));
     let before = d.metrics().unknown_room_frames;
     // Engine B aborts room 31, which pulls from A only.
     fake::send_msg(
@@ -89,16 +80,7 @@ fn an_abort_from_an_engine_the_room_does_not_pull_from_is_counted_and_ignored() 
 fn a_data_frame_from_an_engine_the_room_does_not_pull_from_leaves_the_room_alone() {
     let dmem = poisoned();
     let d = engine("decode", &dmem, &[TCP, ("connections_per_peer", "1")]);
-    let (mut a, mut b) = (FakePrefill::listen(), FakePrefill::listen());
-    d.room_create(33, RoomPeers::Prefills(vec![a.addr.clone()]))
-        .unwrap();
-    d.room_set_destination(33, &[1], None).unwrap();
-    a.handshake(BUFS, PAGES, ITEM, 1);
-    let generation = a.destination().generation;
-    d.room_create(34, RoomPeers::Prefills(vec![b.addr.clone()]))
-        .unwrap();
-    b.handshake(BUFS, PAGES, ITEM, 1);
-    wait_state(&d, 34, State::WaitingForInput);
+    let (_a, mut b, generation) = fake::two_prefills(&d, 33, 34, (BUFS, PAGES, ITEM));
     let before = d.metrics().unknown_room_frames;
     let f = fake::data_frame(&fake::kv_header(33, generation, 0, 1, 1, ITEM), 0x55);
     b.data[0].write_all(&f).unwrap();

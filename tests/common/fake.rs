@@ -364,6 +364,29 @@ impl FakePrefill {
     }
 }
 
+/// Two fake prefill engines serving decode engine `d`, each for a room of its own:
+/// `ours` (destination page 1) pulls from A only, and its destination reached A;
+/// `other` pulls from B only and is waiting for input. Returns A, B and the
+/// generation of `ours`, for tests of what B may not do to it.
+pub fn two_prefills(
+    d: &Engine,
+    ours: u64,
+    other: u64,
+    (bufs, pages, item): (usize, usize, usize),
+) -> (FakePrefill, FakePrefill, u64) {
+    let (mut a, mut b) = (FakePrefill::listen(), FakePrefill::listen());
+    d.room_create(ours, RoomPeers::Prefills(vec![a.addr.clone()]))
+        .unwrap();
+    d.room_set_destination(ours, &[1], None).unwrap();
+    a.handshake(bufs, pages, item, 1);
+    let generation = a.destination().generation;
+    d.room_create(other, RoomPeers::Prefills(vec![b.addr.clone()]))
+        .unwrap();
+    b.handshake(bufs, pages, item, 1);
+    super::wait::wait_state(d, other, kvxfer::State::WaitingForInput);
+    (a, b, generation)
+}
+
 /// A fake decode engine's control connection to prefill engine `addr`, handshake
 /// done, registering `bufs` x `pages` x `item`.
 pub fn decode_ctrl(addr: &str, id: u64, bufs: usize, pages: usize, item: usize) -> TcpStream {
