@@ -11,7 +11,7 @@ use super::admission::MAX_PEERS;
 use super::{panic_message, Control, Path, Peer, SetupError};
 use crate::config::MAX_CONNECTIONS_PER_PEER;
 use crate::proto::{ConnKind, Message, SameHostSetting};
-use crate::transport::samehost::CopyLink;
+use crate::transport::copy_link::CopyLink;
 use crate::transport::tcp::seal::SealedConn;
 use crate::transport::tcp::SendConn;
 use crate::transport::DataLink;
@@ -218,9 +218,9 @@ impl Control {
                 let link: Arc<dyn DataLink> = match admitted.secret.filter(|_| self.encrypts_data())
                 {
                     // Only run headers travel: the decode engine copies the bytes.
-                    _ if same_host => {
-                        Arc::new(CopyLink::new(w, stall, node.limits).map_err(|e| e.to_string())?)
-                    }
+                    _ if same_host => Arc::new(CopyLink::new(w, stall, node.limits, |f| {
+                        node.spawn("kvxfer-copied", f).map_err(|e| e.to_string())
+                    })?),
                     Some(secret) => {
                         Arc::new(SealedConn::new(w, stall, &secret).map_err(|e| e.to_string())?)
                     }

@@ -10,7 +10,7 @@ mod table;
 
 use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 pub use state::{Event, Refusal, State, StateWord};
 pub use table::RoomTable;
@@ -137,6 +137,17 @@ pub struct IoGuard<'a>(&'a AtomicU32);
 impl Drop for IoGuard<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A transport operation on a room's memory that outlives the call that began it (a
+/// same-host copy answered later, on another thread); counted out when dropped.
+#[derive(Debug)]
+pub struct HeldIo<T>(Arc<Room<T>>);
+
+impl<T> Drop for HeldIo<T> {
+    fn drop(&mut self) {
+        self.0.io.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -270,6 +281,12 @@ impl<T> Room<T> {
     pub fn begin_io(&self) -> IoGuard<'_> {
         self.io.fetch_add(1, Ordering::SeqCst);
         IoGuard(&self.io)
+    }
+
+    /// As [`begin_io`](Self::begin_io), with a guard that owns a reference to the room.
+    pub fn hold_io(self: &Arc<Self>) -> HeldIo<T> {
+        self.io.fetch_add(1, Ordering::SeqCst);
+        HeldIo(self.clone())
     }
 
     /// Whether the room is terminal and no transport operation can still touch its

@@ -4,6 +4,7 @@
 //! registration contract (`kvxfer_register_kv`: the memory stays valid until the engine
 //! is freed) plus the range checks here make those slices sound.
 
+pub mod copy_link;
 pub mod rdma;
 pub mod samehost;
 pub mod tcp;
@@ -88,10 +89,30 @@ pub trait DataLink: Send + Sync {
         false
     }
 
+    /// A link whose batches end after the call that starts them returns (see
+    /// [`Pipelined`]); `None` (the default) for a link whose `write_runs` returns once
+    /// the batch ended.
+    fn as_pipelined(&self) -> Option<&dyn Pipelined> {
+        None
+    }
+
     /// Sends an encoded `Done` frame once every `write_runs` of the room has returned.
     /// The room's frames may have gone over other links of the same peer: the receiver
     /// completes the room when both Done and every page it counts have arrived.
     fn finish(&self, done_frame: &[u8]) -> io::Result<()>;
+}
+
+/// What a pipelined batch's end is given: what [`DataLink::write_runs`] would have
+/// returned. Called exactly once, on whichever thread learns of the end.
+pub type BatchEnd = Box<dyn FnOnce(io::Result<Sent>) + Send>;
+
+/// A link that keeps several batches in flight ([`copy_link::CopyLink`]: the same-host
+/// path, whose batches end when the decode engine answers that it copied them): `start`
+/// sends the batch and returns; `end` is called once the transport no longer reads the
+/// batch's bytes (or the link broke: an error), so the caller holds the room's io count
+/// in `end` until then.
+pub trait Pipelined {
+    fn start(&self, runs: &[(DataHeader, &[u8])], end: BatchEnd);
 }
 
 use crate::err;

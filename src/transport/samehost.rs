@@ -13,9 +13,11 @@
 //!
 //! The prefill's source pages are read by the decode process. A prefill batch ends, and
 //! the room's io count drops, only once the decode engine answered that batch's `Copy`
-//! with `Copied`, so `kvxfer_room_drained` on the prefill means no copy of the room is in
-//! progress. If the decode process stops answering, the prefill gives the link up after
-//! its stall (`heartbeat_interval_ms x heartbeat_misses`) and cuts the peer; a decode
+//! with `Copied` ([`super::copy_link`]: several batches in flight per link, each ended
+//! by its answer), so `kvxfer_room_drained` on the prefill means no copy of the room is
+//! in progress. If the decode process stops answering, the prefill gives the link up
+//! after its stall (`heartbeat_interval_ms x heartbeat_misses`), ending the batches that
+//! wait on it with the error; a decode
 //! process that was stopped between its check of the room and its next read call (at
 //! most [`MAX_COPY_BYTES`]) may still make that one call when it resumes, whose bytes
 //! land only in its own failed room's pages.
@@ -33,14 +35,9 @@
 use std::io::{self, BufReader, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::MetadataExt;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
-
-use parking_lot::Mutex;
 
 use super::tcp::recv::{Admit, FrameSink, Grant};
-use super::{DataLink, Sent, Watch};
-use crate::proto::{self, DataHeader, HostInfo, Kind, Limits, Message, ReadError, SameHostSetting};
+use crate::proto::{self, DataHeader, HostInfo, Limits, Message, SameHostSetting};
 
 /// The most bytes one `process_vm_readv` call copies: a room that ends stops being
 /// copied within one call of this size.
@@ -211,127 +208,41 @@ fn read_from(pid: u32, local: &mut [&mut [u8]], remote: &[(u64, usize)]) -> io::
     Ok(n as usize)
 }
 
-/// Prefill side: a same-host data connection. A batch goes out as one `Copy` message
-/// (each run's header and the address of its bytes here) and ends when the decode
-/// engine answers `Copied`; the room's io count is held until then, since the decode
-/// process reads the pages meanwhile.
-pub struct CopyLink {
-    stream: Mutex<TcpStream>,
-    limits: Limits,
-    broken: AtomicBool,
-}
-
-impl CopyLink {
-    /// Wraps an accepted data connection; a write or an answer that takes longer than
-    /// `stall` breaks the link.
-    pub fn new(stream: TcpStream, stall: Duration, limits: Limits) -> io::Result<CopyLink> {
-        stream.set_write_timeout(Some(stall))?;
-        stream.set_read_timeout(Some(stall))?;
-        Ok(CopyLink {
-            stream: Mutex::new(stream),
-            limits,
-            broken: AtomicBool::new(false),
-        })
-    }
-
-    fn broke<T>(&self, s: &TcpStream, e: io::Error) -> io::Result<T> {
-        self.broken.store(true, Ordering::Relaxed);
-        let _ = s.shutdown(std::net::Shutdown::Both);
-        Err(e)
-    }
-
-    fn copy(&self, runs: &[(DataHeader, &[u8])]) -> io::Result<Sent> {
-        let Some((first, _)) = runs.first() else {
-            return Ok(Sent::All);
-        };
-        let msg = Message::Copy {
-            runs: runs
-                .iter()
-                .map(|(h, bytes)| (*h, bytes.as_ptr() as u64))
-                .collect(),
-        };
-        let mut frame = Vec::new();
-        msg.encode(&mut frame).map_err(io::Error::other)?;
-        let mut s = self.stream.lock();
-        if let Err(e) = s.write_all(&frame) {
-            return self.broke(&s, e);
-        }
-        let answer = proto::read_frame_header(&mut *s, &self.limits)
-            .and_then(|h| match h.kind {
-                Kind::Copied => proto::read_control(&mut *s, &h, &self.limits),
-                k => Err(ReadError::Proto(proto::ProtoError::NotControlKind {
-                    kind: k,
-                })),
-            })
-            .map_err(|e| io::Error::other(format!("no answer to a copy: {e}")));
-        match answer {
-            Ok(Message::Copied {
-                room,
-                generation,
-                whole,
-            }) if (room, generation) == (first.room, first.generation) => {
-                Ok(if whole { Sent::All } else { Sent::RoomEnded })
-            }
-            Ok(m) => {
-                let e = io::Error::other(format!(
-                    "a {} answer to a copy of room {}",
-                    m.kind().name(),
-                    first.room
-                ));
-                self.broke(&s, e)
-            }
-            Err(e) => self.broke(&s, e),
-        }
-    }
-}
-
-impl DataLink for CopyLink {
-    /// The room's io count is held until the answer, whatever `watch` says: the decode
-    /// process may be reading the pages until it answers.
-    fn write_runs(&self, runs: &[(DataHeader, &[u8])], _: &mut Watch<'_>) -> io::Result<Sent> {
-        self.copy(runs)
-    }
-
-    fn is_broken(&self) -> bool {
-        self.broken.load(Ordering::Relaxed)
-    }
-
-    fn finish(&self, done_frame: &[u8]) -> io::Result<()> {
-        let mut s = self.stream.lock();
-        match s.write_all(done_frame) {
-            Ok(()) => Ok(()),
-            Err(e) => self.broke(&s, e),
-        }
-    }
-}
-
 /// Decode side: serves a same-host data connection from prefill process `pid` until it
 /// ends: each `Copy` is admitted by `sink` as a data frame of those runs would be, copied
 /// into the granted pages and answered; `Done` goes to `sink`. Returns why it ended.
+///
+/// The answers go out together once every message already read is served (the prefill
+/// keeps several copies in flight, so several often arrive in one read): one write, and
+/// one wakeup of the prefill's reader, for all of them.
 pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, pid: u32, limits: &Limits) -> String {
     let mut w = match s.try_clone() {
         Ok(w) => w,
         Err(e) => return format!("data connection: {e}"),
     };
     let mut r = BufReader::new(s);
+    let mut answers = Vec::with_capacity(256);
     loop {
+        if r.buffer().is_empty() && !answers.is_empty() {
+            if let Err(e) = w.write_all(&answers) {
+                return format!("answering copies failed: {e}");
+            }
+            answers.clear();
+        }
         let hdr = match super::tcp::recv::next_frame(&mut r, sink, limits) {
             Ok(h) => h,
             Err(why) => return why,
         };
-        let r = match proto::read_control(&mut r, &hdr, limits) {
+        let served = match proto::read_control(&mut r, &hdr, limits) {
             Ok(Message::Copy { runs }) => copy(sink, pid, &runs).and_then(|whole| {
                 let (h, _) = runs[0];
-                let mut frame = Vec::with_capacity(64);
                 Message::Copied {
                     room: h.room,
                     generation: h.generation,
                     whole,
                 }
-                .encode(&mut frame)
-                .map_err(|e| e.to_string())?;
-                w.write_all(&frame)
-                    .map_err(|e| format!("answering a copy failed: {e}"))
+                .encode(&mut answers)
+                .map_err(|e| e.to_string())
             }),
             Ok(Message::Done {
                 room,
@@ -348,7 +259,7 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, pid: u32, limits: &Limits) ->
             )),
             Err(e) => Err(e.to_string()),
         };
-        if let Err(why) = r {
+        if let Err(why) = served {
             sink.protocol_error();
             return why;
         }

@@ -11,20 +11,25 @@ use super::outbox::{Batch, Item, Outbox};
 use super::{ext, PRoom, PrefillEngine};
 use crate::control::Peer;
 use crate::engine::lifecycle;
-use crate::proto::Target;
+use crate::proto::{DataHeader, Target};
 use crate::room::{Cause, FailureReason};
-use crate::transport::{DataLink, Sent, Watch};
+use crate::transport::{DataLink, Pipelined, Sent, Watch};
 
 impl PrefillEngine {
     /// A sender thread: writes the batches (and Done frames) of `peer`'s outbox over
     /// `link` until the outbox closes (the peer is lost or the engine stops), or the link
     /// breaks.
-    pub(super) fn send_loop(&self, peer: &Arc<Peer>, link: &Arc<dyn DataLink>, outbox: &Outbox) {
+    pub(super) fn send_loop(
+        self: &Arc<Self>,
+        peer: &Arc<Peer>,
+        link: &Arc<dyn DataLink>,
+        outbox: &Outbox,
+    ) {
         while let Some(item) = outbox.pop() {
             match item {
                 Item::Batch(batch) => {
                     self.taken(&batch.room);
-                    self.send_batch(link, &batch)
+                    self.send_batch(link, batch)
                 }
                 Item::Done { room, frame } => self.write_done(&room, peer, link, &frame),
             }
@@ -45,12 +50,65 @@ impl PrefillEngine {
         }
     }
 
-    /// Writes one batch on `link` and ends it; a failure (or a panic) fails its room.
-    fn send_batch(&self, link: &Arc<dyn DataLink>, batch: &Batch) {
+    /// Writes one batch on `link` and ends it; a failure (or a panic) fails its room. On
+    /// a pipelined link the batch ends later, on the thread that learns of its end.
+    fn send_batch(self: &Arc<Self>, link: &Arc<dyn DataLink>, batch: Batch) {
+        if let Some(p) = link.as_pipelined() {
+            return self.start_batch(p, link, batch);
+        }
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.write_batch(link, batch)
+            self.write_batch(link, &batch)
         }));
-        let written = match r {
+        let written = self.settle(&batch, r);
+        self.end_batch(&batch, written, link);
+    }
+
+    /// Starts one batch on pipelined link `p` (`link`): the room's io count is held
+    /// until the batch ends.
+    fn start_batch(self: &Arc<Self>, p: &dyn Pipelined, link: &Arc<dyn DataLink>, batch: Batch) {
+        let io = batch.room.hold_io();
+        if batch.room.state().is_terminal() {
+            drop(io);
+            return self.end_batch(&batch, false, link);
+        }
+        let runs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.runs(&batch)));
+        let runs = match runs {
+            Ok(Ok(runs)) => runs,
+            Ok(Err(reason)) => {
+                drop(io);
+                let written = self.settle(&batch, Ok(Err(reason)));
+                return self.end_batch(&batch, written, link);
+            }
+            Err(panic) => {
+                drop(io);
+                let written = self.settle(&batch, Err(panic));
+                return self.end_batch(&batch, written, link);
+            }
+        };
+        #[cfg(feature = "test-hooks")]
+        let id = batch.room.id();
+        let (engine, l) = (self.clone(), link.clone());
+        p.start(
+            &runs,
+            Box::new(move |sent| {
+                drop(io);
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    engine.sent(&batch, sent)
+                }));
+                let written = engine.settle(&batch, r);
+                engine.end_batch(&batch, written, &l);
+            }),
+        );
+        // The sender holds here as a TCP sender holds after its write: the batch is in
+        // flight, and its answer ends it meanwhile.
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("worker.mid_chunk", id);
+    }
+
+    /// What a batch's write came to: whether it was written whole; a failure (or a
+    /// panic) fails its room.
+    fn settle(&self, batch: &Batch, r: std::thread::Result<Result<bool, FailureReason>>) -> bool {
+        match r {
             Ok(Ok(written)) => written,
             Ok(Err(reason)) => {
                 lifecycle::fail(self, &batch.room, reason, None);
@@ -69,7 +127,11 @@ impl PrefillEngine {
                 );
                 false
             }
-        };
+        }
+    }
+
+    /// Ends a batch that was written (`written` whole, or not) on `link`.
+    fn end_batch(&self, batch: &Batch, written: bool, link: &Arc<dyn DataLink>) {
         self.batch_ended(batch, written, Some(link));
         if batch.last {
             // Done went out behind it on this link, or will not: either way nothing
@@ -104,6 +166,31 @@ impl PrefillEngine {
         if ended() {
             return Ok(false);
         }
+        let runs = self.runs(batch)?;
+        // A slow link: once the room ends, its pages are no longer read, and the io count
+        // drops before the frame in progress is ended with zeros.
+        let mut release = || drop(io.take());
+        let mut watch = Watch {
+            ended: &ended,
+            release: &mut release,
+        };
+        let sent = if batch.last {
+            link.write_last_runs(&runs, &mut watch)
+        } else {
+            link.write_runs(&runs, &mut watch)
+        };
+        drop(io);
+        let written = self.sent(batch, sent)?;
+        #[cfg(feature = "test-hooks")]
+        if written {
+            crate::testing::pause_point("worker.mid_chunk", room.id());
+        }
+        Ok(written)
+    }
+
+    /// The batch's runs: each frame's header (with its digest, under `integrity`) and
+    /// source bytes.
+    fn runs<'a>(&'a self, batch: &Batch) -> Result<Vec<(DataHeader, &'a [u8])>, FailureReason> {
         let memory = &self.core.node.memory;
         let mut runs = Vec::with_capacity(batch.frames.len());
         for f in &batch.frames {
@@ -137,18 +224,13 @@ impl PrefillEngine {
             }
             runs.push((h, bytes));
         }
-        // A slow link: once the room ends, its pages are no longer read, and the io count
-        // drops before the frame in progress is ended with zeros.
-        let mut release = || drop(io.take());
-        let mut watch = Watch {
-            ended: &ended,
-            release: &mut release,
-        };
-        let sent = if batch.last {
-            link.write_last_runs(&runs, &mut watch)
-        } else {
-            link.write_runs(&runs, &mut watch)
-        };
+        Ok(runs)
+    }
+
+    /// What a batch's write (`sent`) came to: `Ok(false)` if it was cut short, its room
+    /// having ended; counts what went out.
+    fn sent(&self, batch: &Batch, sent: std::io::Result<Sent>) -> Result<bool, FailureReason> {
+        let room = &batch.room;
         let sent = sent.map_err(|e| {
             FailureReason::local(
                 Cause::Transfer,
@@ -159,7 +241,6 @@ impl PrefillEngine {
                 ),
             )
         })?;
-        drop(io);
         if sent == Sent::RoomEnded {
             return Ok(false);
         }
@@ -174,8 +255,6 @@ impl PrefillEngine {
             .data_runs_sent
             .fetch_add(batch.frames.len() as u64, Ordering::Relaxed);
         lifecycle::progressed(self, room);
-        #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("worker.mid_chunk", room.id());
         Ok(true)
     }
 
