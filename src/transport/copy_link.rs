@@ -10,12 +10,17 @@
 //! come in the order of the batches. A batch waiting longer than the stall for its answer
 //! (the decode process stopped, say) breaks the link, and every batch waiting on it ends
 //! with the error, so a room's io count never waits on a peer for longer than that.
+//!
+//! An answer that ends a room's last batch completes the room on the reader thread, which
+//! then writes the room's Done; it holds the Done frames back until it has served every
+//! answer it read, and writes them together.
 
 use std::collections::VecDeque;
 use std::io::{self, BufReader, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -43,6 +48,8 @@ struct Queue {
 
 /// What a link and its reader thread share.
 struct Shared {
+    /// The writing half: `Copy` and `Done` frames.
+    stream: Mutex<TcpStream>,
     queue: Mutex<Queue>,
     /// Signalled when an answer frees a place in the queue, or the link breaks.
     room: Condvar,
@@ -50,6 +57,11 @@ struct Shared {
     broken: AtomicBool,
     /// The connection, shut when the link breaks so that both threads leave it.
     socket: TcpStream,
+    /// The reader thread, once it runs: a Done it writes (an answer completed a room)
+    /// waits in `done` until it has served every answer it read, then goes out with the
+    /// others in one write.
+    reader: OnceLock<ThreadId>,
+    done: Mutex<Vec<u8>>,
 }
 
 impl Shared {
@@ -71,10 +83,21 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Writes the Done frames the reader thread held back (see [`CopyLink::finish`]).
+    fn send_done(&self) -> io::Result<()> {
+        let mut done = self.done.lock();
+        if done.is_empty() {
+            return Ok(());
+        }
+        let written = self.stream.lock().write_all(&done);
+        done.clear();
+        written
+    }
+}
+
 /// A same-host data connection of a prefill engine (see the module's documentation).
 pub struct CopyLink {
-    /// The writing half: `Copy` and `Done` frames.
-    stream: Mutex<TcpStream>,
     shared: Arc<Shared>,
     stall: Duration,
 }
@@ -94,16 +117,20 @@ impl CopyLink {
         // The reader wakes at least twice a stall to look at its oldest batch.
         let tick = (stall / 2).max(Duration::from_millis(10));
         stream.set_read_timeout(Some(tick)).map_err(setup)?;
+        let reader = stream.try_clone().map_err(setup)?;
+        let socket = stream.try_clone().map_err(setup)?;
         let shared = Arc::new(Shared {
+            stream: Mutex::new(stream),
             queue: Mutex::new(Queue {
                 waiting: VecDeque::new(),
                 broken: None,
             }),
             room: Condvar::new(),
             broken: AtomicBool::new(false),
-            socket: stream.try_clone().map_err(setup)?,
+            socket,
+            reader: OnceLock::new(),
+            done: Mutex::new(Vec::new()),
         });
-        let reader = stream.try_clone().map_err(setup)?;
         let s = shared.clone();
         spawn(Box::new(move || {
             let read = std::panic::AssertUnwindSafe(|| read_answers(&s, reader, &limits, stall));
@@ -111,21 +138,23 @@ impl CopyLink {
                 s.broke("internal error: the reader of copy answers panicked".into());
             }
         }))?;
-        Ok(CopyLink {
-            stream: Mutex::new(stream),
-            shared,
-            stall,
-        })
+        Ok(CopyLink { shared, stall })
     }
 }
 
 /// The reader thread: ends each waiting batch when its answer comes, and breaks the link
 /// when an answer is wrong or late, or the connection ends.
 fn read_answers(shared: &Shared, stream: TcpStream, limits: &Limits, stall: Duration) {
+    let _ = shared.reader.set(std::thread::current().id());
     let mut r = BufReader::new(stream);
     let why = loop {
         if shared.broken.load(Ordering::Relaxed) {
             return;
+        }
+        if r.buffer().is_empty() {
+            if let Err(e) = shared.send_done() {
+                break format!("writing Done failed: {e}");
+            }
         }
         let answer = proto::read_frame_header(&mut r, limits).and_then(|h| match h.kind {
             Kind::Copied => proto::read_control(&mut r, &h, limits),
@@ -200,7 +229,7 @@ impl Pipelined for CopyLink {
                     self.shared.room.wait_for(&mut q, self.stall);
                 }
             }
-            let mut s = self.stream.lock();
+            let mut s = self.shared.stream.lock();
             let mut q = self.shared.queue.lock();
             if let Some(why) = q.broken.clone() {
                 drop((q, s));
@@ -250,8 +279,15 @@ impl DataLink for CopyLink {
         self.shared.broken.load(Ordering::Relaxed)
     }
 
+    /// On the reader thread (an answer completed the room) the frame waits until the
+    /// reader served every answer it has read, and goes out with the others then.
     fn finish(&self, done_frame: &[u8]) -> io::Result<()> {
-        let written = self.stream.lock().write_all(done_frame);
+        let shared = &self.shared;
+        if shared.reader.get() == Some(&std::thread::current().id()) {
+            shared.done.lock().extend_from_slice(done_frame);
+            return Ok(());
+        }
+        let written = shared.stream.lock().write_all(done_frame);
         if let Err(e) = &written {
             self.shared.broke(format!("writing Done failed: {e}"));
         }
@@ -351,6 +387,47 @@ mod tests {
             .collect();
         assert_eq!(ends, [(1, Sent::All), (2, Sent::RoomEnded), (3, Sent::All)]);
         assert!(!link.is_broken());
+    }
+
+    /// A Done written by a batch's end (on the reader thread, as when an answer
+    /// completes a room) waits until the reader served the answers it read, then goes
+    /// out: every one arrives, in order, after the answers that completed the rooms.
+    #[test]
+    fn dones_written_as_answers_complete_rooms_go_out_once_the_answers_are_served() {
+        let (link, mut r) = link(Duration::from_secs(10));
+        let link = Arc::new(link);
+        for room in 1..=3u64 {
+            let bytes = [0u8; 4];
+            let l = link.clone();
+            let end = Box::new(move |_| {
+                let mut done = Vec::new();
+                Message::Done {
+                    room,
+                    generation: 1,
+                    pages_sent: 1,
+                    aux_sent: false,
+                }
+                .encode(&mut done)
+                .unwrap();
+                l.finish(&done).unwrap();
+            });
+            link.start(&[(header(room), &bytes[..])], end);
+        }
+        for room in 1..=3 {
+            assert_eq!(read_copy(&mut r), room);
+        }
+        let mut w = r.get_ref().try_clone().unwrap();
+        for room in 1..=3 {
+            answer(&mut w, room, true);
+        }
+        let limits = Limits::default();
+        for want in 1..=3 {
+            let h = proto::read_frame_header(&mut r, &limits).unwrap();
+            match proto::read_control(&mut r, &h, &limits).unwrap() {
+                Message::Done { room, .. } => assert_eq!(room, want),
+                m => panic!("{} in place of Done", m.kind().name()),
+            }
+        }
     }
 
     /// No answer within the stall: the link breaks, every waiting batch ends with the
