@@ -646,8 +646,10 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   bytes where they landed, before it counts them: a room reaches SUCCESS only when
  *   every run matched, and a mismatch fails it as `KVXFER_CAUSE_INTEGRITY` with a reason
  *   naming the prefill engine, buffer, page and byte range (`kvxfer_room_verified`).
- *   Over TCP and the same-host path; RDMA rooms are not verified yet. Both engines of a
- *   pair must have the same setting, else their rooms fail as MISMATCH naming both. Off
+ *   Over TCP and the same-host path the digest travels in the run's header; over RDMA
+ *   in the progress message of its completed writes, checked where they landed on a
+ *   thread of its own. Both engines of a pair must have the same setting, else their
+ *   rooms fail as MISMATCH naming both. Off
  *   by default because it costs a CRC32C pass over every byte on each side (about
  *   0.15 CPU s per GB per side on the 2-core host it was measured on, as much as the
  *   whole TCP path; docs/BENCHMARKS.md).
@@ -1082,9 +1084,9 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_path(const struct kvxfer_engine *engin
  * every byte verified: with `integrity=verify` (see `kvxfer_config_set`), every data
  * run of every prefill engine of the room carried a digest bound to the room, its
  * generation and the run's destination, and each matched the bytes where they landed.
- * False for a room that is live or FAILED (a mismatch fails it as
- * `KVXFER_CAUSE_INTEGRITY`), with `integrity=off`, and over RDMA, whose writes are not
- * verified yet. Never blocks.
+ * Over TCP, the same-host path and RDMA alike. False for a room that is live or FAILED
+ * (a mismatch fails it as `KVXFER_CAUSE_INTEGRITY`), and with `integrity=off`. Never
+ * blocks.
  *
  * Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
  * `KVXFER_ERR_NULL_POINTER`.

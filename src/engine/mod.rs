@@ -144,6 +144,9 @@ impl Engine {
             _listener: listener,
         };
         with_side!(engine, s => watchdog::start(s))?;
+        if let Side::Decode(d) = &engine.side {
+            d.start_verifier()?;
+        }
         Ok(engine)
     }
 
@@ -361,8 +364,9 @@ impl Engine {
 
     /// Decode only: whether room `id` reached SUCCESS with every byte verified: with
     /// `integrity=verify` (which both engines of each pairing then have), every data run
-    /// landed over a path that carries digests (TCP, same host) and each matched where it
-    /// landed. False for a live or failed room, with `integrity=off`, or over RDMA.
+    /// carried a digest (in its data header over TCP and the same-host path, in the
+    /// progress of its writes over RDMA) and each matched where it landed. False for a
+    /// live or failed room, or with `integrity=off`.
     pub fn room_verified(&self, id: u64) -> Result<bool> {
         let Side::Decode(d) = &self.side else {
             return Err(wrong_role(Role::Decode, "kvxfer_room_verified"));
@@ -371,7 +375,7 @@ impl Engine {
         let path = core::path(&**d, id)?;
         Ok(state == State::Success
             && self.node.config.integrity
-            && matches!(path, DataPath::Tcp | DataPath::SameHost))
+            && matches!(path, DataPath::Tcp | DataPath::SameHost | DataPath::Rdma))
     }
 
     /// Decode only: how many of room `id`'s first layers (in layer order: the layer ids

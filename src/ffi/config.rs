@@ -89,8 +89,10 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 ///   bytes where they landed, before it counts them: a room reaches SUCCESS only when
 ///   every run matched, and a mismatch fails it as `KVXFER_CAUSE_INTEGRITY` with a reason
 ///   naming the prefill engine, buffer, page and byte range (`kvxfer_room_verified`).
-///   Over TCP and the same-host path; RDMA rooms are not verified yet. Both engines of a
-///   pair must have the same setting, else their rooms fail as MISMATCH naming both. Off
+///   Over TCP and the same-host path the digest travels in the run's header; over RDMA
+///   in the progress message of its completed writes, checked where they landed on a
+///   thread of its own. Both engines of a pair must have the same setting, else their
+///   rooms fail as MISMATCH naming both. Off
 ///   by default because it costs a CRC32C pass over every byte on each side (about
 ///   0.15 CPU s per GB per side on the 2-core host it was measured on, as much as the
 ///   whole TCP path; docs/BENCHMARKS.md).

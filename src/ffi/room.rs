@@ -382,9 +382,9 @@ pub unsafe extern "C" fn kvxfer_room_path(
 /// every byte verified: with `integrity=verify` (see `kvxfer_config_set`), every data
 /// run of every prefill engine of the room carried a digest bound to the room, its
 /// generation and the run's destination, and each matched the bytes where they landed.
-/// False for a room that is live or FAILED (a mismatch fails it as
-/// `KVXFER_CAUSE_INTEGRITY`), with `integrity=off`, and over RDMA, whose writes are not
-/// verified yet. Never blocks.
+/// Over TCP, the same-host path and RDMA alike. False for a room that is live or FAILED
+/// (a mismatch fails it as `KVXFER_CAUSE_INTEGRITY`), and with `integrity=off`. Never
+/// blocks.
 ///
 /// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
 /// `KVXFER_ERR_NULL_POINTER`.

@@ -203,7 +203,10 @@ impl Memory {
         let addr = self.run_addr(buffer, first, n, off, len)?;
         // SAFETY: inside registered memory as in `pages`, `off + len` checked by
         // `run_addr`. The bytes are the ones one run of a room took
-        // (`DecodeRoom::take_grants`), which no other receiver writes.
+        // (`DecodeRoom::take_grants`), which no other receiver writes; over RDMA the
+        // writes that filled them completed before the progress that names them was
+        // sent. A peer that still wrote into them could only change what is read
+        // (arbitrary bytes, never undefined behaviour for u8), failing the digest.
         Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
     }
 

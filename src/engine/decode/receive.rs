@@ -22,7 +22,7 @@ pub(super) struct Receiver<'a> {
 }
 
 /// One admitted run: its header, the memory it fills and our buffer in it.
-type Run<'m> = (DataHeader, &'m Memory, u32);
+pub(super) type Run<'m> = (DataHeader, &'m Memory, u32);
 
 /// The granted pages of one data frame's runs.
 pub(super) struct Pages<'a> {
@@ -90,15 +90,35 @@ impl Grant for Pages<'_> {
 }
 
 impl Pages<'_> {
-    /// With `integrity=verify`: recomputes the digest of every run that landed whole over
-    /// the bytes where it landed (just written, so still in cache) and compares it with
-    /// the one its header carries ([`crate::integrity`]). A mismatch fails the room as
-    /// INTEGRITY, naming the engine, the buffer, the page and the byte range, and nothing
-    /// of the frame is counted; false then.
+    /// With `integrity=verify`: verifies every run that landed whole
+    /// ([`DecodeEngine::verify_runs`]; just written, so still in cache); false if one did
+    /// not match (the room failed, and nothing of the frame is counted).
     fn verify(&self, complete: &[bool]) -> bool {
-        let node = &self.engine.core.node;
+        let whole = self
+            .runs
+            .iter()
+            .zip(complete)
+            .filter(|(_, &c)| c)
+            .map(|(r, _)| r);
+        self.engine.verify_runs(self.peer, &self.room, whole)
+    }
+}
+
+impl DecodeEngine {
+    /// Recomputes the digest of each of `runs` of `peer` over the bytes where it landed
+    /// and compares it with the one its header carries ([`crate::integrity`]), counting
+    /// the bytes verified. A mismatch fails the room as INTEGRITY, naming the engine, the
+    /// buffer, the page and the byte range; false then. The runs were admitted to the
+    /// room ([`DecodeEngine::check_data`]), and the caller holds the room's io count.
+    pub(super) fn verify_runs<'r, 'm: 'r>(
+        &self,
+        peer: &Peer,
+        room: &Arc<DRoom>,
+        runs: impl Iterator<Item = &'r Run<'m>>,
+    ) -> bool {
+        let node = &self.core.node;
         let mut verified = 0u64;
-        for ((h, mem, buffer), _) in self.runs.iter().zip(complete).filter(|(_, &c)| c) {
+        for (h, mem, buffer) in runs {
             let landed = mem
                 .bytes(
                     *buffer as usize,
@@ -132,12 +152,12 @@ impl Pages<'_> {
                 } else {
                     String::new()
                 },
-                self.peer.name,
+                peer.name,
                 h.digest
             );
             lifecycle::fail(
-                self.engine,
-                &self.room,
+                self,
+                room,
                 FailureReason::local(Cause::Integrity, why),
                 None,
             );
@@ -257,7 +277,7 @@ impl DecodeEngine {
     /// destination, and each run's pages are granted to it, in registered buffers, with
     /// the right length (the grants under one lock for the whole frame). Returns the
     /// peer's position and, for each run, the memory and our buffer it fills.
-    fn check_data<'m>(
+    pub(super) fn check_data<'m>(
         &'m self,
         peer: &Arc<Peer>,
         room: &Arc<DRoom>,
