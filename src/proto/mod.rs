@@ -106,8 +106,10 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 /// ([`KvLayout`](crate::layout::KvLayout)) that the registration exchange checks, lets a
 /// data header write at an offset inside one page (`DataHeader::page_off`, for layouts
 /// that differ) and counts RDMA progress in KV bytes per buffer (`Progress::kv`); 6 added
-/// the same-host path (`SameHost`, `PathChoice`, `Copy`, `Copied`).
-pub const PROTO_VERSION: u16 = 6;
+/// the same-host path (`SameHost`, `PathChoice`, `Copy`, `Copied`); 7 says in `SameHost`
+/// whether the sender registered CUDA device memory (a reserved byte before), which the
+/// same-host copy cannot move.
+pub const PROTO_VERSION: u16 = 7;
 
 /// Length in bytes of the fixed frame header that starts every frame.
 pub const FRAME_HEADER_LEN: usize = 16;

@@ -293,6 +293,23 @@ impl DecodeEngine {
                 .ok_or_else(|| {
                     proto_err(format!("{what} buffer {} is not registered", h.buffer))
                 })?;
+            if let Some(kind) = mem.kind(local as usize).filter(|k| !k.is_host()) {
+                // No host slice of device memory exists (Memory refuses it): fail the
+                // room here rather than reach for one.
+                lifecycle::fail(
+                    self,
+                    room,
+                    FailureReason::local(
+                        Cause::Transfer,
+                        format!(
+                            "room {id}: {what} buffer {local} is {kind}, which this build \
+                             cannot receive into over TCP"
+                        ),
+                    ),
+                    None,
+                );
+                return Err(Refuse::Discard);
+            }
             let slicing = match h.target {
                 Target::Kv => peer.slicing.get(),
                 Target::Aux => None,
