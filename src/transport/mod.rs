@@ -6,6 +6,7 @@
 
 pub mod rdma;
 pub mod samehost;
+pub mod staging;
 pub mod tcp;
 
 use std::io;
