@@ -252,6 +252,19 @@ impl Node {
                     bufs[i].kind
                 ));
             }
+            // A decode engine's receiver of sealed frames decrypts into its pages with
+            // the CPU.
+            for (on, key) in [(self.config.encrypt_data, "encrypt_data=on")] {
+                if on && self.role == Role::Decode {
+                    return Err(err!(
+                        Unsupported,
+                        "{what} buffer {i} is {}: a decode engine with {key} cannot receive \
+                         into device memory in this build (the receiver touches the pages \
+                         with the CPU)",
+                        bufs[i].kind
+                    ));
+                }
+            }
             crate::cuda::check_buffers(&bufs, what)?;
         }
         if let Some(layout) = &layout {

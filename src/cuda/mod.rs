@@ -8,6 +8,7 @@
 //! allocation range (`CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` / `RANGE_SIZE`), and every
 //! byte must be device memory of the device named.
 
+pub mod copy;
 pub mod driver;
 
 use crate::err;

@@ -205,12 +205,20 @@ CUresult cuStreamDestroy_v2(void *s) {
     return SUCCESS;
 }
 
-/* Copies are checked against the table (the device side must be a live allocation,
- * whole) and done at once. */
+/* Copies are checked against the table (every byte of the device side must lie in a
+ * live allocation: a copy may span the allocations mapped one after the other in a VMM
+ * range, as on a GPU) and done at once. */
 static CUresult copy_checked(void *dst, const void *src, size_t n, uintptr_t dev) {
     pthread_mutex_lock(&lock);
-    const struct alloc *a = find(dev);
-    int ok = a && n <= a->size - (dev - a->base);
+    int ok = 1;
+    uintptr_t at = dev, end = dev + n;
+    while (ok && at < end) {
+        const struct alloc *a = find(at);
+        ok = a != NULL;
+        if (ok) {
+            at = a->base + a->size;
+        }
+    }
     pthread_mutex_unlock(&lock);
     if (!ok) {
         return INVALID_VALUE;

@@ -13,7 +13,7 @@ use crate::engine::lifecycle;
 use crate::proto::{DataHeader, Target};
 use crate::room::{Cause, FailureReason, IoGuard};
 use crate::transport::tcp::recv::{Admit, FrameSink, Grant};
-use crate::transport::Memory;
+use crate::transport::{MemKind, Memory};
 
 /// One prefill engine's data connection, as the decode engine receives it.
 pub(super) struct Receiver<'a> {
@@ -50,6 +50,24 @@ impl Grant for Pages<'_> {
         .expect("admitted bytes lie inside a registered buffer")
     }
 
+    fn device(&self, i: usize) -> Option<(u32, usize)> {
+        let (h, mem, buffer) = &self.runs[i];
+        match mem.kind(*buffer as usize)? {
+            MemKind::Host => None,
+            MemKind::Cuda { device } => Some((
+                device,
+                mem.device_run(
+                    *buffer as usize,
+                    h.first_page,
+                    h.n_pages,
+                    h.page_off as usize,
+                    h.byte_len as usize,
+                )
+                .expect("admitted bytes lie inside a registered buffer"),
+            )),
+        }
+    }
+
     fn enter(&self) -> Option<IoGuard<'_>> {
         // Counted in before the state is checked: once the room is terminal nothing more
         // lands, and `drained` is false while a write is in progress.
@@ -58,8 +76,12 @@ impl Grant for Pages<'_> {
     }
 
     fn finish(self, complete: &[bool]) {
+        self.finish_staged(complete, &[])
+    }
+
+    fn finish_staged(self, complete: &[bool], received: &[Option<u32>]) {
         let node = &self.engine.core.node;
-        if node.config.integrity && !self.verify(complete) {
+        if node.config.integrity && !self.verify(complete, received) {
             return;
         }
         let bytes: u64 = self
@@ -95,20 +117,31 @@ impl Pages<'_> {
     /// the one its header carries ([`crate::integrity`]). A mismatch fails the room as
     /// INTEGRITY, naming the engine, the buffer, the page and the byte range, and nothing
     /// of the frame is counted; false then.
-    fn verify(&self, complete: &[bool]) -> bool {
+    fn verify(&self, complete: &[bool], received: &[Option<u32>]) -> bool {
         let node = &self.engine.core.node;
         let mut verified = 0u64;
-        for ((h, mem, buffer), _) in self.runs.iter().zip(complete).filter(|(_, &c)| c) {
-            let landed = mem
-                .bytes(
-                    *buffer as usize,
-                    h.first_page,
-                    h.n_pages,
-                    h.page_off as usize,
-                    h.byte_len as usize,
-                )
-                .expect("admitted bytes lie inside a registered buffer");
-            let got = crate::integrity::digest(h, landed);
+        for (i, ((h, mem, buffer), _)) in self
+            .runs
+            .iter()
+            .zip(complete)
+            .enumerate()
+            .filter(|(_, (_, &c))| c)
+        {
+            // A run into device memory was digested in the staging slots.
+            let got = match received.get(i).copied().flatten() {
+                Some(crc) => crc,
+                None => crate::integrity::digest(
+                    h,
+                    mem.bytes(
+                        *buffer as usize,
+                        h.first_page,
+                        h.n_pages,
+                        h.page_off as usize,
+                        h.byte_len as usize,
+                    )
+                    .expect("admitted bytes lie inside a registered buffer"),
+                ),
+            };
             if got == h.digest {
                 verified += u64::from(h.byte_len);
                 continue;
@@ -293,23 +326,6 @@ impl DecodeEngine {
                 .ok_or_else(|| {
                     proto_err(format!("{what} buffer {} is not registered", h.buffer))
                 })?;
-            if let Some(kind) = mem.kind(local as usize).filter(|k| !k.is_host()) {
-                // No host slice of device memory exists (Memory refuses it): fail the
-                // room here rather than reach for one.
-                lifecycle::fail(
-                    self,
-                    room,
-                    FailureReason::local(
-                        Cause::Transfer,
-                        format!(
-                            "room {id}: {what} buffer {local} is {kind}, which this build \
-                             cannot receive into over TCP"
-                        ),
-                    ),
-                    None,
-                );
-                return Err(Refuse::Discard);
-            }
             let slicing = match h.target {
                 Target::Kv => peer.slicing.get(),
                 Target::Aux => None,

@@ -105,6 +105,16 @@ impl PrefillEngine {
             return Ok(false);
         }
         let memory = &self.core.node.memory;
+        if batch
+            .frames
+            .iter()
+            .any(|f| super::staged::on_device(memory, f))
+        {
+            // Device pages go through the pinned staging ring; the io count goes with
+            // them, held until every copy out of the room's pages completed.
+            let io = io.take().expect("held until here");
+            return self.write_staged(link, batch, io);
+        }
         let mut runs = Vec::with_capacity(batch.frames.len());
         for f in &batch.frames {
             let mem = match f.hdr.target {
@@ -163,6 +173,13 @@ impl PrefillEngine {
         if sent == Sent::RoomEnded {
             return Ok(false);
         }
+        self.batch_sent(batch);
+        Ok(true)
+    }
+
+    /// A batch went out whole: counted, and its room's deadline renewed.
+    pub(super) fn batch_sent(&self, batch: &Batch) {
+        let room = &batch.room;
         self.core
             .node
             .metrics
@@ -176,7 +193,6 @@ impl PrefillEngine {
         lifecycle::progressed(self, room);
         #[cfg(feature = "test-hooks")]
         crate::testing::pause_point("worker.mid_chunk", room.id());
-        Ok(true)
     }
 
     /// One batch ended (`written` whole, or not, on `link`): counts its chunk once every
