@@ -165,6 +165,30 @@ fn scattered_device_pages_arrive_byte_exact_over_tcp_staging_and_the_path_says_t
 }
 
 #[test]
+fn many_small_scattered_device_pages_share_slots_and_frames_byte_exact() {
+    with_env(fakecuda().to_str().unwrap(), &[], || {
+        // 4 KiB pages, every one a run of its own: several runs per slot when sending
+        // and per DataRuns frame when receiving, with the integrity digests (the
+        // default, verify) taken piece by piece in the slots.
+        let g = Gpus::new(3, 4096);
+        let src: Vec<u32> = (0..PAGES as u32).rev().step_by(2).collect();
+        let dst: Vec<u32> = (0..src.len() as u32)
+            .map(|i| (i * 7) % PAGES as u32)
+            .collect();
+        g.open(4, &dst);
+        g.p.enqueue_chunk(4, &src, true, None).unwrap();
+        assert_eq!(
+            wait_terminal(&g.d, 4),
+            State::Success,
+            "{:?}",
+            g.d.room_failure(4)
+        );
+        assert!(g.d.room_verified(4).unwrap(), "every run's digest matched");
+        g.assert_pages(&src, &dst);
+    });
+}
+
+#[test]
 fn same_host_require_with_device_memory_fails_the_room_instead_of_falling_back_to_tcp() {
     with_env(fakecuda().to_str().unwrap(), &[], || {
         let pmem = DevMem::new(1, 4096, source);

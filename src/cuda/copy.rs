@@ -136,12 +136,18 @@ impl CopyEngine for CudaCopy {
         unsafe { std::slice::from_raw_parts_mut(slot.ptr as *mut u8, slot.len) }
     }
 
-    unsafe fn to_host(&self, src: usize, slot: &mut Pinned, len: usize) -> io::Result<Event> {
-        debug_assert!(len <= slot.len);
-        // SAFETY: the caller guarantees the device range and the slot until the event
-        // completes.
+    unsafe fn to_host(
+        &self,
+        src: usize,
+        slot: &mut Pinned,
+        at: usize,
+        len: usize,
+    ) -> io::Result<Event> {
+        debug_assert!(at + len <= slot.len);
+        // SAFETY: the caller guarantees the device range and `at..at + len` of the slot
+        // until the event completes.
         self.call("cuMemcpyDtoHAsync", || unsafe {
-            (self.d.cuMemcpyDtoHAsync_v2)(slot.ptr as *mut _, src as u64, len, self.stream)
+            (self.d.cuMemcpyDtoHAsync_v2)((slot.ptr + at) as *mut _, src as u64, len, self.stream)
         })?;
         self.record()
     }

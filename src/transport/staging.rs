@@ -34,16 +34,17 @@ pub trait CopyEngine {
     /// The bytes of `slot` (no copy into or out of it is pending).
     fn bytes<'a>(&self, slot: &'a mut Self::Slot) -> &'a mut [u8];
 
-    /// Issues a copy of `len` bytes from device address `src` into `slot`.
+    /// Issues a copy of `len` bytes from device address `src` into `slot` at byte `at`.
     ///
     /// # Safety
-    /// `src..src + len` is device memory that stays valid until the copy completed, `len`
-    /// is at most the slot's length, and the slot is not used until [`wait`](Self::wait)
-    /// returned for the copy.
+    /// `src..src + len` is device memory that stays valid until the copy completed,
+    /// `at + len` is at most the slot's length, and the slot is not used until
+    /// [`wait`](Self::wait) returned for the copy.
     unsafe fn to_host(
         &self,
         src: usize,
         slot: &mut Self::Slot,
+        at: usize,
         len: usize,
     ) -> io::Result<Self::Done>;
 
@@ -114,24 +115,26 @@ impl<E: CopyEngine> Ring<E> {
         p.extra
     }
 
-    /// Sends `pieces` (device address and length, each at most [`slot_len`](Self::slot_len)
-    /// bytes), in order: each is copied into a slot, up to a slot per piece ahead, and
-    /// handed to `write(i, bytes)` once its copy completed. `live` is asked before each
-    /// copy is issued; once it says no (or `write` says [`Flow::Stop`]), nothing more is
-    /// issued or written. Returns once every copy issued completed: `Ok(Flow::Go)` if
-    /// every piece was written.
+    /// Sends `pieces` in order, each a list of device ranges (address, length) of at
+    /// most [`slot_len`](Self::slot_len) bytes together: a piece's ranges are copied one
+    /// after the other into a slot, up to a slot per piece ahead, and the slot's bytes
+    /// are handed to `write(i, bytes)` once every copy of the piece completed. `live` is
+    /// asked before each piece's copies are issued; once it says no (or `write` says
+    /// [`Flow::Stop`]), nothing more is issued or written. Returns once every copy issued
+    /// completed: `Ok(Flow::Go)` if every piece was written.
     ///
     /// # Safety
-    /// Every piece is device memory valid for the duration of the call.
+    /// Every range is device memory valid for the duration of the call.
     pub unsafe fn send(
         &mut self,
-        pieces: &[(usize, usize)],
+        pieces: &[Vec<(usize, usize)>],
         live: &dyn Fn() -> bool,
         write: &mut dyn FnMut(usize, &[u8]) -> io::Result<Flow>,
     ) -> io::Result<Flow> {
-        assert!(pieces.iter().all(|&(_, len)| len <= self.slot_len));
+        let total = |p: &[(usize, usize)]| p.iter().map(|r| r.1).sum::<usize>();
+        assert!(pieces.iter().all(|p| total(p) <= self.slot_len));
         let n = self.slots.len();
-        let mut pending: VecDeque<Pending<E::Done, usize>> = VecDeque::with_capacity(n);
+        let mut pending: VecDeque<Pending<Vec<E::Done>, usize>> = VecDeque::with_capacity(n);
         let (mut next, mut flow, mut err) = (0, Flow::Go, None);
         loop {
             // Fill every free slot with the next pieces' copies.
@@ -141,28 +144,43 @@ impl<E: CopyEngine> Ring<E> {
                     break;
                 }
                 let slot = next % n;
-                let (src, len) = pieces[next];
                 let s = self.slots[slot]
                     .as_mut()
                     .expect("a free slot holds its buffer");
-                // SAFETY: the caller guarantees the piece; the slot is free (its earlier
-                // copy was waited for, in order) and is not used until this one is.
-                match unsafe { self.engine.to_host(src, s, len) } {
-                    Ok(done) => pending.push_back(Pending {
-                        slot,
-                        done,
-                        extra: next,
-                    }),
-                    Err(e) => err = Some(e),
+                let mut done = Vec::with_capacity(pieces[next].len());
+                let mut at = 0;
+                for &(src, len) in &pieces[next] {
+                    // SAFETY: the caller guarantees the range; the slot is free (its
+                    // earlier copies were waited for, in order), `at + len` is within it
+                    // (the piece fits, asserted above), and it is not used until these
+                    // copies are.
+                    match unsafe { self.engine.to_host(src, s, at, len) } {
+                        Ok(d) => done.push(d),
+                        Err(e) => {
+                            err = Some(e);
+                            break;
+                        }
+                    }
+                    at += len;
                 }
+                pending.push_back(Pending {
+                    slot,
+                    done,
+                    extra: next,
+                });
                 next += 1;
             }
             let Some(p) = pending.pop_front() else { break };
             let slot = p.slot;
-            let i = self.complete(p, &mut err);
+            let i = p.extra;
+            for d in p.done {
+                if let Err(e) = self.engine.wait(d) {
+                    err.get_or_insert(e);
+                }
+            }
             if flow == Flow::Go && err.is_none() {
                 let s = self.slots[slot].as_mut().expect("a slot holds its buffer");
-                let bytes = &self.engine.bytes(s)[..pieces[i].1];
+                let bytes = &self.engine.bytes(s)[..total(&pieces[i])];
                 match write(i, bytes) {
                     Ok(Flow::Go) => {}
                     Ok(Flow::Stop) => flow = Flow::Stop,

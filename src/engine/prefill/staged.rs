@@ -42,6 +42,27 @@ pub(super) fn on_device(memory: &Registry, f: &Planned) -> bool {
         .is_some_and(|k| !k.is_host())
 }
 
+/// Consecutive frames grouped so that each group's bytes fit one slot of `slot_len`
+/// (every frame alone does: the ring's slots hold the longest).
+fn pack(frames: &[(DataHeader, usize)], slot_len: usize) -> Vec<std::ops::Range<usize>> {
+    let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut bytes = 0;
+    for (i, (h, _)) in frames.iter().enumerate() {
+        let len = h.byte_len as usize;
+        match groups.last_mut() {
+            Some(g) if bytes + len <= slot_len => {
+                g.end = i + 1;
+                bytes += len;
+            }
+            _ => {
+                groups.push(i..i + 1);
+                bytes = len;
+            }
+        }
+    }
+    groups
+}
+
 impl PrefillEngine {
     /// `write_batch` for a batch with frames in device memory; `io` is the room's io
     /// count, held until no copy reads its pages.
@@ -114,23 +135,39 @@ impl PrefillEngine {
         let integrity = self.core.node.config.integrity;
         for (device, frames) in &devices {
             let longest = frames.iter().map(|(h, _)| h.byte_len as usize).max();
-            let pieces: Vec<(usize, usize)> = frames
-                .iter()
-                .map(|(h, a)| (*a, h.byte_len as usize))
-                .collect();
             let mut link_err = None;
             let flow = RINGS.with(|r| {
                 let mut rings = r.borrow_mut();
                 let ring = rings.get(*device, longest.unwrap_or(0))?;
-                // SAFETY: every piece lies in registered device memory (device_run),
+                // Consecutive frames share a slot while they fit: small pages then go out
+                // several to a write (DataRuns frames), as from host memory.
+                let groups = pack(frames, ring.slot_len());
+                let pieces: Vec<Vec<(usize, usize)>> = groups
+                    .iter()
+                    .map(|g| {
+                        frames[g.clone()]
+                            .iter()
+                            .map(|(h, a)| (*a, h.byte_len as usize))
+                            .collect()
+                    })
+                    .collect();
+                // SAFETY: every range lies in registered device memory (device_run),
                 // valid until the engine is freed, which outlives this call.
                 unsafe {
                     ring.send(&pieces, &|| !ended(), &mut |i, bytes| {
-                        let mut h = frames[i].0;
-                        if integrity {
-                            h.digest = crate::integrity::digest(&h, bytes);
+                        let mut runs = Vec::with_capacity(groups[i].len());
+                        let mut at = 0;
+                        for (h, _) in &frames[groups[i].clone()] {
+                            let len = h.byte_len as usize;
+                            let mut h = *h;
+                            let b = &bytes[at..at + len];
+                            if integrity {
+                                h.digest = crate::integrity::digest(&h, b);
+                            }
+                            runs.push((h, b));
+                            at += len;
                         }
-                        match link.write_runs(&[(h, bytes)], &mut watch) {
+                        match link.write_runs(&runs, &mut watch) {
                             Ok(Sent::All) => Ok(Flow::Go),
                             Ok(Sent::RoomEnded) => Ok(Flow::Stop),
                             Err(e) => {

@@ -90,8 +90,14 @@ impl CopyEngine for HostCopy {
         slot
     }
 
-    unsafe fn to_host(&self, src: usize, slot: &mut Vec<u8>, len: usize) -> io::Result<Done> {
-        self.issue(false, src, slot.as_mut_ptr() as usize, len)
+    unsafe fn to_host(
+        &self,
+        src: usize,
+        slot: &mut Vec<u8>,
+        at: usize,
+        len: usize,
+    ) -> io::Result<Done> {
+        self.issue(false, src, slot.as_mut_ptr() as usize + at, len)
     }
 
     unsafe fn to_device(&self, slot: &Vec<u8>, len: usize, dst: usize) -> io::Result<Done> {
@@ -120,10 +126,11 @@ fn sending_writes_every_piece_in_order_byte_exact_after_its_own_copy() {
     let mut ring = Ring::new(engine, 3, 64).unwrap();
     let dev = pattern(1000, 7);
     // Scattered pieces of several lengths, some a whole slot.
-    let pieces: Vec<(usize, usize)> = [(0, 64), (200, 10), (64, 64), (900, 64), (500, 1), (10, 33)]
-        .iter()
-        .map(|&(off, len)| (dev.as_ptr() as usize + off, len))
-        .collect();
+    let pieces: Vec<Vec<(usize, usize)>> =
+        [(0, 64), (200, 10), (64, 64), (900, 64), (500, 1), (10, 33)]
+            .iter()
+            .map(|&(off, len)| vec![(dev.as_ptr() as usize + off, len)])
+            .collect();
     let mut got: Vec<(usize, Vec<u8>)> = Vec::new();
     // SAFETY: `dev` outlives the call.
     let flow = unsafe {
@@ -137,11 +144,38 @@ fn sending_writes_every_piece_in_order_byte_exact_after_its_own_copy() {
     assert_eq!(got.len(), pieces.len());
     for (k, (i, bytes)) in got.iter().enumerate() {
         assert_eq!(*i, k, "in order");
-        let off = pieces[k].0 - dev.as_ptr() as usize;
-        assert_eq!(bytes[..], dev[off..off + pieces[k].1], "piece {k}");
+        let (src, len) = pieces[k][0];
+        let off = src - dev.as_ptr() as usize;
+        assert_eq!(bytes[..], dev[off..off + len], "piece {k}");
     }
     assert!(shared.max_outstanding.load(Ordering::SeqCst) <= 3);
     assert_eq!(shared.outstanding.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn a_piece_of_several_ranges_is_packed_into_one_slot_in_order() {
+    let (engine, _) = HostCopy::new();
+    let mut ring = Ring::new(engine, 2, 64).unwrap();
+    let dev = pattern(512, 11);
+    let at = |off: usize, len: usize| (dev.as_ptr() as usize + off, len);
+    let pieces = vec![
+        vec![at(100, 10), at(0, 20), at(300, 34)],
+        vec![at(7, 64)],
+        vec![at(1, 1)],
+    ];
+    let mut got = Vec::new();
+    // SAFETY: `dev` outlives the call.
+    unsafe {
+        ring.send(&pieces, &|| true, &mut |i, b| {
+            got.push((i, b.to_vec()));
+            Ok(Flow::Go)
+        })
+    }
+    .unwrap();
+    let want0: Vec<u8> = [&dev[100..110], &dev[0..20], &dev[300..334]].concat();
+    assert_eq!(got[0], (0, want0));
+    assert_eq!(got[1], (1, dev[7..71].to_vec()));
+    assert_eq!(got[2], (2, dev[1..2].to_vec()));
 }
 
 #[test]
@@ -149,8 +183,8 @@ fn sending_copies_ahead_of_the_socket_at_most_one_slot_per_piece_and_never_more_
     let (engine, shared) = HostCopy::new();
     let mut ring = Ring::new(engine, 4, 16).unwrap();
     let dev = pattern(16 * 20, 1);
-    let pieces: Vec<(usize, usize)> = (0..20)
-        .map(|i| (dev.as_ptr() as usize + i * 16, 16))
+    let pieces: Vec<Vec<(usize, usize)>> = (0..20)
+        .map(|i| vec![(dev.as_ptr() as usize + i * 16, 16)])
         .collect();
     let mut issued_at_write = Vec::new();
     // SAFETY: `dev` outlives the call.
@@ -175,8 +209,8 @@ fn a_room_that_ends_while_sending_issues_no_more_copies_and_drains_the_ones_in_f
     let (engine, shared) = HostCopy::new();
     let mut ring = Ring::new(engine, 2, 8).unwrap();
     let dev = pattern(8 * 10, 3);
-    let pieces: Vec<(usize, usize)> = (0..10)
-        .map(|i| (dev.as_ptr() as usize + i * 8, 8))
+    let pieces: Vec<Vec<(usize, usize)>> = (0..10)
+        .map(|i| vec![(dev.as_ptr() as usize + i * 8, 8)])
         .collect();
     let live = AtomicBool::new(true);
     let mut written = 0;

@@ -15,51 +15,76 @@ use crate::cuda::copy::Rings;
 use crate::proto::DataHeader;
 
 /// Reads the payloads of `runs`, admitted together in `grant`, some of them into device
-/// memory; then tells the grant which landed whole.
+/// memory; then tells the grant which landed whole. Consecutive runs into one device go
+/// through the ring in one pass, so the copies of one overlap the reads of the next.
 pub(super) fn data<G: Grant>(
     s: &mut DataStream,
     grant: G,
     runs: &[DataHeader],
     rings: &mut Rings,
 ) -> Result<(), String> {
-    let mut complete = Vec::with_capacity(runs.len());
-    let mut received = Vec::with_capacity(runs.len());
-    for (i, h) in runs.iter().enumerate() {
-        let mut crc = None;
-        let len = h.byte_len as usize;
-        let (landed, consumed) = match grant.device(i) {
-            Some((device, addr)) => {
-                let ring = rings
-                    .get(device, 0)
-                    .map_err(|e| format!("staging for CUDA device {device}: {e}"))?;
-                let mut consumed = 0usize;
-                let mut digest = crate::integrity::digest_start(h);
-                let mut read = |buf: &mut [u8]| {
-                    let n = read_payload(s, buf, &|| grant.enter())?;
-                    consumed += n;
-                    digest = crate::integrity::digest_more(digest, &buf[..n]);
-                    Ok(n == buf.len())
-                };
-                // SAFETY: the grant admitted these bytes of registered device memory to
-                // this run alone (`Grant::device`), and the room's guard from `enter` is
-                // held around each copy into them.
-                let landed = unsafe { ring.recv(&[(addr, len)], &mut read, &|| grant.enter()) }
-                    .map_err(|e| format!("data read or staging copy failed: {e}"))?;
-                crc = Some(digest);
-                (landed, consumed)
+    let mut complete = vec![false; runs.len()];
+    let mut received = vec![None; runs.len()];
+    let mut i = 0;
+    while i < runs.len() {
+        let Some((device, _)) = grant.device(i) else {
+            let len = runs[i].byte_len as usize;
+            let got = read_payload(s, grant.pages(i), &|| grant.enter())
+                .map_err(|e| format!("data read failed: {e}"))?;
+            if got < len {
+                // The room ended: the rest of the run goes nowhere.
+                discard(s, (len - got) as u64)?;
             }
-            None => {
-                let got = read_payload(s, grant.pages(i), &|| grant.enter())
-                    .map_err(|e| format!("data read failed: {e}"))?;
-                (got, got)
-            }
+            complete[i] = got == len;
+            i += 1;
+            continue;
         };
-        if consumed < len {
-            // The room ended: the rest of the run goes nowhere.
-            discard(s, (len - consumed) as u64)?;
+        // The runs from i on into the same device, their device ranges and where each
+        // starts in the group's bytes.
+        let mut pieces = Vec::new();
+        let mut starts = Vec::new();
+        let mut total = 0usize;
+        let mut end = i;
+        while let Some((d, addr)) = (end < runs.len()).then(|| grant.device(end)).flatten() {
+            if d != device {
+                break;
+            }
+            let len = runs[end].byte_len as usize;
+            pieces.push((addr, len));
+            starts.push(total);
+            total += len;
+            end += 1;
         }
-        complete.push(landed == len);
-        received.push(crc);
+        let ring = rings
+            .get(device, 0)
+            .map_err(|e| format!("staging for CUDA device {device}: {e}"))?;
+        let mut digests: Vec<u32> = runs[i..end]
+            .iter()
+            .map(crate::integrity::digest_start)
+            .collect();
+        let mut consumed = 0usize;
+        let mut read = |buf: &mut [u8]| {
+            // The ring never lets a slot span two pieces: this chunk is one run's.
+            let k = starts.partition_point(|&st| st <= consumed) - 1;
+            let n = read_payload(s, buf, &|| grant.enter())?;
+            digests[k] = crate::integrity::digest_more(digests[k], &buf[..n]);
+            consumed += n;
+            Ok(n == buf.len())
+        };
+        // SAFETY: the grant admitted these bytes of registered device memory to these
+        // runs alone (`Grant::device`), and the room's guard from `enter` is held around
+        // each copy into them.
+        let landed = unsafe { ring.recv(&pieces, &mut read, &|| grant.enter()) }
+            .map_err(|e| format!("data read or staging copy failed: {e}"))?;
+        if consumed < total {
+            // The room ended: the rest of these runs goes nowhere.
+            discard(s, (total - consumed) as u64)?;
+        }
+        for (k, (st, (_, len))) in starts.iter().zip(&pieces).enumerate() {
+            complete[i + k] = landed >= st + len;
+            received[i + k] = Some(digests[k]);
+        }
+        i = end;
     }
     grant.finish_staged(&complete, &received);
     Ok(())
