@@ -19,7 +19,8 @@
 #     1 MiB pages x 4 rooms in flight and at 32 KiB pages (target: >= 0.9x).
 # Not run, because not built: CUDA IPC (same node, two processes): the engine refuses the
 # same-host path for device memory and says so; the IPC target cannot be measured.
-# Not run yet: the SGLang backend and the vLLM connector's worker half on CUDA tensors.
+#   - the vLLM connector's worker half and the SGLang backend with CUDA tensors as KV
+#     caches (scripts/gpu/servers.py), byte-exact.
 #
 # KVXFER_GPU_CHECK_MEM=fake runs the same cases on the CUDA driver's test double
 # (tests/fakecuda, KVXFER_CUDA_LIBRARY pointing at a built libfakecuda.so) on a machine
@@ -54,17 +55,22 @@ if [ "$MEM" = torch ]; then
 fi
 [ -f "$KVXFER_LIBRARY" ] || { echo "gpu-check: $KVXFER_LIBRARY missing (make gpu-bundle here, carry build/gpu)"; exit 2; }
 
-# run NAME TIMEOUT [ENV=VALUE ...] -- ARGS...: one case; its JSON line goes to results.
+# run NAME TIMEOUT [ENV=VALUE ...] -- ARGS...: one case of scripts/gpu/pair.py (or, with
+# SCRIPT=servers.py among the ENVs, of that script); its JSON line goes to results.
 run() {
   local name=$1 limit=$2; shift 2
+  local script=pair.py
   local envs=()
-  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  while [ "$1" != -- ]; do
+    case $1 in SCRIPT=*) script=${1#SCRIPT=} ;; *) envs+=("$1") ;; esac
+    shift
+  done
   shift
   if (( $(date +%s) - START > BUDGET )); then
     echo "SKIPPED $name: past the time budget (${BUDGET}s)"; SKIPPED=$((SKIPPED + 1)); return
   fi
   local t0=$(date +%s) line rc
-  line=$(env "${envs[@]}" timeout "$limit" "$PY" "$ROOT/scripts/gpu/pair.py" --mem "$MEM" "$@" \
+  line=$(env "${envs[@]}" timeout "$limit" "$PY" "$ROOT/scripts/gpu/$script" --mem "$MEM" "$@" \
            2> >(sed "s|^|  [$name] |" >&2) | tail -n 1)
   rc=${PIPESTATUS[0]}
   echo "$line" | grep -q '^{' && echo "$line" >> "$RESULTS"
@@ -84,6 +90,10 @@ for alloc in cudamalloc vmm; do
   done
 done
 
+for c in vllm sglang; do
+  run "servers/$c" 90 SCRIPT=servers.py X=1 -- "$c"
+done
+
 # The benchmark: host->host over TCP, then device->device over TCP staging, same work.
 for mem in host "$MEM"; do
   MEM_SAVED=$MEM; MEM=$mem
@@ -94,7 +104,6 @@ done
 
 echo "NOT BUILT cuda-ipc: the CUDA IPC path (same node, two processes) is not in this build;"
 echo "  device memory never takes the same-host path (same_host=require fails the room)."
-echo "NOT RUN servers: the SGLang backend and the vLLM worker half on CUDA tensors."
 
 "$PY" - "$RESULTS" "$MEM" <<'PYEOF'
 import json, sys

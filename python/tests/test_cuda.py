@@ -179,3 +179,15 @@ def test_the_gpu_check_cases_pass_on_the_drivers_test_double(fakecuda, case):
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["case"] == case, result
+
+
+@pytest.mark.parametrize("case", ["vllm", "sglang"])
+def test_the_gpu_check_server_cases_pass_on_the_drivers_test_double(fakecuda, case):
+    """scripts/gpu/servers.py: the vLLM worker half and the SGLang backend with KV caches
+    in (the test double's) device memory, byte-exact."""
+    env = dict(os.environ, KVXFER_CUDA_LIBRARY=fakecuda)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/servers.py"), "--mem", "fake",
+                        case], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["case"] == case, result

@@ -70,7 +70,11 @@ class Memory:
             torch.cuda.synchronize()
             return kvxfer.Buffer.from_tensor(t, self.item)
         fake = _fake()
-        ptr = fake.fakecuda_alloc(0, data.nbytes)
+        if os.environ.get("KVXFER_GPU_CHECK_ALLOC") == "vmm" and data.nbytes % 4 == 0:
+            # A VMM range of four physical allocations, as expandable segments make.
+            ptr = fake.fakecuda_alloc_vmm(0, data.nbytes // 4, 4)
+        else:
+            ptr = fake.fakecuda_alloc(0, data.nbytes)
         ctypes.memmove(ptr, data.ctypes.data, data.nbytes)
         return kvxfer.Buffer(ptr, data.nbytes, self.item, None, kvxfer.MemoryKind.CUDA, 0)
 
@@ -95,6 +99,8 @@ def _fake() -> ctypes.CDLL:
         _FAKE = ctypes.CDLL(os.environ["KVXFER_CUDA_LIBRARY"])
         _FAKE.fakecuda_alloc.restype = ctypes.c_void_p
         _FAKE.fakecuda_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t]
+        _FAKE.fakecuda_alloc_vmm.restype = ctypes.c_void_p
+        _FAKE.fakecuda_alloc_vmm.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
     return _FAKE
 
 
