@@ -985,7 +985,14 @@ KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics_text(const struct kvxfer_eng
  * byte); `KVXFER_ERR_TRANSPORT_UNAVAILABLE` when a CUDA buffer is registered and the
  * driver cannot be loaded, `cuInit` fails or the driver sees no device (the message
  * names the library and what is missing); `KVXFER_ERR_UNSUPPORTED` for CUDA memory on
- * an engine that uses RDMA (set `transport=tcp`).
+ * an engine that uses RDMA (set `transport=tcp`) or on a decode engine with
+ * `encrypt_data=on`.
+ *
+ * Device pages move over TCP through pinned host staging (4 slots of at least 1 MiB per
+ * sending thread and per receiving connection, allocated on first use); the same-host
+ * path does not take device memory (a pairing then uses TCP, or with
+ * `same_host=require` fails). With `integrity=verify` a decode engine digests a run into
+ * device memory in the staging slots, before the copy to the device.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_register_kv_desc(const struct kvxfer_engine *engine, const struct kvxfer_buffer_desc *bufs, const uint32_t *layer_ids, size_t n, const struct kvxfer_kv_layout *layout);
 

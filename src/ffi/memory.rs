@@ -140,7 +140,14 @@ unsafe fn read_descs(p: *const kvxfer_buffer_desc, n: usize) -> Result<Vec<Buffe
 /// byte); `KVXFER_ERR_TRANSPORT_UNAVAILABLE` when a CUDA buffer is registered and the
 /// driver cannot be loaded, `cuInit` fails or the driver sees no device (the message
 /// names the library and what is missing); `KVXFER_ERR_UNSUPPORTED` for CUDA memory on
-/// an engine that uses RDMA (set `transport=tcp`).
+/// an engine that uses RDMA (set `transport=tcp`) or on a decode engine with
+/// `encrypt_data=on`.
+///
+/// Device pages move over TCP through pinned host staging (4 slots of at least 1 MiB per
+/// sending thread and per receiving connection, allocated on first use); the same-host
+/// path does not take device memory (a pairing then uses TCP, or with
+/// `same_host=require` fails). With `integrity=verify` a decode engine digests a run into
+/// device memory in the staging slots, before the copy to the device.
 #[no_mangle]
 #[must_use]
 pub unsafe extern "C" fn kvxfer_register_kv_desc(
