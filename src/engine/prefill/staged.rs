@@ -209,3 +209,32 @@ impl PrefillEngine {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::Target;
+
+    fn frame(len: u32) -> (DataHeader, usize) {
+        let h = DataHeader {
+            room: 1,
+            generation: 1,
+            target: Target::Kv,
+            buffer: 0,
+            first_page: 0,
+            n_pages: 1,
+            byte_len: len,
+            page_off: 0,
+            digest: 0,
+        };
+        (h, 0)
+    }
+
+    #[test]
+    fn consecutive_frames_share_a_slot_while_they_fit_and_a_long_one_has_its_own() {
+        let frames: Vec<_> = [300, 300, 400, 100, 1000, 1, 999].map(frame).into();
+        assert_eq!(pack(&frames, 1000), vec![0..3, 3..4, 4..5, 5..7]);
+        assert_eq!(pack(&frames[..1], 1000), vec![0..1]);
+        assert!(pack(&[], 1000).is_empty());
+    }
+}
