@@ -343,6 +343,32 @@ typedef uint32_t kvxfer_kv_kind;
 #endif // __cplusplus
 
 /**
+ * Where a registered buffer's bytes live (values of `kvxfer_buffer_desc.kind`).
+ */
+enum kvxfer_memory_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Host memory of this process (what `kvxfer_buffer` registers).
+   */
+  KVXFER_MEMORY_HOST = 0,
+  /**
+   * CUDA device memory of device `device` (`cudaMalloc`, or a CUDA VMM range:
+   * `cuMemCreate` + `cuMemMap`, possibly of several physical allocations).
+   */
+  KVXFER_MEMORY_CUDA = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvxfer_memory_kind kvxfer_memory_kind;
+#else
+typedef uint32_t kvxfer_memory_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * An engine configuration. Create with `kvxfer_config_new`, release with
  * `kvxfer_config_free`. Not thread-safe: use one config from one thread at a time.
  */
@@ -586,6 +612,40 @@ typedef struct kvxfer_metrics {
    */
   uint64_t same_host_fallbacks;
 } kvxfer_metrics;
+
+/**
+ * One registered memory buffer with its memory kind: `len` bytes at `base`, in pages
+ * (KV) or slots (aux) of `item_len` bytes. Set `struct_size` to
+ * `sizeof(kvxfer_buffer_desc)` in every element: fields are only ever appended, and the
+ * library refuses a size it does not know.
+ */
+typedef struct kvxfer_buffer_desc {
+  /**
+   * `sizeof(kvxfer_buffer_desc)` as the caller compiled it.
+   */
+  size_t struct_size;
+  /**
+   * A `kvxfer_memory_kind` value.
+   */
+  uint32_t kind;
+  /**
+   * The CUDA device ordinal for `KVXFER_MEMORY_CUDA` (as the driver counts devices,
+   * so as `CUDA_VISIBLE_DEVICES` makes them); must be 0 for `KVXFER_MEMORY_HOST`.
+   */
+  uint32_t device;
+  /**
+   * First byte of the buffer (a device address for `KVXFER_MEMORY_CUDA`).
+   */
+  void *base;
+  /**
+   * Length in bytes.
+   */
+  size_t len;
+  /**
+   * Bytes of one page or slot.
+   */
+  size_t item_len;
+} kvxfer_buffer_desc;
 
 #ifdef __cplusplus
 extern "C" {
@@ -904,6 +964,46 @@ KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics(const struct kvxfer_engine *
  * always enough today); `KVXFER_ERR_NULL_POINTER`.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics_text(const struct kvxfer_engine *engine, char *buf, size_t len, size_t *out_n);
+
+/**
+ * Registers the engine's KV buffers, each with the kind of memory it is, instead of
+ * `kvxfer_register_kv`, `kvxfer_register_kv_layers` or `kvxfer_register_kv_layout`,
+ * once, before any room is created. `layer_ids` is NULL (buffers pair by position) or
+ * holds `n` layer ids (as `kvxfer_register_kv_layers`); `layout` is NULL (pages are
+ * copied byte for byte) or the layout of the pages (as `kvxfer_register_kv_layout`).
+ * The memory must stay valid until `kvxfer_engine_free` returns; the arrays and the
+ * layout are copied.
+ *
+ * A `KVXFER_MEMORY_CUDA` buffer is checked against the CUDA driver, which the library
+ * loads at run time (`libcuda.so.1`, or the file named by the environment variable
+ * `KVXFER_CUDA_LIBRARY`): every byte must be device memory of `device`; a buffer may
+ * span several allocations (CUDA VMM). The library never reads or writes device memory
+ * with the CPU. GPU memory over RDMA is not supported.
+ *
+ * Errors: as `kvxfer_register_kv_layout`; `KVXFER_ERR_INVALID_ARGUMENT` for a
+ * `struct_size` other than `sizeof(kvxfer_buffer_desc)`, an unknown `kind`, a nonzero
+ * `device` for host memory, a CUDA device that does not exist, or device memory the
+ * driver does not know as memory of that device (the message names the buffer and the
+ * byte); `KVXFER_ERR_TRANSPORT_UNAVAILABLE` when a CUDA buffer is registered and the
+ * driver cannot be loaded, `cuInit` fails or the driver sees no device (the message
+ * names the library and what is missing); `KVXFER_ERR_UNSUPPORTED` for CUDA memory on
+ * an engine that uses RDMA (set `transport=tcp`) or on a decode engine with
+ * `encrypt_data=on`.
+ *
+ * Device pages move over TCP through pinned host staging (4 slots of at least 1 MiB per
+ * sending thread and per receiving connection, allocated on first use); the same-host
+ * path does not take device memory (a pairing then uses TCP, or with
+ * `same_host=require` fails). With `integrity=verify` a decode engine digests a run into
+ * device memory in the staging slots, before the copy to the device.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_register_kv_desc(const struct kvxfer_engine *engine, const struct kvxfer_buffer_desc *bufs, const uint32_t *layer_ids, size_t n, const struct kvxfer_kv_layout *layout);
+
+/**
+ * Registers the engine's aux buffers with the kind of memory each is, instead of
+ * `kvxfer_register_aux`. Same rules and errors as `kvxfer_register_aux` and, for the
+ * descriptors, `kvxfer_register_kv_desc`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_register_aux_desc(const struct kvxfer_engine *engine, const struct kvxfer_buffer_desc *bufs, size_t n);
 
 /**
  * Creates room `room` in BOOTSTRAPPING.

@@ -206,6 +206,20 @@ class KvKind(enum.IntEnum):
     replicated on every rank. (``KVXFER_KV_LATENT``)"""
 
 
+class MemoryKind(enum.IntEnum):
+    """Where a registered buffer's bytes live (values of `kvxfer_buffer_desc.kind`).
+
+    C: ``enum kvxfer_memory_kind``.
+    """
+
+    HOST = 0
+    """Host memory of this process (what `kvxfer_buffer` registers). (``KVXFER_MEMORY_HOST``)"""
+
+    CUDA = 1
+    """CUDA device memory of device `device` (`cudaMalloc`, or a CUDA VMM range:
+    `cuMemCreate` + `cuMemMap`, possibly of several physical allocations). (``KVXFER_MEMORY_CUDA``)"""
+
+
 class Buffer(ctypes.Structure):
     """One registered memory buffer: `len` bytes at `base`, in pages (KV) or slots (aux) of
     `item_len` bytes each. Page `p` lives at `base + p * item_len`.
@@ -332,6 +346,34 @@ class Metrics(ctypes.Structure):
         'pairings_rdma': 'Peer pairings whose data takes RDMA.',
         'pairings_same_host': 'Peer pairings on one host whose data the decode engine copies directly from the\nprefill process (`same_host`).',
         'same_host_fallbacks': 'Pairings on one host that took TCP because the same-host path could not be used\n(each also logged at WARN with the reason).',
+    }
+
+
+class BufferDesc(ctypes.Structure):
+    """One registered memory buffer with its memory kind: `len` bytes at `base`, in pages
+    (KV) or slots (aux) of `item_len` bytes. Set `struct_size` to
+    `sizeof(kvxfer_buffer_desc)` in every element: fields are only ever appended, and the
+    library refuses a size it does not know.
+
+    C: ``kvxfer_buffer_desc``.
+    """
+
+    _fields_ = [
+        ('struct_size', ctypes.c_size_t),
+        ('kind', ctypes.c_uint32),
+        ('device', ctypes.c_uint32),
+        ('base', ctypes.c_void_p),
+        ('len', ctypes.c_size_t),
+        ('item_len', ctypes.c_size_t),
+    ]
+
+    FIELD_DOCS = {
+        'struct_size': '`sizeof(kvxfer_buffer_desc)` as the caller compiled it.',
+        'kind': 'A `kvxfer_memory_kind` value.',
+        'device': 'The CUDA device ordinal for `KVXFER_MEMORY_CUDA` (as the driver counts devices,\nso as `CUDA_VISIBLE_DEVICES` makes them); must be 0 for `KVXFER_MEMORY_HOST`.',
+        'base': 'First byte of the buffer (a device address for `KVXFER_MEMORY_CUDA`).',
+        'len': 'Length in bytes.',
+        'item_len': 'Bytes of one page or slot.',
     }
 
 
@@ -486,6 +528,22 @@ FUNCTIONS = {
         True,
         'kvxfer_status kvxfer_engine_metrics_text(const kvxfer_engine *engine, char *buf, size_t len, size_t *out_n)',
         "Copies the engine's metrics in the Prometheus text exposition format (version 0.0.4;\nevery series labelled with `role`) into `buf` (NUL-terminated) and its length into\n`*out_n`.\n\nErrors: `KVXFER_ERR_BUFFER_TOO_SMALL` (with `*out_n` = length needed; 16 KiB is\nalways enough today); `KVXFER_ERR_NULL_POINTER`.",
+    ),
+    'kvxfer_register_kv_desc': (
+        ctypes.c_int32,
+        [ctypes.c_void_p, ctypes.POINTER(BufferDesc), ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(KvLayout)],
+        ('engine', 'bufs', 'layer_ids', 'n', 'layout'),
+        True,
+        'kvxfer_status kvxfer_register_kv_desc(const kvxfer_engine *engine, const kvxfer_buffer_desc *bufs, const uint32_t *layer_ids, size_t n, const kvxfer_kv_layout *layout)',
+        "Registers the engine's KV buffers, each with the kind of memory it is, instead of\n`kvxfer_register_kv`, `kvxfer_register_kv_layers` or `kvxfer_register_kv_layout`,\nonce, before any room is created. `layer_ids` is NULL (buffers pair by position) or\nholds `n` layer ids (as `kvxfer_register_kv_layers`); `layout` is NULL (pages are\ncopied byte for byte) or the layout of the pages (as `kvxfer_register_kv_layout`).\nThe memory must stay valid until `kvxfer_engine_free` returns; the arrays and the\nlayout are copied.\n\nA `KVXFER_MEMORY_CUDA` buffer is checked against the CUDA driver, which the library\nloads at run time (`libcuda.so.1`, or the file named by the environment variable\n`KVXFER_CUDA_LIBRARY`): every byte must be device memory of `device`; a buffer may\nspan several allocations (CUDA VMM). The library never reads or writes device memory\nwith the CPU. GPU memory over RDMA is not supported.\n\nErrors: as `kvxfer_register_kv_layout`; `KVXFER_ERR_INVALID_ARGUMENT` for a\n`struct_size` other than `sizeof(kvxfer_buffer_desc)`, an unknown `kind`, a nonzero\n`device` for host memory, a CUDA device that does not exist, or device memory the\ndriver does not know as memory of that device (the message names the buffer and the\nbyte); `KVXFER_ERR_TRANSPORT_UNAVAILABLE` when a CUDA buffer is registered and the\ndriver cannot be loaded, `cuInit` fails or the driver sees no device (the message\nnames the library and what is missing); `KVXFER_ERR_UNSUPPORTED` for CUDA memory on\nan engine that uses RDMA (set `transport=tcp`) or on a decode engine with\n`encrypt_data=on`.\n\nDevice pages move over TCP through pinned host staging (4 slots of at least 1 MiB per\nsending thread and per receiving connection, allocated on first use); the same-host\npath does not take device memory (a pairing then uses TCP, or with\n`same_host=require` fails). With `integrity=verify` a decode engine digests a run into\ndevice memory in the staging slots, before the copy to the device.",
+    ),
+    'kvxfer_register_aux_desc': (
+        ctypes.c_int32,
+        [ctypes.c_void_p, ctypes.POINTER(BufferDesc), ctypes.c_size_t],
+        ('engine', 'bufs', 'n'),
+        True,
+        'kvxfer_status kvxfer_register_aux_desc(const kvxfer_engine *engine, const kvxfer_buffer_desc *bufs, size_t n)',
+        "Registers the engine's aux buffers with the kind of memory each is, instead of\n`kvxfer_register_aux`. Same rules and errors as `kvxfer_register_aux` and, for the\ndescriptors, `kvxfer_register_kv_desc`.",
     ),
     'kvxfer_room_create': (
         ctypes.c_int32,

@@ -18,7 +18,7 @@ use std::sync::Arc;
 pub use crate::layout::{KvKind, KvLayout, PageOrder};
 pub use crate::metrics::MetricsSnapshot;
 pub use crate::node::MAX_BUFFERS;
-pub use crate::transport::BufferDesc;
+pub use crate::transport::{BufferDesc, MemKind};
 pub use prefill::MAX_ROOM_PEERS;
 
 use crate::config::{Config, Role};

@@ -262,11 +262,7 @@ pub unsafe extern "C" fn kvxfer_engine_wake(engine: *const kvxfer_engine) -> kvx
 
 fn descs(bufs: &[kvxfer_buffer]) -> Vec<BufferDesc> {
     bufs.iter()
-        .map(|b| BufferDesc {
-            base: b.base as usize,
-            len: b.len,
-            item_len: b.item_len,
-        })
+        .map(|b| BufferDesc::host(b.base as usize, b.len, b.item_len))
         .collect()
 }
 

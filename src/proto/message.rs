@@ -18,7 +18,7 @@ const TRANSPORT_FIXED_LEN: usize = 8;
 /// Wire size of one digested run of a `Progress`: target, three reserved bytes, buffer,
 /// first page, pages, byte length, offset in the page, digest.
 const PROGRESS_RUN_LEN: usize = 28;
-/// Wire size of a [`HostInfo`]: setting, three reserved bytes, boot id, the PID and
+/// Wire size of a [`HostInfo`]: setting, device memory, two reserved bytes, boot id, the PID and
 /// network namespaces, pid, uid, probe address and probe.
 const HOST_INFO_LEN: usize = 68;
 /// Wire size of one run of a `Copy`: its data header and source address.
@@ -451,6 +451,9 @@ impl TryFrom<u8> for SameHostSetting {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct HostInfo {
     pub setting: SameHostSetting,
+    /// The sender registered CUDA device memory (KV or aux): the same-host copy, which
+    /// moves host memory between the processes, cannot serve it.
+    pub device_memory: bool,
     pub boot_id: [u8; 16],
     pub pid_ns: u64,
     pub net_ns: u64,
@@ -1017,7 +1020,8 @@ impl Message {
             }
             Message::SameHost(h) => {
                 out.push(h.setting as u8);
-                out.extend_from_slice(&[0; 3]);
+                out.push(u8::from(h.device_memory));
+                out.extend_from_slice(&[0; 2]);
                 out.extend_from_slice(&h.boot_id);
                 put_u64(out, h.pid_ns);
                 put_u64(out, h.net_ns);
@@ -1311,7 +1315,17 @@ impl Message {
             }
             Kind::SameHost => {
                 let setting = SameHostSetting::try_from(r.u8("SameHost.setting")?)?;
-                if r.take(3, "SameHost.reserved")? != [0; 3] {
+                let device_memory = match r.u8("SameHost.device_memory")? {
+                    0 => false,
+                    1 => true,
+                    found => {
+                        return Err(ProtoError::BadBool {
+                            field: "SameHost.device_memory",
+                            found,
+                        })
+                    }
+                };
+                if r.take(2, "SameHost.reserved")? != [0; 2] {
                     return Err(ProtoError::NonzeroReserved {
                         field: "SameHost.reserved",
                         found: 1,
@@ -1328,6 +1342,7 @@ impl Message {
                 probe.copy_from_slice(r.take(16, "SameHost.probe")?);
                 Message::SameHost(HostInfo {
                     setting,
+                    device_memory,
                     boot_id,
                     pid_ns,
                     net_ns,

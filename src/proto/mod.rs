@@ -107,7 +107,9 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 /// data header write at an offset inside one page (`DataHeader::page_off`, for layouts
 /// that differ) and counts RDMA progress in KV bytes per buffer (`Progress::kv`); 6 added
 /// the same-host path (`SameHost`, `PathChoice`, `Copy`, `Copied`); 7 added the digested
-/// runs of `Progress` (verified bytes over RDMA).
+/// runs of `Progress` (verified bytes over RDMA) and says in `SameHost` whether the sender
+/// registered CUDA device memory (a reserved byte before), which the same-host copy cannot
+/// move.
 pub const PROTO_VERSION: u16 = 7;
 
 /// Length in bytes of the fixed frame header that starts every frame.

@@ -11,6 +11,7 @@
 pub mod child;
 pub mod engine;
 pub mod fake;
+pub mod fakecuda;
 pub mod memory;
 pub mod pair;
 pub mod pki;

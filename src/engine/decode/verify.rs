@@ -147,7 +147,7 @@ impl DecodeEngine {
                 *b ^= 0x01;
             }
         }
-        let ok = self.verify_runs(peer, room, runs.iter());
+        let ok = self.verify_runs(peer, room, runs.iter().map(|r| (r, None)));
         drop(io);
         ok
     }
