@@ -19,6 +19,7 @@ pub mod tls;
 
 pub mod config;
 pub(crate) mod control;
+pub(crate) mod discovery;
 pub mod engine;
 pub mod integrity;
 pub mod layout;
