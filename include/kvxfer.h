@@ -598,8 +598,8 @@ typedef struct kvxfer_metrics {
    */
   uint64_t registry_errors;
   /**
-   * Discovery: times etcd became unreachable after it had answered (logged at WARN,
-   * with its return).
+   * Discovery: times etcd stopped answering this engine (or did not answer when it
+   * started), each logged at WARN, as is its return.
    */
   uint64_t registry_outages;
   /**

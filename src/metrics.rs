@@ -109,7 +109,7 @@ macro_rules! metrics_table {
                 "Discovery: calls to etcd that failed (each retry counts) and watches that broke.";
             counter registry_outages (registry_outages)
                 "kvxfer_registry_outages_total"
-                "Discovery: times etcd became unreachable after it answered.";
+                "Discovery: times etcd stopped answering this engine (or did not answer at its start).";
             counter registry_rejected (registry_rejected)
                 "kvxfer_registry_rejected_total"
                 "Discovery: registry entries ignored: not signed with the cluster key, malformed, under another name, or an older incarnation than one seen.";

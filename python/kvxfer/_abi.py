@@ -339,7 +339,7 @@ class Metrics(ctypes.Structure):
         'same_host_fallbacks': 'Pairings on one host that took TCP because the same-host path could not be used\n(each also logged at WARN with the reason).',
         'registry_registrations': 'Discovery (`discovery`): times this engine put its entry into the registry: once\nits KV buffers are registered, again when its registration changes (aux buffers)\nand after its lease was lost (etcd away longer than `discovery_ttl_ms`, or\nrestarted without its data).',
         'registry_errors': 'Discovery: calls to etcd that failed (each retry counts, each is logged) and\nwatches that broke.',
-        'registry_outages': 'Discovery: times etcd became unreachable after it had answered (logged at WARN,\nwith its return).',
+        'registry_outages': 'Discovery: times etcd stopped answering this engine (or did not answer when it\nstarted), each logged at WARN, as is its return.',
         'registry_rejected': 'Discovery: registry entries ignored (logged at WARN once per key): not signed\nwith the cluster key, malformed, stored under a name other than the one signed,\nor an older incarnation than one already seen under that name.',
         'registry_departures': 'Discovery: peer engines lost because their entry left the registry (its lease\nexpired, or it was deleted) or a new incarnation of the engine replaced it.',
     }

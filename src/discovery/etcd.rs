@@ -78,6 +78,11 @@ impl Etcd {
 
     /// POSTs `body` to `path` on the first endpoint that answers.
     fn call(&self, path: &str, body: &Value) -> Result<Value, EtcdError> {
+        self.call_within(path, body, self.timeout)
+    }
+
+    /// As [`Etcd::call`], each endpoint given at most `timeout`.
+    fn call_within(&self, path: &str, body: &Value, timeout: Duration) -> Result<Value, EtcdError> {
         let body = body.to_string().into_bytes();
         let n = self.endpoints.len();
         let first = self.at.load(Ordering::Relaxed);
@@ -85,7 +90,7 @@ impl Etcd {
         for i in 0..n {
             let at = (first + i) % n;
             let ep = &self.endpoints[at];
-            match http::post(ep, path, &body, self.timeout) {
+            match http::post(ep, path, &body, timeout) {
                 Ok(a) => {
                     self.at.store(at, Ordering::Relaxed);
                     let v: Value = serde_json::from_slice(&a.body).map_err(|e| {
@@ -124,9 +129,13 @@ impl Etcd {
         Ok(ttl.filter(|&t| t > 0))
     }
 
-    /// Revokes lease `id`, deleting its keys.
+    /// Revokes lease `id`, deleting its keys; each endpoint is given at most 300 ms
+    /// (an engine revokes as it stops, and its stop must not wait on an etcd away: the
+    /// lease then expires by itself).
     pub fn revoke(&self, id: i64) -> Result<(), EtcdError> {
-        self.call("/v3/lease/revoke", &json!({ "ID": id.to_string() }))
+        let body = json!({ "ID": id.to_string() });
+        let timeout = self.timeout.min(Duration::from_millis(300));
+        self.call_within("/v3/lease/revoke", &body, timeout)
             .map(|_| ())
     }
 

@@ -63,8 +63,6 @@ pub(crate) struct Discovery {
     cache: Mutex<Cache>,
     /// The cache was filled from etcd at least once.
     synced: AtomicBool,
-    /// The registrar's last call to etcd succeeded. Relaxed: a hint for the watcher.
-    up: AtomicBool,
     /// Wakes the registrar (a registration changed, the engine stops).
     wake: (Mutex<bool>, Condvar),
     /// The watch's socket, to cut it when the engine stops.
@@ -90,7 +88,6 @@ impl Discovery {
             incarnation: (micros << 8) | low[0] as u64,
             cache: Mutex::new(Cache::default()),
             synced: AtomicBool::new(false),
-            up: AtomicBool::new(true),
             wake: (Mutex::new(false), Condvar::new()),
             watch_sock: Mutex::new(None),
             node,
@@ -247,14 +244,14 @@ impl Discovery {
                             since.elapsed().as_millis()
                         );
                     }
-                    self.up.store(true, Ordering::Relaxed);
                     backoff = MIN_BACKOFF;
                     self.sleep(next_keepalive.saturating_duration_since(Instant::now()));
                 }
                 Err(e @ EtcdError::Refused(NOT_FOUND, _)) if lease.is_none() => {
                     // The lease is gone (etcd was away longer than the TTL, or lost its
-                    // data): a new one and the entry again, at once.
+                    // data): a new one and the entry again, after the shortest pause.
                     crate::log!(self.node.log, Warn, "registry: {e}; registering again");
+                    self.sleep(MIN_BACKOFF);
                 }
                 Err(e) => {
                     self.node
@@ -263,10 +260,15 @@ impl Discovery {
                         .fetch_add(1, Ordering::Relaxed);
                     if down_since.is_none() {
                         down_since = Some(Instant::now());
-                        self.node
-                            .metrics
-                            .registry_outages
-                            .fetch_add(1, Ordering::Relaxed);
+                        // An outage is an etcd that does not answer (which also has the
+                        // watcher read again); one that refuses this engine's calls is
+                        // an error, and may still serve the watch.
+                        if matches!(e, EtcdError::Down(_)) {
+                            self.node
+                                .metrics
+                                .registry_outages
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
                         crate::log!(
                             self.node.log,
                             Warn,
@@ -280,7 +282,6 @@ impl Discovery {
                             backoff.as_millis()
                         );
                     }
-                    self.up.store(false, Ordering::Relaxed);
                     self.sleep(backoff);
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
@@ -329,11 +330,14 @@ impl Discovery {
             };
             backoff = MIN_BACKOFF;
             *self.watch_sock.lock() = stream.socket().ok();
+            // An outage the registrar sees after this point ends the watch: a watch
+            // whose etcd went quiet (a partition) may never say so itself.
+            let outages = self.outages();
             let ended = loop {
                 if self.node.is_stopping() {
                     return;
                 }
-                if !self.up.load(Ordering::Relaxed) {
+                if self.outages() != outages {
                     break "the registrar cannot reach etcd".to_string();
                 }
                 self.expire_missing();
@@ -366,6 +370,10 @@ impl Discovery {
                 self.node.sleep(MIN_BACKOFF);
             }
         }
+    }
+
+    fn outages(&self) -> u64 {
+        self.node.metrics.registry_outages.load(Ordering::Relaxed)
     }
 
     /// The prefix as etcd holds it now: every entry is taken as a put; cached entries
@@ -478,7 +486,12 @@ impl Discovery {
             .metrics
             .registry_rejected
             .fetch_add(1, Ordering::Relaxed);
-        if self.cache.lock().warned.insert(key.to_vec()) {
+        let first = {
+            let mut cache = self.cache.lock();
+            // Bounded: past this many names, every refusal logs at DEBUG.
+            cache.warned.len() < 4096 && cache.warned.insert(key.to_vec())
+        };
+        if first {
             crate::log!(self.node.log, Warn, "registry entry {name} ignored: {why}");
         } else {
             crate::log!(self.node.log, Debug, "registry entry {name} ignored: {why}");

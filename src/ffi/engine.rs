@@ -499,8 +499,8 @@ pub struct kvxfer_metrics {
     /// Discovery: calls to etcd that failed (each retry counts, each is logged) and
     /// watches that broke.
     pub registry_errors: u64,
-    /// Discovery: times etcd became unreachable after it had answered (logged at WARN,
-    /// with its return).
+    /// Discovery: times etcd stopped answering this engine (or did not answer when it
+    /// started), each logged at WARN, as is its return.
     pub registry_outages: u64,
     /// Discovery: registry entries ignored (logged at WARN once per key): not signed
     /// with the cluster key, malformed, stored under a name other than the one signed,
