@@ -570,3 +570,57 @@ fn discovery_checks_its_keys_and_never_waits_for_an_unreachable_etcd() {
         ErrorKind::WrongRole
     );
 }
+
+#[test]
+fn a_hung_decode_engine_whose_lease_expires_fails_the_prefill_rooms_waiting_for_it() {
+    if !available() {
+        return;
+    }
+    let etcd = Etcd::start();
+    let src_mem = source(BUFS, PAGES, ITEM);
+    let kp = keys(&etcd, "prefill-d", 0, 1, 2000);
+    let mut extra = borrow(&kp);
+    extra.extend([
+        ("heartbeat_interval_ms", "2000"),
+        ("heartbeat_misses", "10"),
+    ]);
+    let p = engine("prefill", &src_mem, &extra);
+    // The decode engine in a process of its own, registered as decode-d.
+    let mut kd = keys(&etcd, "decode-d", 0, 1, 2000);
+    kd.push(("role".into(), "decode".into()));
+    let k = child_keys(&kd);
+    let mut d = ChildPrefill::spawn("discovery_child", &[], &[("KVXFER_DISCOVERY_CHILD", &k)]);
+    d.line_after("REGISTERED");
+    // The prefill engine knows the decode engine's entry before the decode side pulls.
+    wait_until_within("the decode entry", Duration::from_secs(15), || {
+        etcd.get(&format!("{PREFIX}decode-d/0")).is_some()
+    });
+    for r in 1..=2u64 {
+        p.room_create(r, RoomPeers::Decoders(1)).unwrap();
+    }
+    d.send("from 1 prefill-d");
+    d.send("from 2 prefill-d");
+    wait_state(&p, 1, State::WaitingForInput);
+    wait_state(&p, 2, State::WaitingForInput);
+    // The decode engine hangs: its connections stay open, its lease runs out.
+    signal(&d, "-STOP");
+    let stopped = Instant::now();
+    for r in 1..=2u64 {
+        assert_eq!(
+            terminal_within(&p, r, Duration::from_secs(8)),
+            State::Failed
+        );
+        let why = p.room_failure(r).unwrap();
+        assert_eq!(why.cause, Cause::PeerLost, "{why}");
+        for part in ["registry:", "decode decode-d rank 0", "left the registry"] {
+            assert!(why.message.contains(part), "{part}: {why}");
+        }
+    }
+    assert!(
+        stopped.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        stopped.elapsed()
+    );
+    assert_eq!(p.metrics().registry_departures, 1);
+    signal(&d, "-CONT");
+}

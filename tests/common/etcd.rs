@@ -180,11 +180,13 @@ impl Drop for Etcd {
     }
 }
 
-/// The discovery tests' prefill process, if KVXFER_DISCOVERY_CHILD is set: a prefill
-/// engine over the child's source pattern ([`source`]) with the config keys of that
-/// variable (`key=value` pairs separated by `;`), which says `ADDR host:port` and
-/// `REGISTERED` once etcd holds its entry under KVXFER_DISCOVERY_KEY, then serves
-/// `room R` (room R of [`plan`], for one decode engine) and `quit` from stdin.
+/// The discovery tests' child process, if KVXFER_DISCOVERY_CHILD is set: an engine with
+/// the config keys of that variable (`key=value` pairs separated by `;`), a prefill
+/// engine over the child's source pattern ([`source`]) unless `role=decode` is among
+/// them. It says `ADDR host:port`, and `REGISTERED` once it has put its entry into
+/// etcd; then it serves from stdin `room R` (prefill: room R of [`plan`], for one decode
+/// engine), `from R INSTANCE` (decode: room R pulling from that instance, with page R as
+/// its destination) and `quit`.
 pub fn discovery_child_main() {
     let Ok(keys) = std::env::var("KVXFER_DISCOVERY_CHILD") else {
         return;
@@ -194,8 +196,16 @@ pub fn discovery_child_main() {
         .filter(|kv| !kv.is_empty())
         .map(|kv| kv.split_once('=').expect("key=value"))
         .collect();
-    let mem = source(BUFS, PAGES, ITEM);
-    let p = engine("prefill", &mem, &extra);
+    let role = if extra.contains(&("role", "decode")) {
+        "decode"
+    } else {
+        "prefill"
+    };
+    let mem = match role {
+        "decode" => super::memory::poisoned(BUFS, PAGES, ITEM),
+        _ => source(BUFS, PAGES, ITEM),
+    };
+    let p = engine(role, &mem, &extra);
     println!("ADDR {}", p.address());
     std::io::stdout().flush().unwrap();
     wait_until_within(
@@ -218,6 +228,11 @@ pub fn discovery_child_main() {
                     p.enqueue_chunk(r, part, i + 1 == parts.len(), None)
                         .unwrap();
                 }
+            }
+            (Some("from"), Some(r)) => {
+                p.room_create_from(r, w.next().expect("an instance"))
+                    .unwrap();
+                p.room_set_destination(r, &[r as u32], None).unwrap();
             }
             (Some("quit"), _) => return,
             _ => panic!("bad command {line}"),
