@@ -2,7 +2,7 @@
 //! keep-alive; the watcher: the prefix into the cache, and the departures it sees) and
 //! the cache the scheduler's calls read.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use super::entry::Entry;
 use super::etcd::{parse_watch, Etcd, EtcdError, Event, WatchMsg, NOT_FOUND};
 use crate::auth::Key;
 use crate::config::Role;
-use crate::control::{pairing, Control};
+use crate::control::Control;
 use crate::err;
 use crate::error::Result;
 use crate::node::Node;
@@ -35,17 +35,17 @@ fn grace(e: &Entry) -> Duration {
 }
 
 /// An entry in the cache.
-struct Cached {
-    entry: Entry,
+pub(super) struct Cached {
+    pub(super) entry: Entry,
     /// Not in the registry when it was last read whole (after etcd came back): it has
     /// [`grace`] to come back before it counts as gone.
     missing_since: Option<Instant>,
 }
 
 #[derive(Default)]
-struct Cache {
+pub(super) struct Cache {
     /// Verified entries by etcd key.
-    entries: HashMap<Vec<u8>, Cached>,
+    pub(super) entries: HashMap<Vec<u8>, Cached>,
     /// The newest incarnation seen under each key, kept after the entry goes: an older
     /// one (a replayed entry) is refused.
     newest: HashMap<Vec<u8>, u64>,
@@ -55,14 +55,14 @@ struct Cache {
 
 pub(crate) struct Discovery {
     node: Arc<Node>,
-    control: Arc<Control>,
-    etcd: Etcd,
+    pub(super) control: Arc<Control>,
+    pub(super) etcd: Etcd,
     key: Key,
-    prefix: String,
+    pub(super) prefix: String,
     incarnation: u64,
-    cache: Mutex<Cache>,
+    pub(super) cache: Mutex<Cache>,
     /// The cache was filled from etcd at least once.
-    synced: AtomicBool,
+    pub(super) synced: AtomicBool,
     /// Wakes the registrar (a registration changed, the engine stops).
     wake: (Mutex<bool>, Condvar),
     /// The watch's socket, to cut it when the engine stops.
@@ -473,6 +473,20 @@ impl Discovery {
                 .filter(|o| o.engine_id != entry.engine_id || o.incarnation != entry.incarnation)
         };
         if let Some(old) = replaced {
+            if old.engine_id == self.node.engine_id {
+                // Two engines configured with one instance and rank: the other one's
+                // entry replaced ours, and readers now take it for this name.
+                crate::log!(
+                    self.node.log,
+                    Error,
+                    "registry: engine {:016x} at {} registered as {} rank {}, which is this \
+                     engine's name: check 'instance' and 'rank'",
+                    entry.engine_id,
+                    entry.address,
+                    entry.instance,
+                    entry.rank
+                );
+            }
             let why = format!(
                 "was replaced by a new incarnation ({}, engine {:016x} at {})",
                 entry.incarnation, entry.engine_id, entry.address
@@ -528,80 +542,5 @@ impl Discovery {
                 self.control.lose_with(&p, Cause::PeerLost, reason.clone());
             }
         }
-    }
-
-    /// The addresses of every rank of prefill instance `instance`, in rank order, each
-    /// checked to pair with this engine's KV registration as the registration exchange
-    /// will check it. Reads only the cache.
-    pub fn resolve(&self, instance: &str) -> Result<Vec<String>> {
-        let cache = self.cache.lock();
-        let mut ranks: BTreeMap<u32, &Entry> = BTreeMap::new();
-        for c in cache.entries.values() {
-            let e = &c.entry;
-            if e.role == Role::Prefill && e.instance == instance {
-                ranks.insert(e.rank, e);
-            }
-        }
-        let Some(first) = ranks.values().next() else {
-            let mut known: Vec<&str> = cache
-                .entries
-                .values()
-                .filter(|c| c.entry.role == Role::Prefill)
-                .map(|c| c.entry.instance.as_str())
-                .collect();
-            known.sort_unstable();
-            known.dedup();
-            let synced = if self.synced.load(Ordering::Acquire) {
-                String::new()
-            } else {
-                " (the registry has not been read yet: etcd has not answered since this \
-                 engine started)"
-                    .to_string()
-            };
-            return Err(err!(
-                NotFound,
-                "no prefill instance '{instance}' in the registry ({} under {}){synced}; \
-                 prefill instances known: [{}]",
-                self.etcd.describe(),
-                self.prefix,
-                known.join(", ")
-            ));
-        };
-        let n = first.ranks;
-        if let Some(other) = ranks.values().find(|e| e.ranks != n) {
-            return Err(err!(
-                InvalidArgument,
-                "prefill instance '{instance}': its ranks disagree on how many there are \
-                 (rank {} says {n}, rank {} says {})",
-                first.rank,
-                other.rank,
-                other.ranks
-            ));
-        }
-        let missing: Vec<String> = (0..n)
-            .filter(|r| !ranks.contains_key(r))
-            .map(|r| r.to_string())
-            .collect();
-        if !missing.is_empty() {
-            return Err(err!(
-                NotFound,
-                "prefill instance '{instance}' is not whole in the registry: rank(s) {} of \
-                 {n} missing",
-                missing.join(", ")
-            ));
-        }
-        let ours = self.control.own_registration();
-        for e in ranks.values() {
-            pairing::pair_kv(&ours, &e.registration).map_err(|why| {
-                err!(
-                    InvalidArgument,
-                    "prefill instance '{instance}' rank {} ({}) cannot pair with this engine: \
-                     {why}",
-                    e.rank,
-                    e.address
-                )
-            })?;
-        }
-        Ok(ranks.values().map(|e| e.address.clone()).collect())
     }
 }

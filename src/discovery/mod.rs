@@ -23,6 +23,8 @@ mod etcd;
 mod http;
 #[cfg(feature = "discovery")]
 mod live;
+#[cfg(feature = "discovery")]
+mod resolve;
 
 use std::sync::Arc;
 
