@@ -23,7 +23,9 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # clang and libclang-dev build rdma-mummy-sys (sideway's verbs bindings, which load
 # libibverbs at run time, so the library needs no RDMA package to build or run).
 # gcc: the Rust tests build the CUDA driver's test double (tests/fakecuda) with cc.
-DEBS := cmake ninja-build gcc g++ libgtest-dev pkg-config iproute2 clang libclang-dev
+# etcd-server and etcd-client: the real etcd the discovery tests start (tests/discovery.rs).
+DEBS := cmake ninja-build gcc g++ libgtest-dev pkg-config iproute2 clang libclang-dev \
+  etcd-server etcd-client
 CMAKE_CONFIGURE := cmake -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
 DEMO_PREFIX := $(CURDIR)/build/demo-prefix
 
@@ -42,6 +44,9 @@ rust-checks: deps
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
 	cargo clippy --all-targets --locked --features test-hooks -- -D warnings
+	# The library without discovery (cargo feature `discovery`, on by default).
+	cargo clippy --lib --locked --no-default-features -- -D warnings
+	# Includes tests/discovery.rs: a real etcd per test (etcd-server, installed by deps).
 	cargo test --locked
 	# The benchmark crate (kvxfer-bench/): its unit tests and two short two-process runs.
 	cargo test --locked -p kvxfer-bench

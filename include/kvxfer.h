@@ -611,6 +611,34 @@ typedef struct kvxfer_metrics {
    * (each also logged at WARN with the reason).
    */
   uint64_t same_host_fallbacks;
+  /**
+   * Discovery (`discovery`): times this engine put its entry into the registry: once
+   * its KV buffers are registered, again when its registration changes (aux buffers)
+   * and after its lease was lost (etcd away longer than `discovery_ttl_ms`, or
+   * restarted without its data).
+   */
+  uint64_t registry_registrations;
+  /**
+   * Discovery: calls to etcd that failed (each retry counts, each is logged) and
+   * watches that broke.
+   */
+  uint64_t registry_errors;
+  /**
+   * Discovery: times etcd stopped answering this engine (or did not answer when it
+   * started), each logged at WARN, as is its return.
+   */
+  uint64_t registry_outages;
+  /**
+   * Discovery: registry entries ignored (logged at WARN once per key): not signed
+   * with the cluster key, malformed, stored under a name other than the one signed,
+   * or an older incarnation than one already seen under that name.
+   */
+  uint64_t registry_rejected;
+  /**
+   * Discovery: peer engines lost because their entry left the registry (its lease
+   * expired, or it was deleted) or a new incarnation of the engine replaced it.
+   */
+  uint64_t registry_departures;
 } kvxfer_metrics;
 
 /**
@@ -745,6 +773,29 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   connection's TLS session, one per data connection; a payload that does not verify
  *   is never written and fails the rooms of that peer. Needs TLS. RDMA writes are not
  *   encrypted.
+ *
+ * Discovery (engines that find each other through etcd; see docs/ARCHITECTURE.md):
+ * - `discovery` (default empty: no registry): `etcd://host:port[,host:port...]`, the
+ *   client endpoints of an etcd cluster (3.4 or later; its JSON gateway, plain HTTP).
+ *   The engine publishes its entry (engine id, incarnation, role, `instance`, `rank`,
+ *   address, transport, KV buffers and layout) under a lease it keeps alive, signed with
+ *   the cluster key, which `discovery` therefore needs (else `kvxfer_engine_new` fails
+ *   with `KVXFER_ERR_BAD_VALUE`), as it needs `instance`. It watches every entry under
+ *   `discovery_prefix`: `kvxfer_room_create_from` finds a prefill instance's ranks
+ *   there, entries that do not verify are ignored (counted in `registry_rejected`), and
+ *   a peer whose entry leaves (lease expired, deleted, replaced by a new incarnation)
+ *   is lost at once. etcd being away stops nothing: rooms go on with the engines known.
+ * - `discovery_prefix` (default `/kvxfer/`): the etcd key prefix of the cluster's
+ *   entries, ending in `/`; an entry is `<prefix><instance>/<rank>`.
+ * - `instance` (default empty): the name of the instance this engine is a rank of, 1 to
+ *   128 of `A-Z a-z 0-9 . _ -`; needed with `discovery`.
+ * - `rank` (default `0`, 0..65535): this engine's rank in its instance, below
+ *   `instance_ranks`.
+ * - `instance_ranks` (default `1`, 1..65536): how many ranks the instance has; a room
+ *   by instance needs every one of them registered.
+ * - `discovery_ttl_ms` (default `5000`, 2000..3600000): the TTL of the engine's lease,
+ *   rounded up to whole seconds; its entry is gone that long after the engine is
+ *   (keep-alives every third of it).
  *
  * With the three `tls_*` keys set, every control connection is TLS 1.3 with a
  * certificate on both sides (the cluster-key handshake, when a key is set, runs inside
@@ -1037,6 +1088,31 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_create(const struct kvxfer_engine *eng
  * `kvxfer_register_kv`; `KVXFER_ERR_NULL_POINTER`.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_room_create_for(const struct kvxfer_engine *engine, uint64_t room, const uint64_t *decode_ids, size_t n);
+
+/**
+ * Decode engine only: creates room `room` in BOOTSTRAPPING, pulling from every rank of
+ * prefill instance `instance` (NUL-terminated; the `instance` config key of those
+ * engines), found in this engine's copy of the registry (config key `discovery`): as
+ * `kvxfer_room_create` with their addresses, in rank order. Never waits for etcd: it
+ * reads the copy that the engine's watch keeps current, so it works on while etcd is
+ * unreachable, with the engines known when it was last reached.
+ *
+ * Each rank's entry carries its KV buffers and layout, checked here as the
+ * registration exchange checks them; the exchange checks them again when the room
+ * connects. A room whose prefill engine leaves the registry (its lease expired, or a
+ * new incarnation replaced it) fails as `KVXFER_CAUSE_PEER_LOST` with a reason starting
+ * `registry:`.
+ *
+ * Errors: `KVXFER_ERR_NOT_FOUND` if no prefill engine of that instance is registered,
+ * or not every rank of it (`instance_ranks`), the message naming the missing ranks and
+ * the instances known; `KVXFER_ERR_INVALID_ARGUMENT` if a rank's buffers or layout
+ * cannot pair with this engine's (the message names the rank, the field and both
+ * values) or its ranks disagree on their count; `KVXFER_ERR_WRONG_STATE` without
+ * `discovery` or before `kvxfer_register_kv`; `KVXFER_ERR_WRONG_ROLE` on a prefill
+ * engine; `KVXFER_ERR_ALREADY_EXISTS` if the id is present; `KVXFER_ERR_UNSUPPORTED`
+ * in a build without discovery; `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_room_create_from(const struct kvxfer_engine *engine, uint64_t room, const char *instance);
 
 /**
  * Decode engine only: the destination of room `room`, sent to every prefill engine of

@@ -434,6 +434,14 @@ class Engine {
         check(kvxfer_room_create(handle_.get(), room, nullptr, n_decoders));
     }
 
+    /// Decode engine: creates `room` pulling from every rank of prefill instance
+    /// `instance`, found in the engine's copy of the registry (config key `discovery`),
+    /// in rank order. Never waits for etcd; an instance not (wholly) registered throws
+    /// with KVXFER_ERR_NOT_FOUND.
+    void create_decode_room_from(uint64_t room, const std::string &instance) {
+        check(kvxfer_room_create_from(handle_.get(), room, instance.c_str()));
+    }
+
     /// Prefill engine: creates `room` bound to the decode engines `decode_ids` (their
     /// id()), one destination from each; any other engine's destination or abort for it
     /// is refused and counted (kvxfer_metrics::binding_refusals).

@@ -20,6 +20,7 @@ pub mod tls;
 pub mod config;
 pub(crate) mod control;
 pub mod cuda;
+pub(crate) mod discovery;
 pub mod engine;
 pub mod integrity;
 pub mod layout;

@@ -755,6 +755,18 @@ class Engine:
         arr = (ctypes.c_char_p * max(len(encoded), 1))(*encoded)
         self._call("kvxfer_room_create", room, arr, len(encoded))
 
+    @_wraps("kvxfer_room_create_from")
+    def room_create_from(self, room: int, instance: str) -> None:
+        """Decode engine only: creates room ``room`` pulling from every rank of prefill
+        instance ``instance``, found in the engine's copy of the registry (config key
+        ``discovery``), in rank order. Never waits for etcd; an instance that is not
+        (wholly) registered raises with ``KVXFER_ERR_NOT_FOUND``."""
+        name = "kvxfer_room_create_from"
+        room = _room_id(room, name)
+        if not isinstance(instance, str):
+            raise _invalid(name, f"instance {instance!r} is not a string")
+        self._call(name, room, instance.encode())
+
     @_wraps("kvxfer_room_create_for")
     def room_create_for(self, room: int, decode_ids: Sequence[int]) -> None:
         """Prefill engine only: creates room ``room`` bound to the decode engines whose

@@ -244,6 +244,13 @@ impl Control {
         }
     }
 
+    /// This engine's registration as the exchange sends it, without RDMA keys (what
+    /// discovery publishes, and checks a registry entry against).
+    #[cfg(feature = "discovery")]
+    pub fn own_registration(&self) -> crate::proto::Registration {
+        self.registration(None)
+    }
+
     /// The last refusal at authentication: when (engine-clock ms) and what.
     pub fn last_refusal(&self) -> Option<(u64, String)> {
         self.gate.last_refusal()

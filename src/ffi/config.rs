@@ -129,6 +129,29 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 ///   is never written and fails the rooms of that peer. Needs TLS. RDMA writes are not
 ///   encrypted.
 ///
+/// Discovery (engines that find each other through etcd; see docs/ARCHITECTURE.md):
+/// - `discovery` (default empty: no registry): `etcd://host:port[,host:port...]`, the
+///   client endpoints of an etcd cluster (3.4 or later; its JSON gateway, plain HTTP).
+///   The engine publishes its entry (engine id, incarnation, role, `instance`, `rank`,
+///   address, transport, KV buffers and layout) under a lease it keeps alive, signed with
+///   the cluster key, which `discovery` therefore needs (else `kvxfer_engine_new` fails
+///   with `KVXFER_ERR_BAD_VALUE`), as it needs `instance`. It watches every entry under
+///   `discovery_prefix`: `kvxfer_room_create_from` finds a prefill instance's ranks
+///   there, entries that do not verify are ignored (counted in `registry_rejected`), and
+///   a peer whose entry leaves (lease expired, deleted, replaced by a new incarnation)
+///   is lost at once. etcd being away stops nothing: rooms go on with the engines known.
+/// - `discovery_prefix` (default `/kvxfer/`): the etcd key prefix of the cluster's
+///   entries, ending in `/`; an entry is `<prefix><instance>/<rank>`.
+/// - `instance` (default empty): the name of the instance this engine is a rank of, 1 to
+///   128 of `A-Z a-z 0-9 . _ -`; needed with `discovery`.
+/// - `rank` (default `0`, 0..65535): this engine's rank in its instance, below
+///   `instance_ranks`.
+/// - `instance_ranks` (default `1`, 1..65536): how many ranks the instance has; a room
+///   by instance needs every one of them registered.
+/// - `discovery_ttl_ms` (default `5000`, 2000..3600000): the TTL of the engine's lease,
+///   rounded up to whole seconds; its entry is gone that long after the engine is
+///   (keep-alives every third of it).
+///
 /// With the three `tls_*` keys set, every control connection is TLS 1.3 with a
 /// certificate on both sides (the cluster-key handshake, when a key is set, runs inside
 /// it), and data connections prove the control session they belong to even without a

@@ -10,6 +10,7 @@
 
 pub mod child;
 pub mod engine;
+pub mod etcd;
 pub mod fake;
 pub mod fakecuda;
 pub mod memory;
