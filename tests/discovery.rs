@@ -454,6 +454,33 @@ fn forged_entries_are_ignored_counted_and_never_connected_to() {
         "a connection reached the forged address"
     );
     assert_eq!(d.metrics().registry_departures, 0);
+    // The real engine puts its entry back over the forgery: an engine that reads the
+    // registry only now finds it where it is.
+    let real_key = format!("{PREFIX}prefill-a/0");
+    let restored = |etcd: &Etcd| {
+        etcd.get(&real_key)
+            .is_some_and(|v| v.contains(p.address()) && !v.contains(&trap_addr))
+    };
+    wait_until_within("the real entry back", Duration::from_secs(10), || {
+        restored(&etcd)
+    });
+    let kl = keys(&etcd, "decode-late", 0, 1, 3000);
+    let late = engine("decode", &poisoned(BUFS, PAGES, ITEM), &borrow(&kl));
+    wait_for_instance(&late, "prefill-a");
+    assert_eq!(
+        late.lookup("prefill-a").unwrap(),
+        vec![p.address().to_string()]
+    );
+    // Deleted by hand, it is put back too; readers took the deletion for the engine
+    // leaving (what a registry writer can do: see docs/SECURITY.md).
+    etcd.ctl(&["del", &real_key]).unwrap();
+    wait_until_within("a departure", Duration::from_secs(5), || {
+        d.metrics().registry_departures == 1
+    });
+    wait_until_within("the real entry back", Duration::from_secs(10), || {
+        restored(&etcd)
+    });
+    wait_for_instance(&d, "prefill-a");
     drop(w);
 }
 

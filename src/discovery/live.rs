@@ -67,6 +67,11 @@ pub(crate) struct Discovery {
     wake: (Mutex<bool>, Condvar),
     /// The watch's socket, to cut it when the engine stops.
     watch_sock: Mutex<Option<TcpStream>>,
+    /// This engine's etcd key.
+    own_key: Vec<u8>,
+    /// The watcher saw this engine's entry deleted or overwritten with one that does
+    /// not verify: the registrar puts it again.
+    republish: AtomicBool,
 }
 
 impl Discovery {
@@ -90,6 +95,8 @@ impl Discovery {
             synced: AtomicBool::new(false),
             wake: (Mutex::new(false), Condvar::new()),
             watch_sock: Mutex::new(None),
+            own_key: format!("{}{}/{}", c.discovery_prefix, c.instance, c.rank).into_bytes(),
+            republish: AtomicBool::new(false),
             node,
             control,
         });
@@ -187,6 +194,9 @@ impl Discovery {
         let mut backoff = MIN_BACKOFF;
         let mut down_since: Option<Instant> = None;
         while !self.node.is_stopping() {
+            if self.republish.swap(false, Ordering::Relaxed) {
+                published = None;
+            }
             let step = (|| -> std::result::Result<(), EtcdError> {
                 let id = match lease {
                     Some(id) => id,
@@ -433,6 +443,11 @@ impl Discovery {
     fn apply(&self, ev: Event) {
         let name = String::from_utf8_lossy(&ev.key).into_owned();
         if ev.deleted {
+            if ev.key == self.own_key {
+                // Deleted while this engine lives (its lease was not revoked by it):
+                // put it again. (At stop the registrar has left its loop already.)
+                self.put_again("deleted");
+            }
             let gone = self.cache.lock().entries.remove(&ev.key);
             if let Some(c) = gone {
                 let why = format!(
@@ -495,7 +510,24 @@ impl Discovery {
         }
     }
 
+    /// Has the registrar put this engine's entry again: someone else `what` it.
+    fn put_again(&self, what: &str) {
+        if self.node.is_stopping() {
+            return;
+        }
+        crate::log!(
+            self.node.log,
+            Warn,
+            "registry: this engine's entry was {what} by someone else; putting it again"
+        );
+        self.republish.store(true, Ordering::Relaxed);
+        self.wake();
+    }
+
     fn refuse(&self, key: &[u8], name: &str, why: &str) {
+        if key == self.own_key {
+            self.put_again("overwritten with one that does not verify");
+        }
         self.node
             .metrics
             .registry_rejected
