@@ -411,3 +411,41 @@ fn a_destination_byte_changed_between_landing_and_verification_fails_as_integrit
         t.p.metrics().integrity_failures == 1
     });
 }
+
+/// A room that ends while its progress waits for the verifier (held at a test-only
+/// pause point, after it counted itself in the room's io) is not drained until the
+/// verifier let go, and its pages are then neither read nor counted: nothing verified.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_room_aborted_before_its_verification_is_not_read_and_drains_after_the_verifier() {
+    if !rdma() {
+        return; // only RDMA progress goes through the verifier
+    }
+    let t = verifying_pair(&[("workers", "1")]);
+    let (src, dst): (Vec<u32>, Vec<u32>) = ((0..4).collect(), (100..104).collect());
+    kvxfer::testing::pause_at("decode.verify", 41);
+    t.open(41, &dst);
+    t.send(41, &src, 4);
+    assert!(
+        kvxfer::testing::wait_paused("decode.verify", 41, LIMIT),
+        "no progress of the room reached the verifier"
+    );
+    t.d.room_abort(41, "client cancelled before verification")
+        .unwrap();
+    assert_eq!(terminal_within(&t.d, 41, LIMIT), State::Failed);
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        assert!(
+            !t.d.room_drained(41).unwrap(),
+            "drained while the verifier held the room"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    kvxfer::testing::release("decode.verify", 41);
+    wait_until_within("the aborted room to drain", LIMIT, || {
+        t.d.room_drained(41).unwrap()
+    });
+    let m = t.d.metrics();
+    assert_eq!((m.bytes_verified, m.integrity_failures), (0, 0));
+    assert!(!t.d.room_verified(41).unwrap());
+}

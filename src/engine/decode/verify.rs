@@ -120,6 +120,8 @@ impl DecodeEngine {
         // Counted in before the state is checked: a room that ended is not read, and
         // one that ends while its pages are read is not drained until they were.
         let io = room.begin_io();
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("decode.verify", p.room);
         if room.state().is_terminal() {
             return false;
         }
