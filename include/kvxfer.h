@@ -737,10 +737,10 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   Over TCP and the same-host path the digest travels in the run's header; over RDMA
  *   in the progress message of its completed writes, checked where they landed on a
  *   thread of its own. Both engines of a pair must have the same setting, else their
- *   rooms fail as MISMATCH naming both. Off
- *   by default because it costs a CRC32C pass over every byte on each side (about
- *   0.15 CPU s per GB per side on the 2-core host it was measured on, as much as the
- *   whole TCP path; docs/BENCHMARKS.md).
+ *   rooms fail as MISMATCH naming both. Off by default because it costs a CRC32C pass
+ *   over every byte on each side (0.03-0.09 CPU s per GB more per side, 0.66-0.83 of
+ *   the throughput over TCP, on the 2-core host it was measured on;
+ *   docs/BENCHMARKS.md).
  *
  * Authentication:
  * - `auth` (default `auto`): `auto` | `required` | `off`. `auto`: `required` when a key

@@ -301,7 +301,9 @@ fn a_completion_error_fails_exactly_its_room_with_the_verbs_status() {
 }
 
 /// A pair over the test transport with integrity=verify, one aux buffer of 8 slots of
-/// 256 bytes and `extra` on both sides.
+/// 256 bytes and `extra` on both sides. The tests that inject faults (or pause points),
+/// which are keyed by room id across the process, use rooms above 200, which no other
+/// test here uses: on the host the tests run at once.
 fn verifying_pair(extra: &[(&str, &str)]) -> Pair {
     Pair::builder()
         .transport(&common::test_transport())
@@ -365,25 +367,25 @@ fn verified_rooms_arrive_byte_for_byte_and_say_so() {
 #[test]
 fn a_run_written_to_the_wrong_page_fails_as_integrity_naming_the_page() {
     let t = verifying_pair(&[("workers", "1"), ("connections_per_peer", "1")]);
-    kvxfer::testing::inject_fault("integrity.wrong_page", 21);
-    t.open(21, &[10, 11, 12, 13]);
-    t.send(21, &[1, 2, 3, 4], 1);
-    assert_eq!(terminal_within(&t.d, 21, LIMIT), State::Failed);
-    let why = t.d.room_failure(21).unwrap();
+    kvxfer::testing::inject_fault("integrity.wrong_page", 221);
+    t.open(221, &[10, 11, 12, 13]);
+    t.send(221, &[1, 2, 3, 4], 1);
+    assert_eq!(terminal_within(&t.d, 221, LIMIT), State::Failed);
+    let why = t.d.room_failure(221).unwrap();
     assert_eq!(why.cause, Cause::Integrity, "{why}");
     assert!(!why.from_peer, "{why}");
     assert!(why.message.contains("page 11 of kv buffer"), "{why}");
     assert!(why.message.contains("do not match their digest"), "{why}");
-    assert!(!t.d.room_verified(21).unwrap());
+    assert!(!t.d.room_verified(221).unwrap());
     assert_eq!(t.d.metrics().integrity_failures, 1);
     wait_until_within("the failed room to drain", LIMIT, || {
-        t.d.room_drained(21).unwrap()
+        t.d.room_drained(221).unwrap()
     });
     let (src, dst): (Vec<u32>, Vec<u32>) = ((30..36).collect(), (60..66).collect());
-    t.open(22, &dst);
-    t.send(22, &src, 2);
-    assert_eq!(terminal_within(&t.d, 22, LIMIT), State::Success);
-    assert!(t.d.room_verified(22).unwrap());
+    t.open(222, &dst);
+    t.send(222, &src, 2);
+    assert_eq!(terminal_within(&t.d, 222, LIMIT), State::Success);
+    assert!(t.d.room_verified(222).unwrap());
     t.assert_pages(&src, &dst);
 }
 
@@ -397,11 +399,11 @@ fn a_destination_byte_changed_between_landing_and_verification_fails_as_integrit
         return; // TCP verifies as it reads: tests/integrity.rs's tampering relay
     }
     let t = verifying_pair(&[]);
-    kvxfer::testing::inject_fault("rdma.changed_after_landing", 31);
-    t.open(31, &[0, 1, 2, 3, 4, 5]);
-    t.send(31, &[6, 7, 8, 9, 10, 11], 3);
-    assert_eq!(terminal_within(&t.d, 31, LIMIT), State::Failed);
-    let why = t.d.room_failure(31).unwrap();
+    kvxfer::testing::inject_fault("rdma.changed_after_landing", 231);
+    t.open(231, &[0, 1, 2, 3, 4, 5]);
+    t.send(231, &[6, 7, 8, 9, 10, 11], 3);
+    assert_eq!(terminal_within(&t.d, 231, LIMIT), State::Failed);
+    let why = t.d.room_failure(231).unwrap();
     assert_eq!(why.cause, Cause::Integrity, "{why}");
     assert!(why.message.contains("do not match their digest"), "{why}");
     assert!(why.message.contains("of kv buffer"), "{why}");
@@ -410,4 +412,42 @@ fn a_destination_byte_changed_between_landing_and_verification_fails_as_integrit
     common::wait_until("the prefill engine to count it", || {
         t.p.metrics().integrity_failures == 1
     });
+}
+
+/// A room that ends while its progress waits for the verifier (held at a test-only
+/// pause point, after it counted itself in the room's io) is not drained until the
+/// verifier let go, and its pages are then neither read nor counted: nothing verified.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_room_aborted_before_its_verification_is_not_read_and_drains_after_the_verifier() {
+    if !rdma() {
+        return; // only RDMA progress goes through the verifier
+    }
+    let t = verifying_pair(&[("workers", "1")]);
+    let (src, dst): (Vec<u32>, Vec<u32>) = ((0..4).collect(), (100..104).collect());
+    kvxfer::testing::pause_at("decode.verify", 241);
+    t.open(241, &dst);
+    t.send(241, &src, 4);
+    assert!(
+        kvxfer::testing::wait_paused("decode.verify", 241, LIMIT),
+        "no progress of the room reached the verifier"
+    );
+    t.d.room_abort(241, "client cancelled before verification")
+        .unwrap();
+    assert_eq!(terminal_within(&t.d, 241, LIMIT), State::Failed);
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        assert!(
+            !t.d.room_drained(241).unwrap(),
+            "drained while the verifier held the room"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    kvxfer::testing::release("decode.verify", 241);
+    wait_until_within("the aborted room to drain", LIMIT, || {
+        t.d.room_drained(241).unwrap()
+    });
+    let m = t.d.metrics();
+    assert_eq!((m.bytes_verified, m.integrity_failures), (0, 0));
+    assert!(!t.d.room_verified(241).unwrap());
 }

@@ -75,8 +75,9 @@ impl DecodeEngine {
                     self.verifier.ready.wait_for(&mut jobs, IDLE);
                 }
             };
-            // A panic fails nothing by itself: the room's deadline does, as for a lost
-            // message. It must not end the thread, which serves every room.
+            // A panic drops the message, as if lost: the room fails on the peer's Done
+            // (its bytes do not add up) or its deadline. It must not end the thread,
+            // which serves every room.
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
                 Job::Progress(peer, p) => self.on_progress(&peer, p),
                 Job::Done(peer, room, generation, pages, aux) => {
@@ -89,7 +90,7 @@ impl DecodeEngine {
         }
     }
 
-    /// With `integrity=verify`: checks the runs of peer `idx`'s `p` (a live room, whose
+    /// With `integrity=verify`: checks the runs of `peer`'s `p` (for a live room whose
     /// destination went out) like the headers of TCP data frames: they add up to what
     /// `p` counts, are granted to the room and take no byte twice; then reads each where
     /// it landed and compares its digest. True if every run matched (counted in
@@ -120,6 +121,8 @@ impl DecodeEngine {
         // Counted in before the state is checked: a room that ended is not read, and
         // one that ends while its pages are read is not drained until they were.
         let io = room.begin_io();
+        #[cfg(feature = "test-hooks")]
+        crate::testing::pause_point("decode.verify", p.room);
         if room.state().is_terminal() {
             return false;
         }
