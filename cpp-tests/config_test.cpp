@@ -34,6 +34,12 @@ const KeyValue kGood[] = {
     {"heartbeat_misses", "3"},
     {"drain_timeout_ms", "400"},
     {"log_level", "debug"},
+    {"discovery", "etcd://127.0.0.1:2379,[::1]:2379"},
+    {"discovery_prefix", "/kvxfer/"},
+    {"instance", "prefill-a"},
+    {"rank", "1"},
+    {"instance_ranks", "2"},
+    {"discovery_ttl_ms", "3000"},
 };
 
 // Bad values: at least one for every documented key, the range ends included.
@@ -62,6 +68,12 @@ const KeyValue kBad[] = {
     {"heartbeat_misses", "1001"},
     {"drain_timeout_ms", "0x10"},
     {"log_level", "loud"},
+    {"discovery", "http://127.0.0.1:2379"},
+    {"discovery_prefix", "no-slash"},
+    {"instance", "a/b"},
+    {"rank", "65536"},
+    {"instance_ranks", "0"},
+    {"discovery_ttl_ms", "1999"},
 };
 
 } // namespace

@@ -354,6 +354,38 @@ TEST(RoomHpp, LifecycleThroughTheWrapper) {
     }
 }
 
+// Rooms by instance name need the registry (config key `discovery`; the discovery
+// suite, tests/discovery.rs, runs them against a real etcd): without it the call is
+// refused without creating anything, on a prefill engine it is the wrong role.
+TEST(RoomHpp, ARoomByInstanceWithoutARegistryIsWrongStateAndCreatesNothing) {
+    Memory mem(1, 4, 4096);
+    kvxfer::Config dc;
+    dc.set("role", "decode");
+    kvxfer::Engine decode(dc);
+    decode.register_kv(mem.buffers());
+    try {
+        decode.create_decode_room_from(1, "prefill-a");
+        FAIL() << "a room by instance without a registry";
+    } catch (const kvxfer::Error &e) {
+        EXPECT_EQ(e.code(), KVXFER_ERR_WRONG_STATE);
+        EXPECT_TRUE(contains(e.message(), "'discovery'")) << e.message();
+    }
+    EXPECT_TRUE(fails_with(KVXFER_ERR_NULL_POINTER,
+                           kvxfer_room_create_from(decode.get(), 1, nullptr)));
+    try {
+        (void)decode.poll(1);
+        FAIL() << "the refused room exists";
+    } catch (const kvxfer::Error &e) {
+        EXPECT_EQ(e.code(), KVXFER_ERR_NOT_FOUND);
+    }
+    kvxfer::Config pc;
+    pc.set("role", "prefill");
+    kvxfer::Engine prefill(pc);
+    prefill.register_kv(mem.buffers());
+    EXPECT_TRUE(fails_with(KVXFER_ERR_WRONG_ROLE,
+                           kvxfer_room_create_from(prefill.get(), 1, "prefill-a")));
+}
+
 TEST(RoomHpp, FailureReadsReasonsLongerThanTheFirstBuffer) {
     Memory mem(1, 4, 4096);
     kvxfer::Config c;

@@ -164,6 +164,28 @@ TEST_F(Transfer, AVerifiedRoomSaysSoAndItsPathIsReported) {
     EXPECT_EQ(m.pairings_tcp, 1u);
 }
 
+// integrity=verify over the test transport: RDMA in the soft-RoCE guest, whose writes
+// are verified from the digests their progress carries, TCP elsewhere.
+TEST_F(Transfer, AVerifiedRoomOverTheTestTransportSaysSo) {
+    start({{"integrity", "verify"}, {"same_host", "off"}});
+    create(3);
+    std::vector<uint32_t> dst = {20, 21, 22}, src = {5, 6, 7};
+    ASSERT_TRUE(ok(kvxfer_room_set_destination(d_.get(), 3, dst.data(), dst.size(), -1)));
+    ASSERT_TRUE(ok(kvxfer_enqueue_chunk(p_.get(), 3, src.data(), src.size(), true, -1)));
+    ASSERT_EQ(wait_terminal(d_.get(), 3), KVXFER_ROOM_SUCCESS) << failure(d_.get(), 3);
+    EXPECT_TRUE(pages_equal(src, dst));
+    bool verified = false;
+    ASSERT_TRUE(ok(kvxfer_room_verified(d_.get(), 3, &verified)));
+    EXPECT_TRUE(verified);
+    kvxfer_path path = KVXFER_PATH_UNKNOWN;
+    ASSERT_TRUE(ok(kvxfer_room_path(d_.get(), 3, &path)));
+    EXPECT_EQ(path, rdma_device_present() ? KVXFER_PATH_RDMA : KVXFER_PATH_TCP);
+    kvxfer_metrics m{};
+    ASSERT_TRUE(ok(kvxfer_engine_metrics(d_.get(), &m, sizeof m)));
+    EXPECT_EQ(m.bytes_verified, 3 * kBuffers * kPageBytes);
+    EXPECT_EQ(m.integrity_failures, 0u);
+}
+
 TEST_F(Transfer, ChunksEnqueuedBeforeTheDestinationAreSentWhenItArrives) {
     create(2);
     std::vector<uint32_t> src = {10, 11, 12, 13};

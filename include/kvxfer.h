@@ -343,6 +343,32 @@ typedef uint32_t kvxfer_kv_kind;
 #endif // __cplusplus
 
 /**
+ * Where a registered buffer's bytes live (values of `kvxfer_buffer_desc.kind`).
+ */
+enum kvxfer_memory_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Host memory of this process (what `kvxfer_buffer` registers).
+   */
+  KVXFER_MEMORY_HOST = 0,
+  /**
+   * CUDA device memory of device `device` (`cudaMalloc`, or a CUDA VMM range:
+   * `cuMemCreate` + `cuMemMap`, possibly of several physical allocations).
+   */
+  KVXFER_MEMORY_CUDA = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvxfer_memory_kind kvxfer_memory_kind;
+#else
+typedef uint32_t kvxfer_memory_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * An engine configuration. Create with `kvxfer_config_new`, release with
  * `kvxfer_config_free`. Not thread-safe: use one config from one thread at a time.
  */
@@ -585,7 +611,69 @@ typedef struct kvxfer_metrics {
    * (each also logged at WARN with the reason).
    */
   uint64_t same_host_fallbacks;
+  /**
+   * Discovery (`discovery`): times this engine put its entry into the registry: once
+   * its KV buffers are registered, again when its registration changes (aux buffers)
+   * and after its lease was lost (etcd away longer than `discovery_ttl_ms`, or
+   * restarted without its data).
+   */
+  uint64_t registry_registrations;
+  /**
+   * Discovery: calls to etcd that failed (each retry counts, each is logged) and
+   * watches that broke.
+   */
+  uint64_t registry_errors;
+  /**
+   * Discovery: times etcd stopped answering this engine (or did not answer when it
+   * started), each logged at WARN, as is its return.
+   */
+  uint64_t registry_outages;
+  /**
+   * Discovery: registry entries ignored (logged at WARN once per key): not signed
+   * with the cluster key, malformed, stored under a name other than the one signed,
+   * or an older incarnation than one already seen under that name.
+   */
+  uint64_t registry_rejected;
+  /**
+   * Discovery: peer engines lost because their entry left the registry (its lease
+   * expired, or it was deleted) or a new incarnation of the engine replaced it.
+   */
+  uint64_t registry_departures;
 } kvxfer_metrics;
+
+/**
+ * One registered memory buffer with its memory kind: `len` bytes at `base`, in pages
+ * (KV) or slots (aux) of `item_len` bytes. Set `struct_size` to
+ * `sizeof(kvxfer_buffer_desc)` in every element: fields are only ever appended, and the
+ * library refuses a size it does not know.
+ */
+typedef struct kvxfer_buffer_desc {
+  /**
+   * `sizeof(kvxfer_buffer_desc)` as the caller compiled it.
+   */
+  size_t struct_size;
+  /**
+   * A `kvxfer_memory_kind` value.
+   */
+  uint32_t kind;
+  /**
+   * The CUDA device ordinal for `KVXFER_MEMORY_CUDA` (as the driver counts devices,
+   * so as `CUDA_VISIBLE_DEVICES` makes them); must be 0 for `KVXFER_MEMORY_HOST`.
+   */
+  uint32_t device;
+  /**
+   * First byte of the buffer (a device address for `KVXFER_MEMORY_CUDA`).
+   */
+  void *base;
+  /**
+   * Length in bytes.
+   */
+  size_t len;
+  /**
+   * Bytes of one page or slot.
+   */
+  size_t item_len;
+} kvxfer_buffer_desc;
 
 #ifdef __cplusplus
 extern "C" {
@@ -646,11 +734,13 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   bytes where they landed, before it counts them: a room reaches SUCCESS only when
  *   every run matched, and a mismatch fails it as `KVXFER_CAUSE_INTEGRITY` with a reason
  *   naming the prefill engine, buffer, page and byte range (`kvxfer_room_verified`).
- *   Over TCP and the same-host path; RDMA rooms are not verified yet. Both engines of a
- *   pair must have the same setting, else their rooms fail as MISMATCH naming both. Off
- *   by default because it costs a CRC32C pass over every byte on each side (about
- *   0.15 CPU s per GB per side on the 2-core host it was measured on, as much as the
- *   whole TCP path; docs/BENCHMARKS.md).
+ *   Over TCP and the same-host path the digest travels in the run's header; over RDMA
+ *   in the progress message of its completed writes, checked where they landed on a
+ *   thread of its own. Both engines of a pair must have the same setting, else their
+ *   rooms fail as MISMATCH naming both. Off by default because it costs a CRC32C pass
+ *   over every byte on each side (0.03-0.09 CPU s per GB more per side, 0.66-0.83 of
+ *   the throughput over TCP, on the 2-core host it was measured on;
+ *   docs/BENCHMARKS.md).
  *
  * Authentication:
  * - `auth` (default `auto`): `auto` | `required` | `off`. `auto`: `required` when a key
@@ -683,6 +773,29 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  *   connection's TLS session, one per data connection; a payload that does not verify
  *   is never written and fails the rooms of that peer. Needs TLS. RDMA writes are not
  *   encrypted.
+ *
+ * Discovery (engines that find each other through etcd; see docs/ARCHITECTURE.md):
+ * - `discovery` (default empty: no registry): `etcd://host:port[,host:port...]`, the
+ *   client endpoints of an etcd cluster (3.4 or later; its JSON gateway, plain HTTP).
+ *   The engine publishes its entry (engine id, incarnation, role, `instance`, `rank`,
+ *   address, transport, KV buffers and layout) under a lease it keeps alive, signed with
+ *   the cluster key, which `discovery` therefore needs (else `kvxfer_engine_new` fails
+ *   with `KVXFER_ERR_BAD_VALUE`), as it needs `instance`. It watches every entry under
+ *   `discovery_prefix`: `kvxfer_room_create_from` finds a prefill instance's ranks
+ *   there, entries that do not verify are ignored (counted in `registry_rejected`), and
+ *   a peer whose entry leaves (lease expired, deleted, replaced by a new incarnation)
+ *   is lost at once. etcd being away stops nothing: rooms go on with the engines known.
+ * - `discovery_prefix` (default `/kvxfer/`): the etcd key prefix of the cluster's
+ *   entries, ending in `/`; an entry is `<prefix><instance>/<rank>`.
+ * - `instance` (default empty): the name of the instance this engine is a rank of, 1 to
+ *   128 of `A-Z a-z 0-9 . _ -`; needed with `discovery`.
+ * - `rank` (default `0`, 0..65535): this engine's rank in its instance, below
+ *   `instance_ranks`.
+ * - `instance_ranks` (default `1`, 1..65536): how many ranks the instance has; a room
+ *   by instance needs every one of them registered.
+ * - `discovery_ttl_ms` (default `5000`, 2000..3600000): the TTL of the engine's lease,
+ *   rounded up to whole seconds; its entry is gone that long after the engine is
+ *   (keep-alives every third of it).
  *
  * With the three `tls_*` keys set, every control connection is TLS 1.3 with a
  * certificate on both sides (the cluster-key handshake, when a key is set, runs inside
@@ -904,6 +1017,46 @@ KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics(const struct kvxfer_engine *
 KVXFER_MUST_USE kvxfer_status kvxfer_engine_metrics_text(const struct kvxfer_engine *engine, char *buf, size_t len, size_t *out_n);
 
 /**
+ * Registers the engine's KV buffers, each with the kind of memory it is, instead of
+ * `kvxfer_register_kv`, `kvxfer_register_kv_layers` or `kvxfer_register_kv_layout`,
+ * once, before any room is created. `layer_ids` is NULL (buffers pair by position) or
+ * holds `n` layer ids (as `kvxfer_register_kv_layers`); `layout` is NULL (pages are
+ * copied byte for byte) or the layout of the pages (as `kvxfer_register_kv_layout`).
+ * The memory must stay valid until `kvxfer_engine_free` returns; the arrays and the
+ * layout are copied.
+ *
+ * A `KVXFER_MEMORY_CUDA` buffer is checked against the CUDA driver, which the library
+ * loads at run time (`libcuda.so.1`, or the file named by the environment variable
+ * `KVXFER_CUDA_LIBRARY`): every byte must be device memory of `device`; a buffer may
+ * span several allocations (CUDA VMM). The library never reads or writes device memory
+ * with the CPU. GPU memory over RDMA is not supported.
+ *
+ * Errors: as `kvxfer_register_kv_layout`; `KVXFER_ERR_INVALID_ARGUMENT` for a
+ * `struct_size` other than `sizeof(kvxfer_buffer_desc)`, an unknown `kind`, a nonzero
+ * `device` for host memory, a CUDA device that does not exist, or device memory the
+ * driver does not know as memory of that device (the message names the buffer and the
+ * byte); `KVXFER_ERR_TRANSPORT_UNAVAILABLE` when a CUDA buffer is registered and the
+ * driver cannot be loaded, `cuInit` fails or the driver sees no device (the message
+ * names the library and what is missing); `KVXFER_ERR_UNSUPPORTED` for CUDA memory on
+ * an engine that uses RDMA (set `transport=tcp`) or on a decode engine with
+ * `encrypt_data=on`.
+ *
+ * Device pages move over TCP through pinned host staging (4 slots of at least 1 MiB per
+ * sending thread and per receiving connection, allocated on first use); the same-host
+ * path does not take device memory (a pairing then uses TCP, or with
+ * `same_host=require` fails). With `integrity=verify` a decode engine digests a run into
+ * device memory in the staging slots, before the copy to the device.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_register_kv_desc(const struct kvxfer_engine *engine, const struct kvxfer_buffer_desc *bufs, const uint32_t *layer_ids, size_t n, const struct kvxfer_kv_layout *layout);
+
+/**
+ * Registers the engine's aux buffers with the kind of memory each is, instead of
+ * `kvxfer_register_aux`. Same rules and errors as `kvxfer_register_aux` and, for the
+ * descriptors, `kvxfer_register_kv_desc`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_register_aux_desc(const struct kvxfer_engine *engine, const struct kvxfer_buffer_desc *bufs, size_t n);
+
+/**
  * Creates room `room` in BOOTSTRAPPING.
  *
  * Decode engine: `peers` holds `n_peers` (at least 1) NUL-terminated `host:port`
@@ -935,6 +1088,31 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_create(const struct kvxfer_engine *eng
  * `kvxfer_register_kv`; `KVXFER_ERR_NULL_POINTER`.
  */
 KVXFER_MUST_USE kvxfer_status kvxfer_room_create_for(const struct kvxfer_engine *engine, uint64_t room, const uint64_t *decode_ids, size_t n);
+
+/**
+ * Decode engine only: creates room `room` in BOOTSTRAPPING, pulling from every rank of
+ * prefill instance `instance` (NUL-terminated; the `instance` config key of those
+ * engines), found in this engine's copy of the registry (config key `discovery`): as
+ * `kvxfer_room_create` with their addresses, in rank order. Never waits for etcd: it
+ * reads the copy that the engine's watch keeps current, so it works on while etcd is
+ * unreachable, with the engines known when it was last reached.
+ *
+ * Each rank's entry carries its KV buffers and layout, checked here as the
+ * registration exchange checks them; the exchange checks them again when the room
+ * connects. A room whose prefill engine leaves the registry (its lease expired, or a
+ * new incarnation replaced it) fails as `KVXFER_CAUSE_PEER_LOST` with a reason starting
+ * `registry:`.
+ *
+ * Errors: `KVXFER_ERR_NOT_FOUND` if no prefill engine of that instance is registered,
+ * or not every rank of it (`instance_ranks`), the message naming the missing ranks and
+ * the instances known; `KVXFER_ERR_INVALID_ARGUMENT` if a rank's buffers or layout
+ * cannot pair with this engine's (the message names the rank, the field and both
+ * values) or its ranks disagree on their count; `KVXFER_ERR_WRONG_STATE` without
+ * `discovery` or before `kvxfer_register_kv`; `KVXFER_ERR_WRONG_ROLE` on a prefill
+ * engine; `KVXFER_ERR_ALREADY_EXISTS` if the id is present; `KVXFER_ERR_UNSUPPORTED`
+ * in a build without discovery; `KVXFER_ERR_NULL_POINTER`.
+ */
+KVXFER_MUST_USE kvxfer_status kvxfer_room_create_from(const struct kvxfer_engine *engine, uint64_t room, const char *instance);
 
 /**
  * Decode engine only: the destination of room `room`, sent to every prefill engine of
@@ -1082,9 +1260,9 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_path(const struct kvxfer_engine *engin
  * every byte verified: with `integrity=verify` (see `kvxfer_config_set`), every data
  * run of every prefill engine of the room carried a digest bound to the room, its
  * generation and the run's destination, and each matched the bytes where they landed.
- * False for a room that is live or FAILED (a mismatch fails it as
- * `KVXFER_CAUSE_INTEGRITY`), with `integrity=off`, and over RDMA, whose writes are not
- * verified yet. Never blocks.
+ * Over TCP, the same-host path and RDMA alike. False for a room that is live or FAILED
+ * (a mismatch fails it as `KVXFER_CAUSE_INTEGRITY`), and with `integrity=off`. Never
+ * blocks.
  *
  * Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
  * `KVXFER_ERR_NULL_POINTER`.

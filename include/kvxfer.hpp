@@ -261,6 +261,27 @@ class Config {
 /// A running engine (kvxfer_engine). Destroying it fails every live room with
 /// "engine shut down" and joins the library's threads. Registered memory must outlive
 /// the Engine.
+/// A kvxfer_buffer_desc of host memory.
+inline kvxfer_buffer_desc host_buffer(void *base, std::size_t len, std::size_t item_len) {
+    kvxfer_buffer_desc d{};
+    d.struct_size = sizeof d;
+    d.kind = KVXFER_MEMORY_HOST;
+    d.base = base;
+    d.len = len;
+    d.item_len = item_len;
+    return d;
+}
+
+/// A kvxfer_buffer_desc of CUDA device memory of `device` (a device address, such as
+/// cudaMalloc's or a CUDA VMM range's).
+inline kvxfer_buffer_desc cuda_buffer(uint32_t device, void *base, std::size_t len,
+                                      std::size_t item_len) {
+    kvxfer_buffer_desc d = host_buffer(base, len, item_len);
+    d.kind = KVXFER_MEMORY_CUDA;
+    d.device = device;
+    return d;
+}
+
 class Engine {
   public:
     explicit Engine(const Config &config) {
@@ -358,6 +379,44 @@ class Engine {
         check(kvxfer_register_aux(handle_.get(), bufs.data(), bufs.size()));
     }
 
+    /// Instead of the other register_kv calls: buffers with their memory kind (make them
+    /// with host_buffer() or cuda_buffer(); struct_size is set here), a layer id each
+    /// unless `layer_ids` is empty, and a layout unless `layout` is null (see
+    /// kvxfer_register_kv_desc). CUDA buffers are checked against the CUDA driver, loaded
+    /// at run time: without it this throws KVXFER_ERR_TRANSPORT_UNAVAILABLE naming what is
+    /// missing. A non-empty `layer_ids` of another length than `bufs` throws
+    /// KVXFER_ERR_INVALID_ARGUMENT.
+    void register_kv_desc(std::vector<kvxfer_buffer_desc> bufs,
+                          const std::vector<uint32_t> &layer_ids = {},
+                          const kvxfer_kv_layout *layout = nullptr) {
+        if (!layer_ids.empty() && bufs.size() != layer_ids.size()) {
+            throw Error(KVXFER_ERR_INVALID_ARGUMENT,
+                        "register_kv_desc: " + std::to_string(bufs.size()) +
+                            " buffers but " + std::to_string(layer_ids.size()) +
+                            " layer ids");
+        }
+        for (kvxfer_buffer_desc &b : bufs) {
+            b.struct_size = sizeof b;
+        }
+        kvxfer_kv_layout l{};
+        if (layout != nullptr) {
+            l = *layout;
+            l.struct_size = sizeof l;
+        }
+        check(kvxfer_register_kv_desc(handle_.get(), bufs.data(),
+                                      layer_ids.empty() ? nullptr : layer_ids.data(),
+                                      bufs.size(), layout != nullptr ? &l : nullptr));
+    }
+
+    /// Instead of register_aux: aux buffers with their memory kind (struct_size is set
+    /// here).
+    void register_aux_desc(std::vector<kvxfer_buffer_desc> bufs) {
+        for (kvxfer_buffer_desc &b : bufs) {
+            b.struct_size = sizeof b;
+        }
+        check(kvxfer_register_aux_desc(handle_.get(), bufs.data(), bufs.size()));
+    }
+
     /// Decode engine: creates `room`, pulling from the prefill engines at `prefills`
     /// ("host:port" each, at least one).
     void create_decode_room(uint64_t room, const std::vector<std::string> &prefills) {
@@ -373,6 +432,14 @@ class Engine {
     /// decode engines (0 means 1).
     void create_prefill_room(uint64_t room, std::size_t n_decoders = 1) {
         check(kvxfer_room_create(handle_.get(), room, nullptr, n_decoders));
+    }
+
+    /// Decode engine: creates `room` pulling from every rank of prefill instance
+    /// `instance`, found in the engine's copy of the registry (config key `discovery`),
+    /// in rank order. Never waits for etcd; an instance not (wholly) registered throws
+    /// with KVXFER_ERR_NOT_FOUND.
+    void create_decode_room_from(uint64_t room, const std::string &instance) {
+        check(kvxfer_room_create_from(handle_.get(), room, instance.c_str()));
     }
 
     /// Prefill engine: creates `room` bound to the decode engines `decode_ids` (their

@@ -131,6 +131,37 @@ impl Key {
     pub fn id(&self) -> [u8; AUTH_KEY_ID_LEN] {
         key_id(&self.0)
     }
+
+    /// The tag of a registry entry (discovery): `body` as stored under etcd key `name`,
+    /// bound to that name so that an entry copied under another name does not verify.
+    pub fn sign_entry(&self, name: &[u8], body: &[u8]) -> [u8; AUTH_MAC_LEN] {
+        entry_mac(&self.0, name, body)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    /// Whether `mac` is the tag of `body` under `name` ([`Key::sign_entry`]), compared
+    /// in constant time.
+    pub fn verify_entry(&self, name: &[u8], body: &[u8], mac: &[u8]) -> bool {
+        entry_mac(&self.0, name, body).verify_slice(mac).is_ok()
+    }
+}
+
+/// The MAC of a registry entry: label, purpose, the name's length and the name, then the
+/// body (the length keeps name and body from sliding into each other).
+fn entry_mac(key: &[u8], name: &[u8], body: &[u8]) -> HmacSha256 {
+    let len = (name.len() as u64).to_be_bytes();
+    hmac_over(
+        key,
+        &[
+            LABEL.as_slice(),
+            &[Purpose::RegistryEntry as u8],
+            &len,
+            name,
+            body,
+        ],
+    )
 }
 
 /// Opens secret file `path` (a key) for reading, after checking the open file: a
@@ -214,6 +245,7 @@ enum Purpose {
     TlsSession = 5,
     DataConnection = 6,
     Derived = 7,
+    RegistryEntry = 8,
 }
 
 /// The prefix of every MAC input.

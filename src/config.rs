@@ -92,6 +92,20 @@ pub struct Config {
     /// `integrity`: `true` for `verify` (a digest of every data run, checked where it
     /// landed, before SUCCESS).
     pub integrity: bool,
+    /// `discovery`: the `host:port` of each etcd endpoint (`etcd://a:1,b:2`); empty for
+    /// no registry.
+    pub discovery: Vec<String>,
+    /// `discovery_prefix`: the etcd key prefix of this cluster's entries.
+    pub discovery_prefix: String,
+    /// `instance`: the name of the instance (prefill or decode server) this engine is a
+    /// rank of, in the registry.
+    pub instance: String,
+    /// `rank`: this engine's rank in its instance.
+    pub rank: u32,
+    /// `instance_ranks`: how many ranks the instance has.
+    pub instance_ranks: u32,
+    /// `discovery_ttl_ms`: the TTL of this engine's lease in etcd.
+    pub discovery_ttl_ms: u64,
 }
 
 impl Default for Config {
@@ -120,6 +134,12 @@ impl Default for Config {
             encrypt_data: false,
             same_host: SameHostSetting::Auto,
             integrity: false,
+            discovery: Vec::new(),
+            discovery_prefix: "/kvxfer/".to_string(),
+            instance: String::new(),
+            rank: 0,
+            instance_ranks: 1,
+            discovery_ttl_ms: 5_000,
         }
     }
 }
@@ -219,6 +239,12 @@ pub const KEYS: &[ConfigKey] = &[
         Some("false"),
         Accepts::OneOf(&["true", "false"]),
     ),
+    key("discovery", Some(""), Accepts::Text),
+    key("discovery_prefix", Some("/kvxfer/"), Accepts::Text),
+    key("instance", Some(""), Accepts::Text),
+    key("rank", Some("0"), int(0, 65_535)),
+    key("instance_ranks", Some("1"), int(1, 65_536)),
+    key("discovery_ttl_ms", Some("5000"), int(2_000, 3_600_000)),
 ];
 
 /// The most data connections one engine opens to a peer (`connections_per_peer`), which
@@ -388,6 +414,33 @@ impl Config {
                     _ => return Err(bad(key, value, "expected 'auto', 'require' or 'off'")),
                 }
             }
+            "discovery" => {
+                self.discovery = parse_discovery(v).map_err(|why| bad(key, value, &why))?
+            }
+            "discovery_prefix" => {
+                if v.is_empty()
+                    || v.len() > 256
+                    || !v.ends_with('/')
+                    || !v.bytes().all(|c| c.is_ascii_graphic())
+                {
+                    return Err(bad(
+                        key,
+                        value,
+                        "expected an etcd key prefix ending in '/', such as /kvxfer/ (at most \
+                         256 printable characters, no spaces)",
+                    ));
+                }
+                self.discovery_prefix = v.to_string();
+            }
+            "instance" => {
+                if !v.is_empty() && !valid_instance(v) {
+                    return Err(bad(key, value, "expected 1 to 128 of A-Z a-z 0-9 . _ -"));
+                }
+                self.instance = v.to_string();
+            }
+            "rank" => self.rank = int_key!("rank", value)? as u32,
+            "instance_ranks" => self.instance_ranks = int_key!("instance_ranks", value)? as u32,
+            "discovery_ttl_ms" => self.discovery_ttl_ms = int_key!("discovery_ttl_ms", value)?,
             _ => {
                 return Err(err!(
                     UnknownKey,
@@ -479,6 +532,31 @@ impl Config {
     }
 }
 
+/// Whether `name` may name an instance in the registry: 1 to 128 of
+/// `A-Z a-z 0-9 . _ -`.
+pub fn valid_instance(name: &str) -> bool {
+    (1..=128).contains(&name.len())
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
+}
+
+/// The endpoints of `etcd://host:port[,host:port...]`; empty text for none.
+fn parse_discovery(v: &str) -> std::result::Result<Vec<String>, String> {
+    if v.is_empty() {
+        return Ok(Vec::new());
+    }
+    let list = v
+        .strip_prefix("etcd://")
+        .ok_or("expected etcd://host:port[,host:port...] (or empty for none)")?;
+    let mut out = Vec::new();
+    for ep in list.split(',').map(str::trim) {
+        parse_host_port(ep).map_err(|why| format!("endpoint '{ep}': {why}"))?;
+        out.push(ep.to_string());
+    }
+    Ok(out)
+}
+
 fn bad(key: &str, value: &str, why: &str) -> crate::error::Error {
     err!(
         BadValue,
@@ -526,7 +604,7 @@ mod tests {
     #[test]
     fn every_documented_key_accepts_a_good_value() {
         let key_file = private_file("good", &[7; 32]);
-        let good: [(&str, &str); 24] = [
+        let good: [(&str, &str); 30] = [
             ("role", "decode"),
             ("listen", "[::1]:0"),
             ("transport", "tcp"),
@@ -551,6 +629,12 @@ mod tests {
             ("encrypt_data", "true"),
             ("same_host", "require"),
             ("integrity", "verify"),
+            ("discovery", "etcd://127.0.0.1:2379, [::1]:2379"),
+            ("discovery_prefix", "/cluster-7/kvxfer/"),
+            ("instance", "prefill-a"),
+            ("rank", "3"),
+            ("instance_ranks", "4"),
+            ("discovery_ttl_ms", "3000"),
         ];
         assert_eq!(good.len(), KEYS.len());
         let mut c = Config::default();
@@ -565,6 +649,12 @@ mod tests {
         assert_eq!(c.log_level, Level::Debug);
         assert_eq!(c.auth, Some(AuthMode::Required));
         assert_eq!(c.auth_key, Some(Key::new(vec![0xab; 32]).unwrap()));
+        assert_eq!(c.discovery, vec!["127.0.0.1:2379", "[::1]:2379"]);
+        assert_eq!(
+            (c.discovery_prefix.as_str(), c.instance.as_str()),
+            ("/cluster-7/kvxfer/", "prefill-a")
+        );
+        assert_eq!((c.rank, c.instance_ranks, c.discovery_ttl_ms), (3, 4, 3000));
     }
 
     #[test]
@@ -603,7 +693,7 @@ mod tests {
                         c.set(k.name, &v.to_string())
                             .unwrap_or_else(|e| panic!("{}={v}: {e}", k.name));
                     }
-                    for v in [min - 1, max + 1] {
+                    for v in [min.checked_sub(1), Some(max + 1)].into_iter().flatten() {
                         let e = c.set(k.name, &v.to_string()).unwrap_err();
                         assert!(e.message().contains(&format!("{min} to {max}")), "{e}");
                     }
@@ -715,6 +805,15 @@ mod tests {
             ("encrypt_data", "yes"),
             ("same_host", "maybe"),
             ("integrity", "sometimes"),
+            ("discovery", "http://127.0.0.1:2379"),
+            ("discovery", "etcd://127.0.0.1"),
+            ("discovery", "etcd://a:1,,b:2"),
+            ("discovery_prefix", "kvxfer"),
+            ("discovery_prefix", "/kv xfer/"),
+            ("instance", "prefill/a"),
+            ("rank", "65536"),
+            ("instance_ranks", "0"),
+            ("discovery_ttl_ms", "1000"),
         ] {
             let e = c.set(k, v).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::BadValue, "{k}={v}");

@@ -33,8 +33,19 @@ pub fn peer_cause(reason: &str) -> Cause {
 
 /// The digest of run `h` carrying `bytes` (its `digest` field is ignored).
 pub fn digest(h: &DataHeader, bytes: &[u8]) -> u32 {
+    digest_more(digest_start(h), bytes)
+}
+
+/// The digest of run `h` before any of its bytes: [`digest_more`] then takes them in
+/// order, piece by piece (the staging ring's slots of a run into device memory).
+pub fn digest_start(h: &DataHeader) -> u32 {
     let bound = DataHeader { digest: 0, ..*h };
-    crc32c::crc32c_append(crc32c::crc32c(&bound.encode()), bytes)
+    crc32c::crc32c(&bound.encode())
+}
+
+/// `crc` (from [`digest_start`]) with the next `bytes` of the run.
+pub fn digest_more(crc: u32, bytes: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc, bytes)
 }
 
 #[cfg(test)]
@@ -54,6 +65,16 @@ mod tests {
             page_off: 16,
             digest: 0,
         }
+    }
+
+    #[test]
+    fn a_digest_taken_piece_by_piece_is_the_digest_of_the_whole() {
+        let bytes: Vec<u8> = (0..100u8).collect();
+        let mut crc = digest_start(&run());
+        for piece in bytes.chunks(7) {
+            crc = digest_more(crc, piece);
+        }
+        assert_eq!(crc, digest(&run(), &bytes));
     }
 
     #[test]

@@ -19,6 +19,8 @@ pub mod tls;
 
 pub mod config;
 pub(crate) mod control;
+pub mod cuda;
+pub(crate) mod discovery;
 pub mod engine;
 pub mod integrity;
 pub mod layout;
@@ -36,7 +38,7 @@ pub mod transport;
 pub mod ffi;
 
 pub use config::{Config, Role};
-pub use engine::{BufferDesc, DataPath, Engine, RoomPeers};
+pub use engine::{BufferDesc, DataPath, Engine, MemKind, RoomPeers};
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{KvKind, KvLayout, PageOrder};
 pub use room::{Cause, FailureReason, State};

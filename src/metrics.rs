@@ -101,6 +101,21 @@ macro_rules! metrics_table {
             counter same_host_fallbacks (same_host_fallbacks)
                 "kvxfer_same_host_fallbacks_total"
                 "Pairings on one host that took TCP because the same-host path could not be used.";
+            counter registry_registrations (registry_registrations)
+                "kvxfer_registry_registrations_total"
+                "Discovery: times this engine put its entry into the registry (at start, when its registration changed, after its lease was lost).";
+            counter registry_errors (registry_errors)
+                "kvxfer_registry_errors_total"
+                "Discovery: calls to etcd that failed (each retry counts) and watches that broke.";
+            counter registry_outages (registry_outages)
+                "kvxfer_registry_outages_total"
+                "Discovery: times etcd stopped answering this engine (or did not answer at its start).";
+            counter registry_rejected (registry_rejected)
+                "kvxfer_registry_rejected_total"
+                "Discovery: registry entries ignored: not signed with the cluster key, malformed, under another name, or an older incarnation than one seen.";
+            counter registry_departures (registry_departures)
+                "kvxfer_registry_departures_total"
+                "Discovery: peers lost because their entry left the registry (lease expired, deleted) or a new incarnation replaced it.";
         }
     };
 }
@@ -363,7 +378,7 @@ mod tests {
             s.rooms_by_state[2]
         )));
         assert!(line("# TYPE kvxfer_rooms gauge"));
-        // Every sample line carries one distinct value, none missing, none twice: 24
+        // Every sample line carries one distinct value, none missing, none twice: 29
         // counters, 11 causes, 5 states and 2 gauges.
         let mut values: Vec<u64> = text
             .lines()
@@ -373,11 +388,11 @@ mod tests {
         values.sort_unstable();
         let n = values.len() as u64;
         assert_eq!(values, (1..=n).collect::<Vec<_>>(), "{text}");
-        assert_eq!(n, 42, "{text}");
+        assert_eq!(n, 47, "{text}");
         // One HELP and one TYPE per series, every series prefixed.
         let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((types, helps), (28, 28), "{text}");
+        assert_eq!((types, helps), (33, 33), "{text}");
         assert!(text
             .lines()
             .all(|l| l.starts_with("kvxfer_") || l.starts_with("# ")));

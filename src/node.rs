@@ -120,7 +120,10 @@ impl Node {
     /// prefill engine, its probe).
     pub fn host_info(&self) -> crate::proto::HostInfo {
         let probe = (self.role == Role::Prefill).then_some(&*self.probe);
-        crate::transport::samehost::local(self.config.same_host, probe)
+        let device = [&self.memory.kv, &self.memory.aux]
+            .iter()
+            .any(|m| m.get().is_some_and(Memory::has_device));
+        crate::transport::samehost::local(self.config.same_host, probe, device)
     }
 
     /// Milliseconds on the engine's monotonic clock.
@@ -239,6 +242,31 @@ impl Node {
         // One registration at a time: the regions and the memory are published together.
         let _one = r.registering.lock();
         check_buffers(&bufs, what)?;
+        if let Some(i) = bufs.iter().position(|b| !b.kind.is_host()) {
+            if self.rdma.is_some() {
+                return Err(err!(
+                    Unsupported,
+                    "{what} buffer {i} is {}: GPU memory over RDMA (DMA-BUF registration) is \
+                     not supported; set transport=tcp (device pages then travel through \
+                     pinned host staging)",
+                    bufs[i].kind
+                ));
+            }
+            // A decode engine's receiver of sealed frames decrypts into its pages with
+            // the CPU.
+            for (on, key) in [(self.config.encrypt_data, "encrypt_data=on")] {
+                if on && self.role == Role::Decode {
+                    return Err(err!(
+                        Unsupported,
+                        "{what} buffer {i} is {}: a decode engine with {key} cannot receive \
+                         into device memory in this build (the receiver touches the pages \
+                         with the CPU)",
+                        bufs[i].kind
+                    ));
+                }
+            }
+            crate::cuda::check_buffers(&bufs, what)?;
+        }
         if let Some(layout) = &layout {
             check_layout(&bufs, layout)?;
         }

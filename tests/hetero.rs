@@ -286,8 +286,8 @@ fn transfer(model: Model, p: Side, d: Side) {
         let why = e.room_failure(1).map(|w| w.to_string()).unwrap_or_default();
         assert_eq!(state, State::Success, "{model:?} {p:?} -> {d:?}: {why}");
     }
-    // Every head slice verified where it landed (integrity=verify; RDMA is not yet).
-    let verifies = common::test_integrity() == "verify" && common::test_transport() != "rdma";
+    // Every head slice verified where it landed (integrity=verify, over any transport).
+    let verifies = common::test_integrity() == "verify";
     for (e, _) in &t.decodes {
         assert_eq!(
             e.room_verified(1).unwrap(),
@@ -616,7 +616,7 @@ fn the_scheduler_s_enqueue_never_writes_done_on_a_data_connection() {
 #[cfg(feature = "test-hooks")]
 #[test]
 fn a_run_written_at_a_wrong_offset_inside_its_page_fails_as_integrity() {
-    if common::test_integrity() != "verify" || common::test_transport() == "rdma" {
+    if common::test_integrity() != "verify" {
         return;
     }
     let t = Deployment::new(

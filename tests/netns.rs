@@ -25,6 +25,11 @@ fn child_prefill() {
     common::child_prefill_main();
 }
 
+#[test]
+fn discovery_child() {
+    common::etcd::discovery_child_main();
+}
+
 fn ip(args: &[&str]) {
     let out = Command::new("ip")
         .args(args)
@@ -51,8 +56,8 @@ struct Host {
 }
 
 impl Host {
-    /// Host `slot` (0 or 1) of this process: each test of the file has its own subnet,
-    /// since they run at once.
+    /// Host `slot` (0, 1 or 2) of this process: each test of the file has its own
+    /// subnet, since they run at once.
     fn new(tag: &str, slot: u8) -> Host {
         let n = (std::process::id() % 110) as u8 * 2 + 20 + slot;
         let ns = format!("kvx-{tag}-{}", std::process::id());
@@ -317,4 +322,124 @@ fn without_a_key_engines_serve_only_their_own_host_unless_auth_is_off() {
     assert_eq!(first_unlike_source(&omem, &src, &dst), None);
     assert_eq!(open.metrics().auth_failures, 0);
     child.send("quit");
+}
+
+/// Discovery across hosts (issue 39): etcd runs on this host, the prefill engine on the
+/// other, and the decode engine here finds it by its instance name. Then the other host
+/// goes away while rooms wait on it (its namespace is deleted: no FIN or RST ever reaches
+/// this side, and heartbeats are far apart) and comes back with the same address, where
+/// a new engine starts: the new incarnation's entry replaces the old one, and the rooms
+/// of the old engine fail at once, naming the registry.
+#[test]
+#[ignore = "needs root and iproute2: run by make test (cargo test --test netns -- --ignored)"]
+fn rooms_by_instance_cross_hosts_and_a_restart_at_the_same_address_fails_the_old_rooms() {
+    if !common::etcd::available() {
+        return;
+    }
+    let host = Host::new("e", 2);
+    // On this host's end of the veth pair for the prefill, and on loopback for the
+    // decode engine, whose connections must not depend on that pair.
+    let etcd = common::etcd::Etcd::start_on(&host.near);
+    let key = "6e65746e7320646973636f76657279206b657920666f722074657374696e6721";
+    let listen = format!("{}:7411", host.addr);
+    let spawn = |host: &Host, ttl_ms: u64| {
+        let k = [
+            ("discovery", etcd.url()),
+            ("instance", "prefill-n".to_string()),
+            ("discovery_ttl_ms", ttl_ms.to_string()),
+            ("auth_key", key.to_string()),
+            ("listen", listen.clone()),
+        ]
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(";");
+        let in_ns = ["ip", "netns", "exec", host.ns.as_str()];
+        let mut c =
+            ChildPrefill::spawn("discovery_child", &in_ns, &[("KVXFER_DISCOVERY_CHILD", &k)]);
+        c.line_after("REGISTERED");
+        assert_eq!(c.addr, listen);
+        c
+    };
+    // The old engine's lease would outlast the test: only its replacement ends it.
+    let mut old = spawn(&host, 30_000);
+    let mem = poisoned(BUFS, PAGES, ITEM);
+    let url = etcd.local_url();
+    let d = engine(
+        "decode",
+        &mem,
+        &[
+            ("discovery", &url),
+            ("instance", "decode-n"),
+            ("auth_key", key),
+            ("discovery_ttl_ms", "2000"),
+            // Heartbeats far apart: the registry, not a heartbeat, must tell.
+            ("heartbeat_interval_ms", "30000"),
+            ("heartbeat_misses", "2"),
+        ],
+    );
+    wait_until_within(
+        "the instance in the registry",
+        Duration::from_secs(15),
+        || d.lookup("prefill-n").is_ok(),
+    );
+    assert_eq!(d.lookup("prefill-n").unwrap(), vec![listen.clone()]);
+
+    // 1. A room by instance name crosses the hosts, byte for byte.
+    let (src, _) = plan(1);
+    let dst: Vec<u32> = (0..src.len() as u32).map(|i| 100 + i).collect();
+    d.room_create_from(1, "prefill-n").unwrap();
+    d.room_set_destination(1, &dst, None).unwrap();
+    old.send("room 1");
+    assert_eq!(wait_terminal(&d, 1), State::Success);
+    assert_eq!(first_unlike_source(&mem, &src, &dst), None);
+
+    // 2. Rooms wait on the old engine; its host goes, unheard (link down, process
+    //    killed, namespace deleted with every socket in it), and comes back with the
+    //    same address and a new engine.
+    for r in 2..=3u64 {
+        d.room_create_from(r, "prefill-n").unwrap();
+        d.room_set_destination(r, &[r as u32], None).unwrap();
+    }
+    wait_state(&d, 3, State::WaitingForInput);
+    // What is in flight between the hosts lands first (the destinations, their
+    // acknowledgements, the heartbeats), so that nothing of the old host is left to say.
+    std::thread::sleep(Duration::from_millis(1000));
+    host.link(false);
+    drop(old); // SIGKILL
+    drop(host);
+    let host = Host::new("e", 2);
+    let back = Instant::now();
+    let mut new = spawn(&host, 2000);
+    for r in 2..=3u64 {
+        assert_eq!(
+            terminal_within(&d, r, Duration::from_secs(10)),
+            State::Failed
+        );
+        let why = d.room_failure(r).unwrap();
+        assert_eq!(why.cause, Cause::PeerLost, "{why}");
+        for part in [
+            "registry:",
+            "replaced by a new incarnation",
+            listen.as_str(),
+        ] {
+            assert!(why.message.contains(part), "{part}: {why}");
+        }
+    }
+    assert!(
+        back.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        back.elapsed()
+    );
+    assert_eq!(d.metrics().registry_departures, 1);
+
+    // 3. Rooms by the instance's name now reach the new engine at the same address.
+    let (src, _) = plan(4);
+    let dst: Vec<u32> = (0..src.len() as u32).map(|i| 150 + i).collect();
+    d.room_create_from(4, "prefill-n").unwrap();
+    d.room_set_destination(4, &dst, None).unwrap();
+    new.send("room 4");
+    assert_eq!(wait_terminal(&d, 4), State::Success);
+    assert_eq!(first_unlike_source(&mem, &src, &dst), None);
+    new.send("quit");
 }

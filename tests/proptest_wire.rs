@@ -224,6 +224,38 @@ fn seeds() -> Vec<Vec<u8>> {
                 digest: 0,
             },
         ]),
+        // RDMA progress with the digested runs of integrity=verify.
+        encode(&Message::Progress {
+            room: 1,
+            generation: 2,
+            aux_rows: 1,
+            bytes: 40,
+            kv: vec![(0, 32)],
+            runs: vec![
+                DataHeader {
+                    room: 1,
+                    generation: 2,
+                    target: Target::Kv,
+                    buffer: 0,
+                    first_page: 7,
+                    n_pages: 2,
+                    byte_len: 32,
+                    page_off: 0,
+                    digest: 0x0A0B_0C0D,
+                },
+                DataHeader {
+                    room: 1,
+                    generation: 2,
+                    target: Target::Aux,
+                    buffer: 0,
+                    first_page: 1,
+                    n_pages: 1,
+                    byte_len: 8,
+                    page_off: 0,
+                    digest: 0xFFFF_FFFF,
+                },
+            ],
+        }),
     ]
     .into_iter()
     .chain(auth_seeds())
@@ -407,6 +439,56 @@ fn arb_transport() -> impl Strategy<Value = Message> {
         .prop_map(|(transport, qps)| Message::Transport { transport, qps })
 }
 
+/// Any RDMA `Progress`, valid or not: 0..=5 KV counts and 0..=6 digested runs of its
+/// room, each field drawn around the bounds `DataHeader::check` enforces.
+fn arb_progress() -> impl Strategy<Value = Message> {
+    let run = (
+        prop_oneof![Just(Target::Kv), Just(Target::Aux)],
+        0u32..4,
+        prop_oneof![3 => 0u32..64, 1 => Just(u32::MAX), 1 => any::<u32>()],
+        prop_oneof![1 => Just(0u32), 6 => 1u32..=3, 1 => any::<u32>()],
+        prop_oneof![4 => 0u32..=64, 1 => 65u32..=128, 1 => any::<u32>()],
+        prop_oneof![3 => Just(0u32), 1 => Just(8u32)],
+        any::<u32>(),
+    );
+    (
+        any::<u64>(),
+        any::<u64>(),
+        any::<u32>(),
+        any::<u64>(),
+        prop::collection::vec((any::<u32>(), any::<u64>()), 0..=5),
+        prop::collection::vec(run, 0..=6),
+    )
+        .prop_map(|(room, generation, aux_rows, bytes, kv, runs)| {
+            let runs = runs
+                .into_iter()
+                .map(
+                    |(target, buffer, first_page, n_pages, byte_len, page_off, digest)| {
+                        DataHeader {
+                            room,
+                            generation,
+                            target,
+                            buffer,
+                            first_page,
+                            n_pages,
+                            byte_len,
+                            page_off,
+                            digest,
+                        }
+                    },
+                )
+                .collect();
+            Message::Progress {
+                room,
+                generation,
+                aux_rows,
+                bytes,
+                kv,
+                runs,
+            }
+        })
+}
+
 /// Any kv layout, valid or not: each field drawn around the bounds `KvLayout::check`
 /// enforces (0, small values that do or do not divide, anything).
 fn arb_layout() -> impl Strategy<Value = KvLayout> {
@@ -539,6 +621,36 @@ proptest! {
             _ => unreachable!(),
         };
         let bound = frame.len() + qps * std::mem::size_of::<QpInfo>();
+        prop_assert!(largest <= bound.max(64), "allocated {} bytes for {:?}", largest, m);
+    }
+
+    /// An RDMA Progress with any digested runs, valid or not: `validate` and a decode of
+    /// its encoding agree (the same error, or the same message back, under small and
+    /// default limits), and the decode allocates at most its lists (counts checked
+    /// before allocating).
+    #[test]
+    fn progress_messages_round_trip_or_fail_like_validate(m in arb_progress(), small in any::<bool>()) {
+        let limits = if small { small_limits() } else { Limits::default() };
+        let frame = encode(&m);
+        prop_assert_eq!(frame.len() as u64, FRAME_HEADER_LEN as u64 + m.payload_len());
+        let mut r = frame.as_slice();
+        let (res, largest) = largest_alloc(|| read_frame(&mut r, &limits));
+        match (m.validate(&limits), res) {
+            (Ok(()), Ok(bytes)) => {
+                prop_assert_eq!(&bytes, &frame);
+                let back = Message::decode(Kind::Progress, &frame[FRAME_HEADER_LEN..], &limits);
+                prop_assert_eq!(back, Ok(m.clone()));
+            }
+            (Err(want), Err(ReadError::Proto(got))) => prop_assert_eq!(got, want),
+            (v, d) => prop_assert!(false, "validate {:?} but decode {:?}", v, d.map(|_| ())),
+        }
+        let (kv, runs) = match &m {
+            Message::Progress { kv, runs, .. } => (kv.len(), runs.len()),
+            _ => unreachable!(),
+        };
+        let bound = frame.len()
+            + kv * std::mem::size_of::<(u32, u64)>()
+            + runs * std::mem::size_of::<DataHeader>();
         prop_assert!(largest <= bound.max(64), "allocated {} bytes for {:?}", largest, m);
     }
 

@@ -3,9 +3,12 @@
 //! Inside the soft-RoCE guest (`make test-rdma`, KVXFER_TEST_TRANSPORT=rdma): transfers
 //! over real verbs, many rooms at once, an abort while writes are outstanding (the drain
 //! is acknowledged only after their completions), and a completion error forced with a
-//! wrong remote key that fails exactly its room.
+//! wrong remote key that fails exactly its room; verified bytes (integrity=verify): rooms
+//! verified where they landed, and a run written to the wrong page or a destination
+//! byte changed before its verification caught as INTEGRITY.
 //!
-//! Needs `--features test-hooks` for the forced completion error.
+//! Needs `--features test-hooks` for the forced completion error and the integrity
+//! faults.
 
 mod common;
 
@@ -295,4 +298,156 @@ fn a_completion_error_fails_exactly_its_room_with_the_verbs_status() {
         t.assert_pages(&src, &dst);
     }
     assert_eq!(t.d.metrics().rooms_failed.iter().sum::<u64>(), 1);
+}
+
+/// A pair over the test transport with integrity=verify, one aux buffer of 8 slots of
+/// 256 bytes and `extra` on both sides. The tests that inject faults (or pause points),
+/// which are keyed by room id across the process, use rooms above 200, which no other
+/// test here uses: on the host the tests run at once.
+fn verifying_pair(extra: &[(&str, &str)]) -> Pair {
+    Pair::builder()
+        .transport(&common::test_transport())
+        .config(&[WORKERS, ("integrity", "verify")])
+        .config(extra)
+        .bufs(BUFS)
+        .pages(PAGES)
+        .item(ITEM)
+        .aux(8, 256)
+        .build()
+}
+
+/// Inv. 10 over RDMA: each batch's progress carries its runs' digests, which the decode
+/// engine checks where the writes landed before it counts them. Rooms of several
+/// chunks (runs split into many writes) and an aux row arrive byte for byte, say they
+/// were verified, and every byte is counted verified. On the host the same rooms go
+/// over TCP.
+#[test]
+fn verified_rooms_arrive_byte_for_byte_and_say_so() {
+    let t = verifying_pair(&[("rdma_slice_bytes", "8192")]);
+    let rooms = 6u64;
+    let mut plans = Vec::new();
+    for r in 0..rooms {
+        let n = 3 + 2 * r as usize;
+        let src: Vec<u32> = (0..n)
+            .map(|i| ((r as usize * 11 + i * 5) % PAGES) as u32)
+            .collect();
+        let dst: Vec<u32> = (0..n).map(|i| (r as usize * 20 + i) as u32).collect();
+        t.create(r);
+        t.d.room_set_destination(r, &dst, Some(r as u32)).unwrap();
+        let parts: Vec<&[u32]> = src.chunks(2).collect();
+        for (i, part) in parts.iter().enumerate() {
+            let last = i + 1 == parts.len();
+            let aux = last.then_some(7 - r as u32);
+            t.p.enqueue_chunk(r, part, last, aux).unwrap();
+        }
+        plans.push((src, dst));
+    }
+    let mut bytes = 0u64;
+    for (r, (src, dst)) in plans.iter().enumerate() {
+        let r = r as u64;
+        assert_eq!(terminal_within(&t.d, r, LIMIT), State::Success, "room {r}");
+        assert_eq!(terminal_within(&t.p, r, LIMIT), State::Success, "room {r}");
+        assert!(t.d.room_verified(r).unwrap(), "room {r} was not verified");
+        t.assert_pages(src, dst);
+        assert_eq!(t.daux[0].page(r as u32), t.paux[0].page(7 - r as u32));
+        bytes += (src.len() * BUFS * ITEM + 256) as u64;
+    }
+    let m = t.d.metrics();
+    assert_eq!(m.bytes_verified, bytes);
+    assert_eq!(m.integrity_failures, 0);
+    assert_eq!(m.rooms_succeeded, rooms);
+}
+
+/// The prefill writes one run into the next page (test-only fault): over RDMA the
+/// bytes land there, and the digest its progress carries, made for the page it was
+/// meant for, does not match where they landed. The room fails as INTEGRITY naming the
+/// page, drains, and the next room is verified. One worker, so that the batches (and
+/// their progress) come in order.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_run_written_to_the_wrong_page_fails_as_integrity_naming_the_page() {
+    let t = verifying_pair(&[("workers", "1"), ("connections_per_peer", "1")]);
+    kvxfer::testing::inject_fault("integrity.wrong_page", 221);
+    t.open(221, &[10, 11, 12, 13]);
+    t.send(221, &[1, 2, 3, 4], 1);
+    assert_eq!(terminal_within(&t.d, 221, LIMIT), State::Failed);
+    let why = t.d.room_failure(221).unwrap();
+    assert_eq!(why.cause, Cause::Integrity, "{why}");
+    assert!(!why.from_peer, "{why}");
+    assert!(why.message.contains("page 11 of kv buffer"), "{why}");
+    assert!(why.message.contains("do not match their digest"), "{why}");
+    assert!(!t.d.room_verified(221).unwrap());
+    assert_eq!(t.d.metrics().integrity_failures, 1);
+    wait_until_within("the failed room to drain", LIMIT, || {
+        t.d.room_drained(221).unwrap()
+    });
+    let (src, dst): (Vec<u32>, Vec<u32>) = ((30..36).collect(), (60..66).collect());
+    t.open(222, &dst);
+    t.send(222, &src, 2);
+    assert_eq!(terminal_within(&t.d, 222, LIMIT), State::Success);
+    assert!(t.d.room_verified(222).unwrap());
+    t.assert_pages(&src, &dst);
+}
+
+/// Over RDMA the decode engine verifies the bytes in its own pages, after the writes
+/// landed: a destination byte that changes in between (test-only fault on the decode
+/// side, just before the check) fails the room as INTEGRITY.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_destination_byte_changed_between_landing_and_verification_fails_as_integrity() {
+    if !rdma() {
+        return; // TCP verifies as it reads: tests/integrity.rs's tampering relay
+    }
+    let t = verifying_pair(&[]);
+    kvxfer::testing::inject_fault("rdma.changed_after_landing", 231);
+    t.open(231, &[0, 1, 2, 3, 4, 5]);
+    t.send(231, &[6, 7, 8, 9, 10, 11], 3);
+    assert_eq!(terminal_within(&t.d, 231, LIMIT), State::Failed);
+    let why = t.d.room_failure(231).unwrap();
+    assert_eq!(why.cause, Cause::Integrity, "{why}");
+    assert!(why.message.contains("do not match their digest"), "{why}");
+    assert!(why.message.contains("of kv buffer"), "{why}");
+    assert_eq!(t.d.metrics().integrity_failures, 1);
+    // The prefill engine is told, and counts it.
+    common::wait_until("the prefill engine to count it", || {
+        t.p.metrics().integrity_failures == 1
+    });
+}
+
+/// A room that ends while its progress waits for the verifier (held at a test-only
+/// pause point, after it counted itself in the room's io) is not drained until the
+/// verifier let go, and its pages are then neither read nor counted: nothing verified.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_room_aborted_before_its_verification_is_not_read_and_drains_after_the_verifier() {
+    if !rdma() {
+        return; // only RDMA progress goes through the verifier
+    }
+    let t = verifying_pair(&[("workers", "1")]);
+    let (src, dst): (Vec<u32>, Vec<u32>) = ((0..4).collect(), (100..104).collect());
+    kvxfer::testing::pause_at("decode.verify", 241);
+    t.open(241, &dst);
+    t.send(241, &src, 4);
+    assert!(
+        kvxfer::testing::wait_paused("decode.verify", 241, LIMIT),
+        "no progress of the room reached the verifier"
+    );
+    t.d.room_abort(241, "client cancelled before verification")
+        .unwrap();
+    assert_eq!(terminal_within(&t.d, 241, LIMIT), State::Failed);
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        assert!(
+            !t.d.room_drained(241).unwrap(),
+            "drained while the verifier held the room"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    kvxfer::testing::release("decode.verify", 241);
+    wait_until_within("the aborted room to drain", LIMIT, || {
+        t.d.room_drained(241).unwrap()
+    });
+    let m = t.d.metrics();
+    assert_eq!((m.bytes_verified, m.integrity_failures), (0, 0));
+    assert!(!t.d.room_verified(241).unwrap());
 }

@@ -115,11 +115,7 @@ impl Pool {
         let bufs = self
             .kv
             .iter()
-            .map(|r| BufferDesc {
-                base: r.addr(),
-                len: r.len(),
-                item_len: self.item_len,
-            })
+            .map(|r| BufferDesc::host(r.addr(), r.len(), self.item_len))
             .collect();
         match self.layout {
             None => e
@@ -130,12 +126,8 @@ impl Pool {
                 .map_err(|e| format!("register_kv_layout ({l}): {e}"))?,
         }
         if let Some(a) = &self.aux {
-            e.register_aux(vec![BufferDesc {
-                base: a.addr(),
-                len: a.len(),
-                item_len: self.aux_len,
-            }])
-            .map_err(|e| format!("register_aux: {e}"))?;
+            e.register_aux(vec![BufferDesc::host(a.addr(), a.len(), self.aux_len)])
+                .map_err(|e| format!("register_aux: {e}"))?;
         }
         Ok(())
     }

@@ -48,12 +48,8 @@ fn engine(role: &str, mem: &Region) -> Result<Engine, String> {
         set(k, "86400000")?;
     }
     let e = Engine::new(c, Logger::new(Level::Error, None)).map_err(|e| e.to_string())?;
-    e.register_kv(vec![BufferDesc {
-        base: mem.addr(),
-        len: mem.len(),
-        item_len: 64,
-    }])
-    .map_err(|e| e.to_string())?;
+    e.register_kv(vec![BufferDesc::host(mem.addr(), mem.len(), 64)])
+        .map_err(|e| e.to_string())?;
     Ok(e)
 }
 

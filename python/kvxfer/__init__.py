@@ -21,7 +21,17 @@ contract on top of it.
 
 from __future__ import annotations
 
-from ._abi import HEADER_VERSION, DataPath, FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
+from ._abi import (
+    HEADER_VERSION,
+    DataPath,
+    FailureCause,
+    KvKind,
+    LogLevel,
+    MemoryKind,
+    PageOrder,
+    RoomState,
+    Status,
+)
 from ._core import (
     C_FUNCTIONS,
     TRACE,
@@ -75,6 +85,7 @@ __all__ = [
     "InvalidArgumentError",
     "IoError",
     "KvKind",
+    "MemoryKind",
     "KvxferError",
     "LogLevel",
     "LogSink",

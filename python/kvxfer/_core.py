@@ -19,7 +19,16 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 from . import _abi
-from ._abi import DataPath, FailureCause, KvKind, LogLevel, PageOrder, RoomState, Status
+from ._abi import (
+    DataPath,
+    FailureCause,
+    KvKind,
+    LogLevel,
+    MemoryKind,
+    PageOrder,
+    RoomState,
+    Status,
+)
 from ._lib import lib
 from .errors import KvxferError, check, error_for
 
@@ -151,6 +160,36 @@ class Buffer(NamedTuple):
     len: int
     item_len: int
     owner: object = None
+    kind: MemoryKind = MemoryKind.HOST
+    """Where the bytes live: :attr:`MemoryKind.HOST`, or :attr:`MemoryKind.CUDA` (device
+    memory of CUDA device ``device``, which the library moves through pinned staging
+    over TCP and never touches with the CPU)."""
+    device: int = 0
+    """The CUDA device ordinal of a :attr:`MemoryKind.CUDA` buffer (0 for host memory)."""
+
+    @classmethod
+    def from_tensor(cls, tensor: Any, item_len: int) -> "Buffer":
+        """The buffer covering a contiguous tensor's storage from its ``data_ptr()``: a
+        CUDA tensor (``tensor.device.type == "cuda"``) gives device memory of its device
+        index, any other a host buffer. Duck-typed (PyTorch, or anything with
+        ``data_ptr()``, ``numel()``, ``element_size()``, ``is_contiguous()`` and
+        ``device``), so importing kvxfer never imports torch. The registering engine
+        keeps the tensor alive."""
+        try:
+            contiguous = tensor.is_contiguous()
+            base = int(tensor.data_ptr())
+            nbytes = int(tensor.numel()) * int(tensor.element_size())
+            device = tensor.device
+        except AttributeError as e:
+            raise TypeError(f"Buffer.from_tensor needs a tensor: {e}") from None
+        if not contiguous:
+            raise ValueError("Buffer.from_tensor needs a contiguous tensor")
+        if getattr(device, "type", "cpu") == "cuda":
+            index = device.index
+            if index is None:
+                raise ValueError("Buffer.from_tensor: the CUDA tensor's device has no index")
+            return cls(base, nbytes, item_len, tensor, MemoryKind.CUDA, int(index))
+        return cls(base, nbytes, item_len, tensor)
 
     @classmethod
     def of(cls, obj: Any, item_len: int) -> "Buffer":
@@ -169,13 +208,20 @@ class Buffer(NamedTuple):
 BufferLike = Union[Buffer, Sequence[int]]
 
 
-def _buffers(bufs: Iterable[BufferLike], function: str) -> tuple[Any, int, list[object]]:
+def _buffers(
+    bufs: Iterable[BufferLike], function: str, desc: bool | None = None
+) -> tuple[Any, int, list[object]]:
+    """The ``kvxfer_buffer`` array of ``bufs`` (host memory), or the
+    ``kvxfer_buffer_desc`` array if ``desc`` (by default: if any of them is device
+    memory, see :func:`_is_device`)."""
     items = list(bufs)
-    arr = (_abi.Buffer * max(len(items), 1))()
+    device = _is_device(items) if desc is None else desc
+    arr = ((_abi.BufferDesc if device else _abi.Buffer) * max(len(items), 1))()
     owners: list[object] = []
     for i, b in enumerate(items):
+        kind, dev = MemoryKind.HOST, 0
         if isinstance(b, Buffer):
-            base, length, item_len, owner = b
+            base, length, item_len, owner, kind, dev = b
         else:
             try:
                 base, length, item_len = b
@@ -188,9 +234,20 @@ def _buffers(bufs: Iterable[BufferLike], function: str) -> tuple[Any, int, list[
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > _U64_MAX:
                 raise _invalid(function, f"buffer {i}: {what} {v!r} is not an address-sized int")
         arr[i].base, arr[i].len, arr[i].item_len = base or None, length, item_len
+        if device:
+            if isinstance(dev, bool) or not isinstance(dev, int) or not 0 <= dev <= 0xFFFFFFFF:
+                raise _invalid(function, f"buffer {i}: device {dev!r} is not a CUDA ordinal")
+            arr[i].struct_size = ctypes.sizeof(_abi.BufferDesc)
+            arr[i].kind, arr[i].device = int(kind), dev
         if owner is not None:
             owners.append(owner)
     return arr, len(items), owners
+
+
+def _is_device(items: list[Any]) -> bool:
+    """Whether a registration has device memory (and so goes through the
+    ``kvxfer_register_*_desc`` calls, which take the memory kind)."""
+    return any(isinstance(b, Buffer) and b.kind != MemoryKind.HOST for b in items)
 
 
 # ---------------------------------------------------------------------------------------
@@ -556,6 +613,9 @@ class Engine:
     def register_kv(self, buffers: Iterable[BufferLike]) -> None:
         """Registers the KV buffers (each a :class:`Buffer` or a ``(base, len,
         item_len)`` triple of ints), once, before any room is created."""
+        buffers = list(buffers)
+        if _is_device(buffers):
+            return self.register_kv_desc(buffers)
         arr, n, owners = _buffers(buffers, "kvxfer_register_kv")
         self._call("kvxfer_register_kv", arr, n)
         self._keep.extend(owners)
@@ -565,6 +625,9 @@ class Engine:
         """Registers the KV buffers with a layer id each (``layer_ids[i]`` for
         ``buffers[i]``: any uint32 buffer or sequence of ints), instead of
         :meth:`register_kv`."""
+        buffers = list(buffers)
+        if _is_device(buffers):
+            return self.register_kv_desc(buffers, layer_ids=layer_ids)
         arr, n, owners = _buffers(buffers, "kvxfer_register_kv_layers")
         ids = _Pages(layer_ids, "kvxfer_register_kv_layers")
         if ids.n != n:
@@ -591,7 +654,8 @@ class Engine:
         """Registers the KV buffers with the layout of their pages (and, if given, a
         layer id each), instead of :meth:`register_kv`. The keywords are the fields of
         ``kvxfer_kv_layout``; ``struct_size`` is filled in."""
-        fn = "kvxfer_register_kv_layout"
+        buffers = list(buffers)
+        fn = "kvxfer_register_kv_desc" if _is_device(buffers) else "kvxfer_register_kv_layout"
         arr, n, owners = _buffers(buffers, fn)
         ids = None if layer_ids is None else _Pages(layer_ids, fn)
         if ids is not None and ids.n != n:
@@ -602,14 +666,45 @@ class Engine:
                 tp_size, page_tokens, int(page_order), int(kind))
         except TypeError as e:
             raise _invalid(fn, f"layout: {e}") from None
+        # Both calls take (buffers, layer ids, n, layout).
         self._call(fn, arr, None if ids is None else ids.ptr, n, ctypes.byref(layout))
         self._keep.extend(owners)
 
     @_wraps("kvxfer_register_aux")
     def register_aux(self, buffers: Iterable[BufferLike]) -> None:
         """Registers the aux buffers (per-request metadata rows, indexed by slot), once."""
+        buffers = list(buffers)
+        if _is_device(buffers):
+            return self.register_aux_desc(buffers)
         arr, n, owners = _buffers(buffers, "kvxfer_register_aux")
         self._call("kvxfer_register_aux", arr, n)
+        self._keep.extend(owners)
+
+    @_wraps("kvxfer_register_aux_desc")
+    def register_aux_desc(self, buffers: Iterable[BufferLike]) -> None:
+        """Registers the aux buffers with their memory kind (:meth:`register_aux` comes
+        here by itself when a buffer is device memory)."""
+        arr, n, owners = _buffers(buffers, "kvxfer_register_aux_desc", desc=True)
+        self._call("kvxfer_register_aux_desc", arr, n)
+        self._keep.extend(owners)
+
+    @_wraps("kvxfer_register_kv_desc")
+    def register_kv_desc(
+        self, buffers: Iterable[BufferLike], *, layer_ids: PageList | None = None
+    ) -> None:
+        """Registers the KV buffers with their memory kind (a :class:`Buffer` from
+        :meth:`Buffer.from_tensor` of a CUDA tensor is device memory), and a layer id
+        each if given. :meth:`register_kv`, :meth:`register_kv_layers` and
+        :meth:`register_kv_layout` come here by themselves when a buffer is device
+        memory. Without the CUDA driver this raises the error of
+        ``KVXFER_ERR_TRANSPORT_UNAVAILABLE``, naming what is missing."""
+        fn = "kvxfer_register_kv_desc"
+        buffers = list(buffers)
+        arr, n, owners = _buffers(buffers, fn, desc=True)
+        ids = None if layer_ids is None else _Pages(layer_ids, fn)
+        if ids is not None and ids.n != n:
+            raise _invalid(fn, f"{n} buffers but {ids.n} layer ids")
+        self._call(fn, arr, None if ids is None else ids.ptr, n, None)
         self._keep.extend(owners)
 
     # -- metrics -----------------------------------------------------------------------
@@ -659,6 +754,18 @@ class Engine:
         encoded = [p.encode() if isinstance(p, str) else bytes(p) for p in peers]
         arr = (ctypes.c_char_p * max(len(encoded), 1))(*encoded)
         self._call("kvxfer_room_create", room, arr, len(encoded))
+
+    @_wraps("kvxfer_room_create_from")
+    def room_create_from(self, room: int, instance: str) -> None:
+        """Decode engine only: creates room ``room`` pulling from every rank of prefill
+        instance ``instance``, found in the engine's copy of the registry (config key
+        ``discovery``), in rank order. Never waits for etcd; an instance that is not
+        (wholly) registered raises with ``KVXFER_ERR_NOT_FOUND``."""
+        name = "kvxfer_room_create_from"
+        room = _room_id(room, name)
+        if not isinstance(instance, str):
+            raise _invalid(name, f"instance {instance!r} is not a string")
+        self._call(name, room, instance.encode())
 
     @_wraps("kvxfer_room_create_for")
     def room_create_for(self, room: int, decode_ids: Sequence[int]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import ctypes
 import re
+import shutil
 import logging
 import os
 import pickle
@@ -241,6 +242,62 @@ def test_a_room_bound_to_a_decode_engine_takes_its_destination_and_refuses_anoth
             p.room_create_for(2, [-1])
         with pytest.raises(kvxfer.WrongRoleError):
             d1.room_create_for(2, [p.engine_id])
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_room_create_from_finds_a_prefill_instance_through_a_real_etcd(tmp_path):
+    """room_create_from: without `discovery` it is refused; with an etcd (Debian's
+    etcd-server, which `make deps` installs) a decode room by instance name moves the
+    prefill's page, and an instance nobody registered is NOT_FOUND."""
+    with kvxfer.Engine(role="decode") as d:
+        d.register_kv([kvxfer.Buffer.of(bytearray(256), 64)])
+        with pytest.raises(kvxfer.WrongStateError, match="discovery"):
+            d.room_create_from(1, "prefill-a")
+        with pytest.raises(kvxfer.InvalidArgumentError):
+            d.room_create_from(1, b"prefill-a")
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd not installed (Debian: etcd-server; make deps installs it)")
+    client, peer = _free_port(), _free_port()
+    etcd = subprocess.Popen(
+        ["etcd", "--name", "py", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", f"http://127.0.0.1:{client}",
+         "--advertise-client-urls", f"http://127.0.0.1:{client}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"py=http://127.0.0.1:{peer}", "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        keys = dict(discovery=f"etcd://127.0.0.1:{client}", auth_key="ab" * 32,
+                    discovery_ttl_ms="2000")
+        with kvxfer.Engine(role="prefill", instance="prefill-a", **keys) as p, \
+                kvxfer.Engine(role="decode", instance="decode-a", **keys) as d:
+            src, dst = bytearray(range(256)) * 2, bytearray(512)
+            p.register_kv([kvxfer.Buffer.of(src, 64)])
+            d.register_kv([kvxfer.Buffer.of(dst, 64)])
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    d.room_create_from(1, "prefill-a")
+                    break
+                except kvxfer.NotFoundError:
+                    assert time.monotonic() < deadline, "prefill-a never appeared"
+                    time.sleep(0.05)
+            d.room_set_destination(1, [3])
+            p.room_create(1)
+            p.enqueue_chunk(1, [2], True)
+            assert _terminal(d, 1) == RoomState.SUCCESS
+            assert dst[3 * 64:4 * 64] == src[2 * 64:3 * 64]
+            assert p.metrics()["registry_registrations"] >= 1
+            with pytest.raises(kvxfer.NotFoundError, match="prefill-zz"):
+                d.room_create_from(2, "prefill-zz")
+    finally:
+        etcd.kill()
+        etcd.wait()
 
 
 def test_buffer_of_keeps_memory_alive_and_rejects_read_only():

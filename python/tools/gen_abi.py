@@ -31,10 +31,12 @@ ENUMS = {
     "kvxfer_failure_cause": ("FailureCause", "KVXFER_CAUSE_"),
     "kvxfer_page_order": ("PageOrder", "KVXFER_PAGE_"),
     "kvxfer_kv_kind": ("KvKind", "KVXFER_KV_"),
+    "kvxfer_memory_kind": ("MemoryKind", "KVXFER_MEMORY_"),
     "kvxfer_path": ("DataPath", "KVXFER_PATH_"),
 }
 # C struct typedef -> Python class name.
-STRUCTS = {"kvxfer_buffer": "Buffer", "kvxfer_metrics": "Metrics", "kvxfer_kv_layout": "KvLayout"}
+STRUCTS = {"kvxfer_buffer": "Buffer", "kvxfer_metrics": "Metrics", "kvxfer_kv_layout": "KvLayout",
+           "kvxfer_buffer_desc": "BufferDesc"}
 OPAQUE = {"kvxfer_config", "kvxfer_engine"}
 
 # C types (whitespace-normalised) -> ctypes expressions. Data pointers that callers
@@ -66,6 +68,7 @@ SCALARS = {
     "kvxfer_log_fn": "LOG_FN",
     "kvxfer_drop_fn": "DROP_FN",
     "const kvxfer_buffer *": "ctypes.POINTER(Buffer)",
+    "const kvxfer_buffer_desc *": "ctypes.POINTER(BufferDesc)",
     "kvxfer_metrics *": "ctypes.POINTER(Metrics)",
     "const kvxfer_kv_layout *": "ctypes.POINTER(KvLayout)",
 }

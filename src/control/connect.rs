@@ -62,7 +62,8 @@ impl Control {
             .map_err(|e| e.to_string())?;
         self.write_msg(&mut ctrl, &self.hello(ConnKind::Control, 0))?;
         let session = self.authenticate(&mut ctrl, peer, ConnKind::Control, 0, None)?;
-        self.expect_hello(&mut ctrl, WireRole::Prefill)?;
+        let (their_id, _, _) = self.expect_hello(&mut ctrl, WireRole::Prefill)?;
+        let _ = peer.remote_id.set(their_id);
         if let Some(dev) = &node.rdma {
             // Only now, with the peer authenticated: its keys to our memory.
             // SAFETY: the host keeps registered memory valid until the engine is freed;

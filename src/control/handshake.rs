@@ -446,6 +446,7 @@ impl Control {
             slice: config.rdma_slice_bytes,
             stall: Duration::from_millis(config.transfer_timeout_ms),
             control: &control,
+            integrity: config.integrity,
         };
         let links = rdma::outbound(eps, &remotes, &setup, &peer.name)?;
         self.paired(peer, Path::Rdma, None, false);

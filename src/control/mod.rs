@@ -37,6 +37,20 @@ use crate::node::Node;
 use crate::room::Cause;
 use crate::transport::DataLink;
 
+/// Decode over RDMA: what one `Progress` message says ([`crate::proto::Message::Progress`]).
+pub(crate) struct Progress {
+    pub room: u64,
+    pub generation: u64,
+    /// Aux rows the writes completed.
+    pub aux_rows: u32,
+    /// Bytes they carried, aux rows included.
+    pub bytes: u64,
+    /// KV bytes per KV buffer (the sender's index).
+    pub kv: Vec<(u32, u64)>,
+    /// With `integrity=verify`: every run they carried, with its digest.
+    pub runs: Vec<crate::proto::DataHeader>,
+}
+
 /// What the control layer hands to the engine. The control reader calls each message's
 /// method only on an engine of the role that message is for (it refuses the others as
 /// protocol errors), so an engine leaves the other role's methods at their default.
@@ -64,16 +78,7 @@ pub(crate) trait Events: Send + Sync {
     fn done(&self, _peer: &Arc<Peer>, _room: u64, _generation: u64, _pages: u32, _aux: bool) {}
 
     /// Decode over RDMA: one batch of the prefill's writes into the room completed.
-    fn progress(
-        &self,
-        _peer: &Arc<Peer>,
-        _room: u64,
-        _generation: u64,
-        _aux_rows: u32,
-        _bytes: u64,
-        _kv: &[(u32, u64)],
-    ) {
-    }
+    fn progress(&self, _peer: &Arc<Peer>, _progress: Progress) {}
 
     /// Decode: the peer's setup finished; its rooms may become ready.
     fn connected(&self, _peer: &Arc<Peer>) {}
@@ -237,6 +242,13 @@ impl Control {
         for p in self.peers() {
             self.lose(&p, "engine shut down".into());
         }
+    }
+
+    /// This engine's registration as the exchange sends it, without RDMA keys (what
+    /// discovery publishes, and checks a registry entry against).
+    #[cfg(feature = "discovery")]
+    pub fn own_registration(&self) -> crate::proto::Registration {
+        self.registration(None)
     }
 
     /// The last refusal at authentication: when (engine-clock ms) and what.

@@ -28,6 +28,9 @@ pub(crate) struct Peer {
     /// be a cluster member's when authentication is on, not proven to be its own). None
     /// on the decode side, where a prefill engine is known by its address.
     pub engine_id: Option<u64>,
+    /// Decode side: the engine id the prefill engine gave in its `Hello`, once its setup
+    /// got that far (discovery tells a new engine at the same address apart by it).
+    pub remote_id: OnceLock<u64>,
     /// Handshake, registration and transport are done. Release (when set, after the
     /// setup) / Acquire (in `is_ready`): whoever sees it set sees what the setup
     /// published before it (`kv_map`, `kv_layouts`, `aux_count`, the links).
@@ -133,6 +136,7 @@ impl Peer {
             key,
             name,
             engine_id,
+            remote_id: OnceLock::new(),
             ready: AtomicBool::new(false),
             lost: OnceLock::new(),
             ctrl: CtrlQueue::default(),

@@ -168,9 +168,20 @@ impl Control {
                     aux_rows,
                     bytes,
                     kv,
+                    runs,
                 },
                 Role::Decode,
-            ) if rdma => events.progress(peer, room, generation, aux_rows, bytes, &kv),
+            ) if rdma => events.progress(
+                peer,
+                super::Progress {
+                    room,
+                    generation,
+                    aux_rows,
+                    bytes,
+                    kv,
+                    runs,
+                },
+            ),
             (
                 Message::Done {
                     room,

@@ -18,11 +18,12 @@ use std::sync::Arc;
 pub use crate::layout::{KvKind, KvLayout, PageOrder};
 pub use crate::metrics::MetricsSnapshot;
 pub use crate::node::MAX_BUFFERS;
-pub use crate::transport::BufferDesc;
+pub use crate::transport::{BufferDesc, MemKind};
 pub use prefill::MAX_ROOM_PEERS;
 
 use crate::config::{Config, Role};
 use crate::control::Control;
+use crate::discovery::Discovery;
 use crate::err;
 use crate::error::Result;
 use crate::log::Logger;
@@ -110,6 +111,8 @@ pub struct Engine {
     side: Side,
     node: Arc<Node>,
     control: Arc<Control>,
+    /// The registry (config key `discovery`), if configured.
+    discovery: Option<Arc<Discovery>>,
     /// A decode engine accepts no connections; holding the socket keeps its address.
     _listener: Option<TcpListener>,
 }
@@ -137,13 +140,18 @@ impl Engine {
         };
         // Built before the watchdog starts, so that if it cannot, dropping the engine
         // stops (and joins) what started before it.
-        let engine = Engine {
+        let mut engine = Engine {
             side,
             node,
             control,
+            discovery: None,
             _listener: listener,
         };
         with_side!(engine, s => watchdog::start(s))?;
+        if let Side::Decode(d) = &engine.side {
+            d.start_verifier()?;
+        }
+        engine.discovery = crate::discovery::start(&engine.node, &engine.control)?;
         Ok(engine)
     }
 
@@ -166,14 +174,18 @@ impl Engine {
 
     /// Registers the KV buffers (once per engine, before the first room).
     pub fn register_kv(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        self.node.register(bufs, None, None, false)
+        self.node.register(bufs, None, None, false)?;
+        self.registered();
+        Ok(())
     }
 
     /// Registers the KV buffers with a layer id each (once per engine): buffers then pair
     /// with the peer's by layer id, and a pipeline stage may register only its layers.
     pub fn register_kv_layers(&self, bufs: Vec<BufferDesc>, layers: Vec<u32>) -> Result<()> {
         check_layers(&bufs, &layers)?;
-        self.node.register(bufs, Some(layers), None, false)
+        self.node.register(bufs, Some(layers), None, false)?;
+        self.registered();
+        Ok(())
     }
 
     /// Registers the KV buffers with the layout of their pages (once per engine), and
@@ -190,12 +202,60 @@ impl Engine {
         if let Some(layers) = &layers {
             check_layers(&bufs, layers)?;
         }
-        self.node.register(bufs, layers, Some(layout), false)
+        self.node.register(bufs, layers, Some(layout), false)?;
+        self.registered();
+        Ok(())
     }
 
     /// Registers the aux buffers (once per engine, before the first room).
     pub fn register_aux(&self, bufs: Vec<BufferDesc>) -> Result<()> {
-        self.node.register(bufs, None, None, true)
+        self.node.register(bufs, None, None, true)?;
+        self.registered();
+        Ok(())
+    }
+
+    /// A registration changed: discovery publishes it (it waits for the KV buffers).
+    fn registered(&self) {
+        if let Some(d) = &self.discovery {
+            d.wake();
+        }
+    }
+
+    /// The registry, or why there is none.
+    fn registry(&self) -> Result<&Discovery> {
+        self.discovery.as_deref().ok_or_else(|| {
+            err!(
+                WrongState,
+                "this engine has no registry: set config key 'discovery' \
+                 (etcd://host:port) to find engines by instance"
+            )
+        })
+    }
+
+    /// The addresses of every rank of prefill instance `instance` in the registry's
+    /// cache, in rank order, each checked to pair with this engine's KV registration.
+    /// Never waits for etcd. `NotFound` for an instance not (or not wholly) registered.
+    pub fn lookup(&self, instance: &str) -> Result<Vec<String>> {
+        self.registry()?.resolve(instance)
+    }
+
+    /// Decode only: creates room `id` pulling from every rank of prefill instance
+    /// `instance`, found in the registry's cache (see [`Engine::lookup`]): as
+    /// [`Engine::room_create`] with their addresses, in rank order. Never waits for
+    /// etcd.
+    pub fn room_create_from(&self, id: u64, instance: &str) -> Result<()> {
+        if let Side::Prefill(_) = &self.side {
+            return Err(wrong_role(Role::Decode, "kvxfer_room_create_from"));
+        }
+        let registry = self.registry()?;
+        if self.node.memory.kv.get().is_none() {
+            return Err(err!(
+                WrongState,
+                "register the KV buffers (kvxfer_register_kv) before creating rooms"
+            ));
+        }
+        let addrs = registry.resolve(instance)?;
+        self.room_create(id, RoomPeers::Prefills(addrs))
     }
 
     /// Creates room `id` in `Bootstrapping`.
@@ -361,8 +421,9 @@ impl Engine {
 
     /// Decode only: whether room `id` reached SUCCESS with every byte verified: with
     /// `integrity=verify` (which both engines of each pairing then have), every data run
-    /// landed over a path that carries digests (TCP, same host) and each matched where it
-    /// landed. False for a live or failed room, with `integrity=off`, or over RDMA.
+    /// carried a digest (in its data header over TCP and the same-host path, in the
+    /// progress of its writes over RDMA) and each matched where it landed. False for a
+    /// live or failed room, or with `integrity=off`.
     pub fn room_verified(&self, id: u64) -> Result<bool> {
         let Side::Decode(d) = &self.side else {
             return Err(wrong_role(Role::Decode, "kvxfer_room_verified"));
@@ -371,7 +432,7 @@ impl Engine {
         let path = core::path(&**d, id)?;
         Ok(state == State::Success
             && self.node.config.integrity
-            && matches!(path, DataPath::Tcp | DataPath::SameHost))
+            && matches!(path, DataPath::Tcp | DataPath::SameHost | DataPath::Rdma))
     }
 
     /// Decode only: how many of room `id`'s first layers (in layer order: the layer ids
@@ -426,6 +487,9 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.node.stop();
+        if let Some(d) = &self.discovery {
+            d.wake();
+        }
         with_side!(self, s => core::fail_all(&**s));
         if let Side::Prefill(p) = &self.side {
             p.stop_workers();

@@ -89,11 +89,13 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 ///   bytes where they landed, before it counts them: a room reaches SUCCESS only when
 ///   every run matched, and a mismatch fails it as `KVXFER_CAUSE_INTEGRITY` with a reason
 ///   naming the prefill engine, buffer, page and byte range (`kvxfer_room_verified`).
-///   Over TCP and the same-host path; RDMA rooms are not verified yet. Both engines of a
-///   pair must have the same setting, else their rooms fail as MISMATCH naming both. Off
-///   by default because it costs a CRC32C pass over every byte on each side (about
-///   0.15 CPU s per GB per side on the 2-core host it was measured on, as much as the
-///   whole TCP path; docs/BENCHMARKS.md).
+///   Over TCP and the same-host path the digest travels in the run's header; over RDMA
+///   in the progress message of its completed writes, checked where they landed on a
+///   thread of its own. Both engines of a pair must have the same setting, else their
+///   rooms fail as MISMATCH naming both. Off by default because it costs a CRC32C pass
+///   over every byte on each side (0.03-0.09 CPU s per GB more per side, 0.66-0.83 of
+///   the throughput over TCP, on the 2-core host it was measured on;
+///   docs/BENCHMARKS.md).
 ///
 /// Authentication:
 /// - `auth` (default `auto`): `auto` | `required` | `off`. `auto`: `required` when a key
@@ -126,6 +128,29 @@ pub unsafe extern "C" fn kvxfer_config_new(out: *mut *mut kvxfer_config) -> kvxf
 ///   connection's TLS session, one per data connection; a payload that does not verify
 ///   is never written and fails the rooms of that peer. Needs TLS. RDMA writes are not
 ///   encrypted.
+///
+/// Discovery (engines that find each other through etcd; see docs/ARCHITECTURE.md):
+/// - `discovery` (default empty: no registry): `etcd://host:port[,host:port...]`, the
+///   client endpoints of an etcd cluster (3.4 or later; its JSON gateway, plain HTTP).
+///   The engine publishes its entry (engine id, incarnation, role, `instance`, `rank`,
+///   address, transport, KV buffers and layout) under a lease it keeps alive, signed with
+///   the cluster key, which `discovery` therefore needs (else `kvxfer_engine_new` fails
+///   with `KVXFER_ERR_BAD_VALUE`), as it needs `instance`. It watches every entry under
+///   `discovery_prefix`: `kvxfer_room_create_from` finds a prefill instance's ranks
+///   there, entries that do not verify are ignored (counted in `registry_rejected`), and
+///   a peer whose entry leaves (lease expired, deleted, replaced by a new incarnation)
+///   is lost at once. etcd being away stops nothing: rooms go on with the engines known.
+/// - `discovery_prefix` (default `/kvxfer/`): the etcd key prefix of the cluster's
+///   entries, ending in `/`; an entry is `<prefix><instance>/<rank>`.
+/// - `instance` (default empty): the name of the instance this engine is a rank of, 1 to
+///   128 of `A-Z a-z 0-9 . _ -`; needed with `discovery`.
+/// - `rank` (default `0`, 0..65535): this engine's rank in its instance, below
+///   `instance_ranks`.
+/// - `instance_ranks` (default `1`, 1..65536): how many ranks the instance has; a room
+///   by instance needs every one of them registered.
+/// - `discovery_ttl_ms` (default `5000`, 2000..3600000): the TTL of the engine's lease,
+///   rounded up to whole seconds; its entry is gone that long after the engine is
+///   (keep-alives every third of it).
 ///
 /// With the three `tls_*` keys set, every control connection is TLS 1.3 with a
 /// certificate on both sides (the cluster-key handshake, when a key is set, runs inside

@@ -262,11 +262,7 @@ pub unsafe extern "C" fn kvxfer_engine_wake(engine: *const kvxfer_engine) -> kvx
 
 fn descs(bufs: &[kvxfer_buffer]) -> Vec<BufferDesc> {
     bufs.iter()
-        .map(|b| BufferDesc {
-            base: b.base as usize,
-            len: b.len,
-            item_len: b.item_len,
-        })
+        .map(|b| BufferDesc::host(b.base as usize, b.len, b.item_len))
         .collect()
 }
 
@@ -491,6 +487,24 @@ pub struct kvxfer_metrics {
     /// Pairings on one host that took TCP because the same-host path could not be used
     /// (each also logged at WARN with the reason).
     pub same_host_fallbacks: u64,
+    /// Discovery (`discovery`): times this engine put its entry into the registry: once
+    /// its KV buffers are registered, again when its registration changes (aux buffers)
+    /// and after its lease was lost (etcd away longer than `discovery_ttl_ms`, or
+    /// restarted without its data).
+    pub registry_registrations: u64,
+    /// Discovery: calls to etcd that failed (each retry counts, each is logged) and
+    /// watches that broke.
+    pub registry_errors: u64,
+    /// Discovery: times etcd stopped answering this engine (or did not answer when it
+    /// started), each logged at WARN, as is its return.
+    pub registry_outages: u64,
+    /// Discovery: registry entries ignored (logged at WARN once per key): not signed
+    /// with the cluster key, malformed, stored under a name other than the one signed,
+    /// or an older incarnation than one already seen under that name.
+    pub registry_rejected: u64,
+    /// Discovery: peer engines lost because their entry left the registry (its lease
+    /// expired, or it was deleted) or a new incarnation of the engine replaced it.
+    pub registry_departures: u64,
 }
 
 /// The copy of a snapshot into `kvxfer_metrics`, one field per C field named in the

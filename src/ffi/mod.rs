@@ -13,6 +13,7 @@ pub mod config;
 pub mod engine;
 pub mod layout;
 pub mod log;
+pub mod memory;
 pub mod room;
 pub mod status;
 pub mod types;

@@ -93,6 +93,43 @@ pub unsafe extern "C" fn kvxfer_room_create_for(
     })
 }
 
+/// Decode engine only: creates room `room` in BOOTSTRAPPING, pulling from every rank of
+/// prefill instance `instance` (NUL-terminated; the `instance` config key of those
+/// engines), found in this engine's copy of the registry (config key `discovery`): as
+/// `kvxfer_room_create` with their addresses, in rank order. Never waits for etcd: it
+/// reads the copy that the engine's watch keeps current, so it works on while etcd is
+/// unreachable, with the engines known when it was last reached.
+///
+/// Each rank's entry carries its KV buffers and layout, checked here as the
+/// registration exchange checks them; the exchange checks them again when the room
+/// connects. A room whose prefill engine leaves the registry (its lease expired, or a
+/// new incarnation replaced it) fails as `KVXFER_CAUSE_PEER_LOST` with a reason starting
+/// `registry:`.
+///
+/// Errors: `KVXFER_ERR_NOT_FOUND` if no prefill engine of that instance is registered,
+/// or not every rank of it (`instance_ranks`), the message naming the missing ranks and
+/// the instances known; `KVXFER_ERR_INVALID_ARGUMENT` if a rank's buffers or layout
+/// cannot pair with this engine's (the message names the rank, the field and both
+/// values) or its ranks disagree on their count; `KVXFER_ERR_WRONG_STATE` without
+/// `discovery` or before `kvxfer_register_kv`; `KVXFER_ERR_WRONG_ROLE` on a prefill
+/// engine; `KVXFER_ERR_ALREADY_EXISTS` if the id is present; `KVXFER_ERR_UNSUPPORTED`
+/// in a build without discovery; `KVXFER_ERR_NULL_POINTER`.
+#[no_mangle]
+#[must_use]
+pub unsafe extern "C" fn kvxfer_room_create_from(
+    engine: *const kvxfer_engine,
+    room: u64,
+    instance: *const c_char,
+) -> kvxfer_status {
+    ffi_status!({
+        // SAFETY: a non-NULL engine came from kvxfer_engine_new (freed or not).
+        let engine = unsafe { kvxfer_engine::enter(engine) }?;
+        // SAFETY: a NUL-terminated string by contract.
+        let instance = unsafe { try_str(instance, "instance") }?;
+        engine.room_create_from(room, instance)
+    })
+}
+
 /// Decode engine only: the destination of room `room`, sent to every prefill engine of
 /// the room: `n_pages` page indices into the KV buffers, filled in order by the prefill's
 /// chunks, and the aux slot for the request's metadata rows (`aux_slot < 0` means none).
@@ -382,9 +419,9 @@ pub unsafe extern "C" fn kvxfer_room_path(
 /// every byte verified: with `integrity=verify` (see `kvxfer_config_set`), every data
 /// run of every prefill engine of the room carried a digest bound to the room, its
 /// generation and the run's destination, and each matched the bytes where they landed.
-/// False for a room that is live or FAILED (a mismatch fails it as
-/// `KVXFER_CAUSE_INTEGRITY`), with `integrity=off`, and over RDMA, whose writes are not
-/// verified yet. Never blocks.
+/// Over TCP, the same-host path and RDMA alike. False for a room that is live or FAILED
+/// (a mismatch fails it as `KVXFER_CAUSE_INTEGRITY`), and with `integrity=off`. Never
+/// blocks.
 ///
 /// Errors: `KVXFER_ERR_WRONG_ROLE` on a prefill engine; `KVXFER_ERR_NOT_FOUND`;
 /// `KVXFER_ERR_NULL_POINTER`.

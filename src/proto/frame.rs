@@ -834,7 +834,7 @@ mod tests {
         let b = FrameHeader::new(Kind::Abort, 0x0102_0304).encode();
         assert_eq!(
             b,
-            [b'F', b'X', b'V', b'K', 6, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
+            [b'F', b'X', b'V', b'K', 7, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
         );
     }
 

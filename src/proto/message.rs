@@ -15,7 +15,10 @@ const QP_INFO_LEN: usize = 27;
 /// Wire size of a `Transport` payload before its queue pairs: transport, three reserved
 /// bytes, the count.
 const TRANSPORT_FIXED_LEN: usize = 8;
-/// Wire size of a [`HostInfo`]: setting, three reserved bytes, boot id, the PID and
+/// Wire size of one digested run of a `Progress`: target, three reserved bytes, buffer,
+/// first page, pages, byte length, offset in the page, digest.
+const PROGRESS_RUN_LEN: usize = 28;
+/// Wire size of a [`HostInfo`]: setting, device memory, two reserved bytes, boot id, the PID and
 /// network namespaces, pid, uid, probe address and probe.
 const HOST_INFO_LEN: usize = 68;
 /// Wire size of one run of a `Copy`: its data header and source address.
@@ -448,6 +451,9 @@ impl TryFrom<u8> for SameHostSetting {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct HostInfo {
     pub setting: SameHostSetting,
+    /// The sender registered CUDA device memory (KV or aux): the same-host copy, which
+    /// moves host memory between the processes, cannot serve it.
+    pub device_memory: bool,
     pub boot_id: [u8; 16],
     pub pid_ns: u64,
     pub net_ns: u64,
@@ -518,6 +524,11 @@ pub enum Message {
         /// KV bytes written per KV buffer (the sender's index), as the decode side counts
         /// data frames' bytes. At most [`Limits::max_buffers`] entries.
         kv: Vec<(u32, u64)>,
+        /// With `integrity=verify`: every run those writes carried, as its data header
+        /// would be over TCP, with its digest ([`crate::integrity`]); empty otherwise.
+        /// The room and generation of each are the message's. At most
+        /// [`MAX_RUNS`](super::MAX_RUNS), each passing [`DataHeader::check`](super::DataHeader::check).
+        runs: Vec<super::DataHeader>,
     },
     /// Either direction: the room failed; the peer must fail it too.
     Abort {
@@ -672,7 +683,9 @@ impl Message {
                 .saturating_add(n(reg.aux.len(), BUFFER_INFO_LEN as u64)),
             Message::Destination { pages, .. } => 28u64.saturating_add(n(pages.len(), 4)),
             Message::Done { .. } => 29,
-            Message::Progress { kv, .. } => 32u64.saturating_add(n(kv.len(), 12)),
+            Message::Progress { kv, runs, .. } => 36u64
+                .saturating_add(n(kv.len(), 12))
+                .saturating_add(n(runs.len(), PROGRESS_RUN_LEN as u64)),
             Message::Abort { reason, .. } => 20u64.saturating_add(reason.len() as u64),
             Message::AbortAck { .. } => 16,
             Message::Heartbeat { .. } => 8,
@@ -724,8 +737,24 @@ impl Message {
                     }
                 }
             }
-            Message::Progress { kv, .. } => {
+            Message::Progress {
+                room,
+                generation,
+                kv,
+                runs,
+                ..
+            } => {
                 count_ok("Progress.kv", kv.len(), "max_buffers", limits.max_buffers)?;
+                count_ok("Progress.runs", runs.len(), "MAX_RUNS", super::MAX_RUNS)?;
+                for h in runs {
+                    if (h.room, h.generation) != (*room, *generation) {
+                        return Err(ProtoError::RunsOfSeveralRooms {
+                            first: (*room, *generation),
+                            found: (h.room, h.generation),
+                        });
+                    }
+                    h.check(limits)?;
+                }
             }
             Message::Destination { pages, .. } => {
                 count_ok(
@@ -914,6 +943,7 @@ impl Message {
                 aux_rows,
                 bytes,
                 kv,
+                runs,
             } => {
                 put_u64(out, *room);
                 put_u64(out, *generation);
@@ -923,6 +953,21 @@ impl Message {
                 for &(buffer, b) in kv {
                     put_u32(out, buffer);
                     put_u64(out, b);
+                }
+                put_u32(out, len32(runs.len()));
+                for h in runs {
+                    out.push(h.target as u8);
+                    out.extend_from_slice(&[0; 3]);
+                    for v in [
+                        h.buffer,
+                        h.first_page,
+                        h.n_pages,
+                        h.byte_len,
+                        h.page_off,
+                        h.digest,
+                    ] {
+                        put_u32(out, v);
+                    }
                 }
             }
             Message::Abort {
@@ -975,7 +1020,8 @@ impl Message {
             }
             Message::SameHost(h) => {
                 out.push(h.setting as u8);
-                out.extend_from_slice(&[0; 3]);
+                out.push(u8::from(h.device_memory));
+                out.extend_from_slice(&[0; 2]);
                 out.extend_from_slice(&h.boot_id);
                 put_u64(out, h.pid_ns);
                 put_u64(out, h.net_ns);
@@ -1128,12 +1174,48 @@ impl Message {
                 for _ in 0..n {
                     kv.push((r.u32("Progress.kv.buffer")?, r.u64("Progress.kv.bytes")?));
                 }
+                let n = r.count(
+                    "Progress.runs",
+                    "MAX_RUNS",
+                    super::MAX_RUNS,
+                    PROGRESS_RUN_LEN,
+                )?;
+                let mut runs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let target = super::Target::try_from(r.u8("Progress.runs[].target")?)?;
+                    let reserved = r.take(3, "Progress.runs[].reserved")?;
+                    if reserved != [0; 3] {
+                        return Err(ProtoError::NonzeroReserved {
+                            field: "Progress.runs[].reserved",
+                            found: u64::from(u32::from_le_bytes([
+                                reserved[0],
+                                reserved[1],
+                                reserved[2],
+                                0,
+                            ])),
+                        });
+                    }
+                    let h = super::DataHeader {
+                        room,
+                        generation,
+                        target,
+                        buffer: r.u32("Progress.runs[].buffer")?,
+                        first_page: r.u32("Progress.runs[].first_page")?,
+                        n_pages: r.u32("Progress.runs[].n_pages")?,
+                        byte_len: r.u32("Progress.runs[].byte_len")?,
+                        page_off: r.u32("Progress.runs[].page_off")?,
+                        digest: r.u32("Progress.runs[].digest")?,
+                    };
+                    h.check(limits)?;
+                    runs.push(h);
+                }
                 Message::Progress {
                     room,
                     generation,
                     aux_rows,
                     bytes,
                     kv,
+                    runs,
                 }
             }
             Kind::Abort => {
@@ -1233,7 +1315,17 @@ impl Message {
             }
             Kind::SameHost => {
                 let setting = SameHostSetting::try_from(r.u8("SameHost.setting")?)?;
-                if r.take(3, "SameHost.reserved")? != [0; 3] {
+                let device_memory = match r.u8("SameHost.device_memory")? {
+                    0 => false,
+                    1 => true,
+                    found => {
+                        return Err(ProtoError::BadBool {
+                            field: "SameHost.device_memory",
+                            found,
+                        })
+                    }
+                };
+                if r.take(2, "SameHost.reserved")? != [0; 2] {
                     return Err(ProtoError::NonzeroReserved {
                         field: "SameHost.reserved",
                         found: 1,
@@ -1250,6 +1342,7 @@ impl Message {
                 probe.copy_from_slice(r.take(16, "SameHost.probe")?);
                 Message::SameHost(HostInfo {
                     setting,
+                    device_memory,
                     boot_id,
                     pid_ns,
                     net_ns,
@@ -1402,6 +1495,33 @@ fn decode_buffers(
     Ok(list)
 }
 
+/// A digested run of a `Progress`, for the samples.
+#[cfg(test)]
+#[allow(clippy::too_many_arguments)]
+fn progress_run(
+    room: u64,
+    generation: u64,
+    target: super::Target,
+    buffer: u32,
+    first_page: u32,
+    n_pages: u32,
+    byte_len: u32,
+    page_off: u32,
+    digest: u32,
+) -> super::DataHeader {
+    super::DataHeader {
+        room,
+        generation,
+        target,
+        buffer,
+        first_page,
+        n_pages,
+        byte_len,
+        page_off,
+        digest,
+    }
+}
+
 /// Valid messages covering typical and edge values, shared by the codec's tests.
 #[cfg(test)]
 pub(super) fn sample_messages() -> Vec<Message> {
@@ -1490,6 +1610,7 @@ pub(super) fn sample_messages() -> Vec<Message> {
             aux_rows: 1,
             bytes: 64 * 4096 + 128,
             kv: vec![(0, 32 * 4096), (1, 32 * 4096)],
+            runs: vec![],
         },
         Message::Progress {
             room: u64::MAX,
@@ -1497,6 +1618,7 @@ pub(super) fn sample_messages() -> Vec<Message> {
             aux_rows: 0,
             bytes: u64::MAX,
             kv: vec![(u32::MAX, u64::MAX)],
+            runs: vec![],
         },
         Message::Progress {
             room: 1,
@@ -1504,6 +1626,7 @@ pub(super) fn sample_messages() -> Vec<Message> {
             aux_rows: 1,
             bytes: 128,
             kv: vec![],
+            runs: vec![],
         },
         Message::Abort {
             room: 7,
@@ -1609,6 +1732,18 @@ pub(super) fn sample_messages() -> Vec<Message> {
             }),
             integrity: false,
         }),
+        Message::Progress {
+            room: 7,
+            generation: 3,
+            aux_rows: 1,
+            bytes: 2 * 4096 + 128,
+            kv: vec![(0, 4096), (1, 4096)],
+            runs: vec![
+                progress_run(7, 3, super::Target::Kv, 0, 40, 1, 4096, 0, 0x1234_5678),
+                progress_run(7, 3, super::Target::Kv, 1, 41, 1, 2048, 2048, u32::MAX),
+                progress_run(7, 3, super::Target::Aux, 0, 2, 1, 128, 0, 0),
+            ],
+        },
     ]
 }
 
@@ -1632,6 +1767,42 @@ mod tests {
         let h = FrameHeader::decode(&hdr, limits)?;
         assert_eq!(h.payload_len as usize, bytes.len() - FRAME_HEADER_LEN);
         Message::decode(h.kind, &bytes[FRAME_HEADER_LEN..], limits)
+    }
+
+    #[test]
+    fn progress_runs_of_another_room_or_too_many_do_not_validate() {
+        let limits = Limits::default();
+        let run = progress_run(7, 3, super::super::Target::Kv, 0, 1, 1, 64, 0, 9);
+        let progress = |runs: Vec<super::super::DataHeader>| Message::Progress {
+            room: 7,
+            generation: 3,
+            aux_rows: 0,
+            bytes: 64,
+            kv: vec![(0, 64)],
+            runs,
+        };
+        assert_eq!(progress(vec![run]).validate(&limits), Ok(()));
+        let other = super::super::DataHeader {
+            generation: 2,
+            ..run
+        };
+        assert!(matches!(
+            progress(vec![run, other]).validate(&limits),
+            Err(ProtoError::RunsOfSeveralRooms { .. })
+        ));
+        let many = vec![run; super::super::MAX_RUNS as usize + 1];
+        assert!(matches!(
+            progress(many).validate(&limits),
+            Err(ProtoError::CountOverLimit { .. })
+        ));
+        // A run's own fields are checked as a data header's, on both sides.
+        let empty = super::super::DataHeader { n_pages: 0, ..run };
+        assert_eq!(
+            progress(vec![empty]).validate(&limits),
+            Err(ProtoError::ZeroPages)
+        );
+        let bytes = encode(&progress(vec![empty]));
+        assert_eq!(decode_frame(&bytes, &limits), Err(ProtoError::ZeroPages));
     }
 
     #[test]

@@ -31,7 +31,7 @@
 //! | `Registration` | `has_layout u8 (0/1)`; if 1, the kv layout `kv_heads u32, head_dim u32, dtype_bytes u32, tp_rank u32, tp_size u32, page_tokens u32, order u8 (0 = HND, 1 = NHD), kind u8 (0 = heads, 1 = latent)` (26 bytes, which must pass `KvLayout::check`); then `kv_count u32` + kv buffers, then `aux_count u32` + aux buffers; each buffer is `len u64, item_len u64, addr u64, layer_id i32, rkey u32` (32 bytes) |
 //! | `Destination`  | `room u64, generation u64, aux_slot i64 (-1 = none), n_pages u32, pages u32 × n_pages` |
 //! | `Done`         | `room u64, generation u64, room_echo u64 (= room), pages_sent u32, aux_sent u8 (0/1)` (29 bytes) |
-//! | `Progress`     | `room u64, generation u64, aux_rows u32, bytes u64, n_kv u32`, then `n_kv` × `buffer u32, kv_bytes u64` (KV bytes per buffer; RDMA only) |
+//! | `Progress`     | `room u64, generation u64, aux_rows u32, bytes u64, n_kv u32`, then `n_kv` × `buffer u32, kv_bytes u64` (KV bytes per buffer; RDMA only), then `n_runs u32` (at most [`MAX_RUNS`]; 0 with `integrity=off`) and `n_runs` × `target u8, reserved u8 × 3 (0), buffer u32, first_page u32, n_pages u32, byte_len u32, page_off u32, digest u32` (28 bytes: each run the writes carried, as its data header would say, room and generation the message's) |
 //! | `Abort`        | `room u64, generation u64, reason_len u32, reason UTF-8 bytes`           |
 //! | `AbortAck`     | `room u64, generation u64` (16 bytes)                                    |
 //! | `Heartbeat`    | `seq u64` (8 bytes)                                                      |
@@ -106,8 +106,11 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 /// ([`KvLayout`](crate::layout::KvLayout)) that the registration exchange checks, lets a
 /// data header write at an offset inside one page (`DataHeader::page_off`, for layouts
 /// that differ) and counts RDMA progress in KV bytes per buffer (`Progress::kv`); 6 added
-/// the same-host path (`SameHost`, `PathChoice`, `Copy`, `Copied`).
-pub const PROTO_VERSION: u16 = 6;
+/// the same-host path (`SameHost`, `PathChoice`, `Copy`, `Copied`); 7 added the digested
+/// runs of `Progress` (verified bytes over RDMA) and says in `SameHost` whether the sender
+/// registered CUDA device memory (a reserved byte before), which the same-host copy cannot
+/// move.
+pub const PROTO_VERSION: u16 = 7;
 
 /// Length in bytes of the fixed frame header that starts every frame.
 pub const FRAME_HEADER_LEN: usize = 16;

@@ -7,14 +7,46 @@
 pub mod copy_link;
 pub mod rdma;
 pub mod samehost;
+pub mod staging;
 pub mod tcp;
 
 use std::io;
 
 use crate::proto::DataHeader;
 
+/// Where a registered buffer lives. Only host memory may be read or written by the CPU:
+/// [`Memory`] refuses host slices of device memory, so no host code path can touch a
+/// device address (a host `memcpy` of one would crash the process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum MemKind {
+    /// Host memory (the process's own address space).
+    #[default]
+    Host,
+    /// CUDA device memory of device `device` (an ordinal as the CUDA driver counts).
+    Cuda {
+        /// The CUDA device ordinal.
+        device: u32,
+    },
+}
+
+impl MemKind {
+    /// Whether the CPU may read and write it.
+    pub fn is_host(self) -> bool {
+        self == MemKind::Host
+    }
+}
+
+impl std::fmt::Display for MemKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemKind::Host => f.write_str("host memory"),
+            MemKind::Cuda { device } => write!(f, "CUDA device memory of device {device}"),
+        }
+    }
+}
+
 /// One registered memory buffer, as addresses (the engine never dereferences them
-/// itself; [`Memory`] does, under the registration contract).
+/// itself; [`Memory`] does, under the registration contract, and only for host memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufferDesc {
     /// First byte.
@@ -23,9 +55,21 @@ pub struct BufferDesc {
     pub len: usize,
     /// Bytes of one page (KV) or one slot (aux).
     pub item_len: usize,
+    /// Where the bytes live.
+    pub kind: MemKind,
 }
 
 impl BufferDesc {
+    /// A buffer of host memory.
+    pub fn host(base: usize, len: usize, item_len: usize) -> Self {
+        BufferDesc {
+            base,
+            len,
+            item_len,
+            kind: MemKind::Host,
+        }
+    }
+
     /// Whole pages (or slots) the buffer holds.
     pub fn items(&self) -> usize {
         self.len / self.item_len
@@ -156,7 +200,56 @@ impl Memory {
         self.bufs.iter().map(BufferDesc::items).min().unwrap_or(0)
     }
 
+    /// Where `buffer` lives (`None`: not registered).
+    pub fn kind(&self, buffer: usize) -> Option<MemKind> {
+        self.bufs.get(buffer).map(|b| b.kind)
+    }
+
+    /// Whether any buffer is device memory.
+    pub fn has_device(&self) -> bool {
+        self.bufs.iter().any(|b| !b.kind.is_host())
+    }
+
+    /// The device address and length of pages `first..first+n` of `buffer`, which must
+    /// be device memory: for a copy engine, never for the CPU to dereference.
+    pub fn device_range(&self, buffer: usize, first: u32, n: u32) -> Result<(usize, usize)> {
+        let (addr, len) = self.range_any(buffer, first, n)?;
+        match self.bufs[buffer].kind {
+            MemKind::Host => Err(err!(
+                InvalidArgument,
+                "buffer {buffer} is host memory, not device memory"
+            )),
+            MemKind::Cuda { .. } => Ok((addr, len)),
+        }
+    }
+
+    /// As [`device_range`](Self::device_range), for bytes `off..off + len` of the pages.
+    pub fn device_run(
+        &self,
+        buffer: usize,
+        first: u32,
+        n: u32,
+        off: usize,
+        len: usize,
+    ) -> Result<usize> {
+        self.device_range(buffer, first, n)?;
+        self.run_addr_any(buffer, first, n, off, len)
+    }
+
+    /// The range of pages `first..first+n` of `buffer`, which must be host memory: the
+    /// one gate every host slice passes.
     fn range(&self, buffer: usize, first: u32, n: u32) -> Result<(usize, usize)> {
+        let (addr, len) = self.range_any(buffer, first, n)?;
+        match self.bufs[buffer].kind {
+            MemKind::Host => Ok((addr, len)),
+            kind => Err(err!(
+                InvalidArgument,
+                "buffer {buffer} is {kind}: the CPU may not read or write it"
+            )),
+        }
+    }
+
+    fn range_any(&self, buffer: usize, first: u32, n: u32) -> Result<(usize, usize)> {
         let b = self
             .bufs
             .get(buffer)
@@ -177,7 +270,7 @@ impl Memory {
 
     /// Whether pages `first..first+n` lie inside `buffer`; the error says why not.
     pub fn check_range(&self, buffer: usize, first: u32, n: u32) -> Result<()> {
-        self.range(buffer, first, n).map(|_| ())
+        self.range_any(buffer, first, n).map(|_| ())
     }
 
     /// The bytes of pages `first..first+n` of `buffer`, for sending.
@@ -203,7 +296,10 @@ impl Memory {
         let addr = self.run_addr(buffer, first, n, off, len)?;
         // SAFETY: inside registered memory as in `pages`, `off + len` checked by
         // `run_addr`. The bytes are the ones one run of a room took
-        // (`DecodeRoom::take_grants`), which no other receiver writes.
+        // (`DecodeRoom::take_grants`), which no other receiver writes; over RDMA the
+        // writes that filled them completed before the progress that names them was
+        // sent. A peer that still wrote into them could only change what is read
+        // (arbitrary bytes, never undefined behaviour for u8), failing the digest.
         Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
     }
 
@@ -237,7 +333,20 @@ impl Memory {
     /// The address of byte `off` of pages `first..first+n` of `buffer`, once `off + len`
     /// is checked to lie inside those pages.
     fn run_addr(&self, buffer: usize, first: u32, n: u32, off: usize, len: usize) -> Result<usize> {
-        let (addr, pages_len) = self.range(buffer, first, n)?;
+        self.range(buffer, first, n)?;
+        self.run_addr_any(buffer, first, n, off, len)
+    }
+
+    /// `run_addr` for memory of any kind.
+    fn run_addr_any(
+        &self,
+        buffer: usize,
+        first: u32,
+        n: u32,
+        off: usize,
+        len: usize,
+    ) -> Result<usize> {
+        let (addr, pages_len) = self.range_any(buffer, first, n)?;
         if off.checked_add(len).is_none_or(|end| end > pages_len) {
             return Err(err!(
                 InvalidArgument,
@@ -318,15 +427,49 @@ mod tests {
     #[test]
     fn page_ranges_outside_a_buffer_are_refused() {
         let mut backing = vec![0u8; 4 * 16];
-        let m = Memory::new(vec![BufferDesc {
-            base: backing.as_mut_ptr() as usize,
-            len: backing.len(),
-            item_len: 16,
-        }]);
+        let m = Memory::new(vec![BufferDesc::host(
+            backing.as_mut_ptr() as usize,
+            backing.len(),
+            16,
+        )]);
         assert_eq!(m.pages(0, 1, 3).unwrap().len(), 48);
         assert!(m.pages(0, 2, 3).is_err());
         assert!(m.pages(0, 0, 0).is_err());
         assert!(m.pages(1, 0, 1).is_err());
         assert!(m.pages(0, u32::MAX, 1).is_err());
+    }
+
+    #[test]
+    fn device_buffers_give_no_host_slices_only_device_ranges() {
+        // An address no CPU code may touch: if a host slice of it were made and read,
+        // the test would crash, not fail.
+        let m = Memory::new(vec![
+            BufferDesc {
+                kind: MemKind::Cuda { device: 1 },
+                ..BufferDesc::host(0x7f00_0000_0000, 4 * 64, 64)
+            },
+            BufferDesc::host(0x1000, 64, 64),
+        ]);
+        let e = m.pages(0, 0, 1).unwrap_err();
+        assert!(
+            e.message().contains("CUDA device memory of device 1"),
+            "{e}"
+        );
+        assert!(m.bytes(0, 0, 1, 0, 8).is_err());
+        assert!(m.bytes_mut(0, 1, 2, 4, 8).is_err());
+        assert!(m.check_range(0, 1, 3).is_ok());
+        assert_eq!(
+            m.device_range(0, 1, 2).unwrap(),
+            (0x7f00_0000_0000 + 64, 128)
+        );
+        assert_eq!(m.device_run(0, 1, 2, 8, 16).unwrap(), 0x7f00_0000_0000 + 72);
+        assert!(m.device_run(0, 1, 2, 120, 16).is_err());
+        assert!(m.device_range(0, 3, 2).is_err());
+        assert!(
+            m.device_range(1, 0, 1).is_err(),
+            "host memory is no device range"
+        );
+        assert!(m.has_device());
+        assert_eq!(m.kind(0), Some(MemKind::Cuda { device: 1 }));
     }
 }

@@ -47,7 +47,7 @@ const MAX_COPY_RUNS: usize = 1024;
 
 /// This process's identity for a pairing, with `setting` and, on a prefill engine,
 /// `probe` (its address and bytes).
-pub fn local(setting: SameHostSetting, probe: Option<&[u8; 16]>) -> HostInfo {
+pub fn local(setting: SameHostSetting, probe: Option<&[u8; 16]>, device_memory: bool) -> HostInfo {
     let ns = |name: &str| {
         std::fs::metadata(format!("/proc/self/ns/{name}"))
             .map(|m| m.ino())
@@ -55,6 +55,7 @@ pub fn local(setting: SameHostSetting, probe: Option<&[u8; 16]>) -> HostInfo {
     };
     HostInfo {
         setting,
+        device_memory,
         boot_id: boot_id().unwrap_or([0; 16]),
         pid_ns: ns("pid"),
         net_ns: ns("net"),
@@ -109,6 +110,15 @@ pub fn check(ours: &HostInfo, theirs: &HostInfo) -> Result<(), NotSameHost> {
     }
     if ours.boot_id == [0; 16] || theirs.boot_id != ours.boot_id {
         return Err(NotSameHost::Elsewhere("another host".into()));
+    }
+    for (info, who) in [(ours, "this decode engine"), (theirs, "the prefill engine")] {
+        if info.device_memory {
+            return Err(NotSameHost::Refused(format!(
+                "same host, but {who} registered CUDA device memory, which the same-host \
+                 copy (host memory, process_vm_readv) cannot move; there is no CUDA IPC \
+                 path in this build"
+            )));
+        }
     }
     if theirs.net_ns != ours.net_ns {
         return Err(NotSameHost::Elsewhere(
@@ -316,22 +326,22 @@ mod tests {
     #[test]
     fn this_process_reads_its_own_probe() {
         let probe = [7u8; 16];
-        let ours = local(SameHostSetting::Auto, None);
-        let theirs = local(SameHostSetting::Auto, Some(&probe));
+        let ours = local(SameHostSetting::Auto, None, false);
+        let theirs = local(SameHostSetting::Auto, Some(&probe), false);
         assert_eq!(check(&ours, &theirs), Ok(()));
     }
 
     #[test]
     fn another_boot_id_or_network_namespace_is_another_host() {
         let probe = [7u8; 16];
-        let ours = local(SameHostSetting::Auto, None);
-        let mut theirs = local(SameHostSetting::Auto, Some(&probe));
+        let ours = local(SameHostSetting::Auto, None, false);
+        let mut theirs = local(SameHostSetting::Auto, Some(&probe), false);
         theirs.boot_id[0] ^= 1;
         assert!(matches!(
             check(&ours, &theirs),
             Err(NotSameHost::Elsewhere(_))
         ));
-        let mut theirs = local(SameHostSetting::Auto, Some(&probe));
+        let mut theirs = local(SameHostSetting::Auto, Some(&probe), false);
         theirs.net_ns += 1;
         assert!(matches!(
             check(&ours, &theirs),
@@ -342,22 +352,40 @@ mod tests {
     #[test]
     fn a_probe_that_differs_or_a_peer_that_is_off_is_refused_with_the_reason() {
         let probe = [7u8; 16];
-        let ours = local(SameHostSetting::Auto, None);
-        let mut theirs = local(SameHostSetting::Auto, Some(&probe));
+        let ours = local(SameHostSetting::Auto, None, false);
+        let mut theirs = local(SameHostSetting::Auto, Some(&probe), false);
         theirs.probe[3] ^= 1;
         let e = check(&ours, &theirs).unwrap_err();
         assert!(e.why().contains("probe differs"), "{e:?}");
-        let mut theirs = local(SameHostSetting::Off, Some(&probe));
+        let mut theirs = local(SameHostSetting::Off, Some(&probe), false);
         theirs.probe = probe;
         let e = check(&ours, &theirs).unwrap_err();
         assert!(e.why().contains("same_host=off"), "{e:?}");
     }
 
     #[test]
+    fn device_memory_on_either_side_refuses_the_same_host_copy_with_the_reason() {
+        let probe = [7u8; 16];
+        for (ours_dev, theirs_dev, who) in [
+            (true, false, "this decode engine"),
+            (false, true, "the prefill engine"),
+        ] {
+            let ours = local(SameHostSetting::Auto, None, ours_dev);
+            let theirs = local(SameHostSetting::Auto, Some(&probe), theirs_dev);
+            let e = check(&ours, &theirs).unwrap_err();
+            assert!(matches!(e, NotSameHost::Refused(_)), "{e:?}");
+            assert!(
+                e.why().contains(who) && e.why().contains("CUDA device memory"),
+                "{e:?}"
+            );
+        }
+    }
+
+    #[test]
     fn a_process_that_does_not_exist_is_not_visible() {
         let probe = [7u8; 16];
-        let ours = local(SameHostSetting::Auto, None);
-        let mut theirs = local(SameHostSetting::Auto, Some(&probe));
+        let ours = local(SameHostSetting::Auto, None, false);
+        let mut theirs = local(SameHostSetting::Auto, Some(&probe), false);
         theirs.pid = i32::MAX as u32;
         let e = check(&ours, &theirs).unwrap_err();
         assert!(e.why().contains("not visible"), "{e:?}");

@@ -39,11 +39,7 @@ impl Region {
 
     /// The region as one KV buffer of its pages.
     pub fn desc(&self) -> BufferDesc {
-        BufferDesc {
-            base: self.ptr as usize,
-            len: self.len,
-            item_len: self.item,
-        }
+        BufferDesc::host(self.ptr as usize, self.len, self.item)
     }
 
     /// A copy of page `p`.

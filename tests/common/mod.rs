@@ -10,7 +10,9 @@
 
 pub mod child;
 pub mod engine;
+pub mod etcd;
 pub mod fake;
+pub mod fakecuda;
 pub mod memory;
 pub mod pair;
 pub mod pki;

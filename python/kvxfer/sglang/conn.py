@@ -78,6 +78,10 @@ CONFIG_ENV = "KVXFER_CONFIG"
 ``transport=tcp,workers=8``), applied after the backend's own keys."""
 
 LISTEN_HOST_ENV = "KVXFER_LISTEN_HOST"
+KV_MEMORY_ENV = "KVXFER_KV_MEMORY"
+"""Where SGLang's ``kv_data_ptrs`` point: ``cuda`` (GPU memory of the scheduler's
+device), ``host``, or ``auto`` (the default: ``cuda`` when the scheduler process has
+PyTorch loaded with CUDA available, as an SGLang GPU server does, else ``host``)."""
 """The host the engine listens on (default: the server's ``--host``, or every address
 when that is a wildcard). An address that is not loopback needs a cluster key
 (``KVXFER_CONFIG=auth_key_file=PATH``, the same key on every server) or, to run
@@ -119,6 +123,32 @@ def _pages(indices: Any) -> Any:
     if arr.size and arr.max() > 0xFFFFFFFF:
         raise ValueError(f"page index {int(arr.max())} does not fit 32 bits")
     return arr.astype(np.uint32)
+
+
+def _kv_device(args: Any) -> Optional[int]:
+    """The CUDA device of SGLang's KV pool (its ``kv_data_ptrs`` are device pointers
+    there), or None for host memory; see :data:`KV_MEMORY_ENV`. The aux buffers
+    (request metadata) are host memory either way. Never imports torch itself."""
+    mode = os.environ.get(KV_MEMORY_ENV, "auto").strip().lower()
+    if mode not in ("auto", "cuda", "host"):
+        raise ValueError(f"kvxfer backend: {KV_MEMORY_ENV}={mode!r}: use auto, cuda or host")
+    if mode == "host":
+        return None
+    import sys
+
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_available()
+    if mode == "auto" and not cuda:
+        return None
+    if cuda:
+        # The scheduler set its device before building the pool (SGLang's gpu_id is
+        # the torch device index of this rank).
+        return int(torch.cuda.current_device())
+    gpu = getattr(args, "gpu_id", None)
+    if gpu is None:
+        raise ValueError(f"kvxfer backend: {KV_MEMORY_ENV}=cuda, but KVArgs has no gpu_id "
+                         "and torch.cuda is not available in this process")
+    return int(gpu)
 
 
 @dataclasses.dataclass
@@ -267,7 +297,12 @@ class KvxferKVManager(BaseKVManager):
         ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
         if not (len(ptrs) == len(lens) == len(items)):
             raise ValueError("kvxfer backend: kv_data_ptrs, kv_data_lens and kv_item_lens differ in length")
-        bufs = [(int(p), int(n), int(i)) for p, n, i in zip(ptrs, lens, items)]
+        device = _kv_device(args)
+        bufs = [
+            kvxfer.Buffer(int(p), int(n), int(i)) if device is None
+            else kvxfer.Buffer(int(p), int(n), int(i), None, kvxfer.MemoryKind.CUDA, device)
+            for p, n, i in zip(ptrs, lens, items)
+        ]
         layer_ids = list(getattr(args, "kv_layer_ids", None) or [])
         if layer_ids and len(layer_ids) == len(bufs):
             # Pipeline stages register only their layers; buffers pair by layer id.

@@ -130,6 +130,24 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
                 self.counters[k][engine_idx].inc(v)
 
 
+@dataclasses.dataclass(frozen=True)
+class KvCacheAccess:
+    """What :meth:`KvxferConnector.kv_cache_access` declares."""
+
+    reads: bool
+    """The producer's threads read the blocks of finished prefills."""
+    writes: bool
+    """The consumer's threads write the blocks a decode request was given."""
+    memory: tuple[str, ...]
+    """The device types of KV caches it accepts."""
+    in_forward: bool
+    """Whether it touches the cache inside the forward pass (on the model's stream)."""
+
+
+KV_CACHE_ACCESS = KvCacheAccess(reads=True, writes=True, memory=("cpu", "cuda"),
+                                in_forward=False)
+
+
 def _check_supported(vllm_config: "VllmConfig", side: str) -> None:
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
@@ -186,10 +204,13 @@ class KvxferConnector(KVConnectorBase_V1):
         num_blocks = self._kv_cache_config.num_blocks
         buffers = []
         for name, t in kv_caches.items():
-            if t.device.type != "cpu":
+            if t.device.type not in ("cpu", "cuda"):
                 raise NotImplementedError(
-                    f"KvxferConnector: layer {name}'s KV cache is in {t.device} memory; only "
-                    "CPU memory is supported yet")
+                    f"KvxferConnector: layer {name}'s KV cache is in {t.device} memory; CPU "
+                    "and CUDA memory are supported")
+            device = None
+            if t.device.type == "cuda":
+                device = t.device.index if t.device.index is not None else torch.cuda.current_device()
             if not t.is_contiguous():
                 raise NotImplementedError(f"KvxferConnector: layer {name}'s KV cache is not "
                                           f"contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
@@ -199,7 +220,7 @@ class KvxferConnector(KVConnectorBase_V1):
                     f"KvxferConnector: layer {name}'s KV cache {tuple(t.shape)} is not laid out "
                     f"block-major over {num_blocks} blocks (K and V outermost is not supported yet)")
             buffers.append(LayerBuffer(name, extract_layer_index(name), t.data_ptr(), nbytes,
-                                       nbytes // num_blocks))
+                                       nbytes // num_blocks, device))
         self.worker.register(buffers)
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
@@ -310,6 +331,26 @@ class KvxferConnector(KVConnectorBase_V1):
             return None
         self._last_pending = pending
         return KvxferStats(data={"pending_requests": pending})
+
+    # ==============================
+    # What the connector asks of vLLM
+    # ==============================
+
+    @classmethod
+    def kv_cache_access(cls) -> KvCacheAccess:
+        """How the connector touches the KV cache: its own threads read (producer) and
+        write (consumer) the registered blocks directly, outside the forward pass, in CPU
+        or CUDA memory (GPU blocks through pinned host staging); never the model's
+        stream."""
+        return KV_CACHE_ACCESS
+
+    @classmethod
+    def supports_sleep_mode(cls) -> bool:
+        """False: sleep mode frees and re-allocates the KV cache, and libkvxfer holds
+        the registered addresses until the engine is freed (re-registration is not
+        supported), so a sleeping server would leave transfers pointing at freed GPU
+        memory."""
+        return False
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> KVConnectorStats:

@@ -49,6 +49,8 @@ class LayerBuffer:
     base: int
     nbytes: int
     page_bytes: int
+    device: Optional[int] = None
+    """The CUDA device index of a KV cache in GPU memory; None for CPU memory."""
 
 
 @dataclasses.dataclass
@@ -128,11 +130,20 @@ class ConnectorWorker:
             uniq.append(b)
         if not uniq:
             raise ValueError("kvxfer: no KV cache to register")
+        if len({b.device is None for b in uniq}) > 1:
+            raise ValueError("kvxfer: some layers' KV caches are in GPU memory and some in "
+                             "CPU memory; register one kind")
         with engine_config(self.role, self._keys) as cfg:
             engine = Engine(cfg)
         try:
-            engine.register_kv_layers([(b.base, b.nbytes, b.page_bytes) for b in uniq],
-                                      [b.layer for b in uniq])
+            # GPU memory goes through kvxfer_register_kv_desc (checked against the CUDA
+            # driver; moved through pinned staging over TCP).
+            engine.register_kv_layers(
+                [kvxfer.Buffer(b.base, b.nbytes, b.page_bytes) if b.device is None
+                 else kvxfer.Buffer(b.base, b.nbytes, b.page_bytes, None,
+                                    kvxfer.MemoryKind.CUDA, b.device)
+                 for b in uniq],
+                [b.layer for b in uniq])
         except BaseException:
             engine.close()
             raise

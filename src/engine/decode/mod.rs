@@ -6,6 +6,7 @@
 mod layers;
 mod receive;
 mod room;
+mod verify;
 
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use super::core::{self, Core, Side};
 use super::lifecycle;
 use crate::config::parse_host_port;
-use crate::control::{pairing, Control, Events, Path, Peer};
+use crate::control::{pairing, Control, Events, Path, Peer, Progress};
 use crate::err;
 use crate::error::Result;
 use crate::node::Node;
@@ -55,12 +56,16 @@ pub(crate) fn check_prefills(addrs: &[String]) -> Result<()> {
 /// A decode engine.
 pub(crate) struct DecodeEngine {
     pub core: Core<DecodeRoom>,
+    /// With `integrity=verify` over RDMA: the progress and Done messages the verifier
+    /// thread handles ([`verify`]).
+    verifier: verify::Verifier,
 }
 
 impl DecodeEngine {
     pub fn start(node: Arc<Node>, control: Arc<Control>) -> Arc<DecodeEngine> {
         let engine = Arc::new(DecodeEngine {
             core: Core::new(node, control.clone()),
+            verifier: verify::Verifier::default(),
         });
         control.bind(Arc::downgrade(&(engine.clone() as Arc<dyn Events>)));
         engine
@@ -272,6 +277,53 @@ impl DecodeEngine {
             Settle::Done { all: false } | Settle::Wait | Settle::Nothing => {}
         }
     }
+
+    /// Whether RDMA progress is verified (`integrity=verify` over RDMA).
+    fn verifies(&self) -> bool {
+        self.core.node.config.integrity && self.core.node.rdma.is_some()
+    }
+
+    /// A prefill engine's `Progress`: counts what its writes carried (verified first
+    /// where `integrity=verify`).
+    fn on_progress(&self, peer: &Arc<Peer>, p: Progress) {
+        let Some((room, idx)) = self.room_of(peer, p.room, p.generation) else {
+            return;
+        };
+        if room.state().is_terminal() {
+            return;
+        }
+        if !room.ext.sent() {
+            lifecycle::fail(
+                self,
+                &room,
+                FailureReason::local(
+                    Cause::Mismatch,
+                    format!(
+                        "room {}: {} wrote before it had the destination",
+                        p.room, peer.name
+                    ),
+                ),
+                None,
+            );
+            return;
+        }
+        if self.core.node.config.integrity && !self.verify_progress(peer, &room, &p) {
+            return;
+        }
+        self.core
+            .node
+            .metrics
+            .bytes_received
+            .fetch_add(p.bytes, Ordering::Relaxed);
+        // The peer's buffers, as ours.
+        let map = peer.kv_map.get().map_or(&[][..], |m| &m[..]);
+        let ours: Vec<(u32, u64)> =
+            p.kv.iter()
+                .map(|&(b, n)| (map.get(b as usize).copied().unwrap_or(u32::MAX), n))
+                .collect();
+        self.count(peer, &room, idx, &ours, p.aux_rows as u64);
+        let _ = lifecycle::start(self, &room);
+    }
 }
 
 impl Side for DecodeEngine {
@@ -358,54 +410,24 @@ impl Events for DecodeEngine {
     }
 
     fn done(&self, peer: &Arc<Peer>, room: u64, generation: u64, pages: u32, aux: bool) {
-        self.on_done(peer, room, generation, pages, aux)
+        if self.verifies() {
+            // Behind the progress it counts.
+            let job = verify::Job::Done(peer.clone(), room, generation, pages, aux);
+            self.verifier.push(job);
+        } else {
+            self.on_done(peer, room, generation, pages, aux)
+        }
     }
 
-    /// RDMA: a prefill engine's writes of one batch of the room completed. Counts them
-    /// as TCP data frames are counted.
-    fn progress(
-        &self,
-        peer: &Arc<Peer>,
-        id: u64,
-        generation: u64,
-        aux_rows: u32,
-        bytes: u64,
-        kv: &[(u32, u64)],
-    ) {
-        let Some((room, idx)) = self.room_of(peer, id, generation) else {
-            return;
-        };
-        if room.state().is_terminal() {
-            return;
+    /// RDMA: a prefill engine's writes of one batch of the room completed. Counted as
+    /// TCP data frames are, once verified where `integrity=verify` (on the verifier
+    /// thread, in order with the peer's Done).
+    fn progress(&self, peer: &Arc<Peer>, p: Progress) {
+        if self.verifies() {
+            self.verifier.push(verify::Job::Progress(peer.clone(), p));
+        } else {
+            self.on_progress(peer, p)
         }
-        if !room.ext.sent() {
-            lifecycle::fail(
-                self,
-                &room,
-                FailureReason::local(
-                    Cause::Mismatch,
-                    format!(
-                        "room {id}: {} wrote before it had the destination",
-                        peer.name
-                    ),
-                ),
-                None,
-            );
-            return;
-        }
-        self.core
-            .node
-            .metrics
-            .bytes_received
-            .fetch_add(bytes, Ordering::Relaxed);
-        // The peer's buffers, as ours.
-        let map = peer.kv_map.get().map_or(&[][..], |m| &m[..]);
-        let ours: Vec<(u32, u64)> = kv
-            .iter()
-            .map(|&(b, n)| (map.get(b as usize).copied().unwrap_or(u32::MAX), n))
-            .collect();
-        self.count(peer, &room, idx, &ours, aux_rows as u64);
-        let _ = lifecycle::start(self, &room);
     }
 
     fn connected(&self, peer: &Arc<Peer>) {

@@ -13,7 +13,7 @@ use crate::engine::lifecycle;
 use crate::proto::{DataHeader, Target};
 use crate::room::{Cause, FailureReason, IoGuard};
 use crate::transport::tcp::recv::{Admit, FrameSink, Grant};
-use crate::transport::Memory;
+use crate::transport::{MemKind, Memory};
 
 /// One prefill engine's data connection, as the decode engine receives it.
 pub(super) struct Receiver<'a> {
@@ -22,7 +22,7 @@ pub(super) struct Receiver<'a> {
 }
 
 /// One admitted run: its header, the memory it fills and our buffer in it.
-type Run<'m> = (DataHeader, &'m Memory, u32);
+pub(super) type Run<'m> = (DataHeader, &'m Memory, u32);
 
 /// The granted pages of one data frame's runs.
 pub(super) struct Pages<'a> {
@@ -50,6 +50,24 @@ impl Grant for Pages<'_> {
         .expect("admitted bytes lie inside a registered buffer")
     }
 
+    fn device(&self, i: usize) -> Option<(u32, usize)> {
+        let (h, mem, buffer) = &self.runs[i];
+        match mem.kind(*buffer as usize)? {
+            MemKind::Host => None,
+            MemKind::Cuda { device } => Some((
+                device,
+                mem.device_run(
+                    *buffer as usize,
+                    h.first_page,
+                    h.n_pages,
+                    h.page_off as usize,
+                    h.byte_len as usize,
+                )
+                .expect("admitted bytes lie inside a registered buffer"),
+            )),
+        }
+    }
+
     fn enter(&self) -> Option<IoGuard<'_>> {
         // Counted in before the state is checked: once the room is terminal nothing more
         // lands, and `drained` is false while a write is in progress.
@@ -58,8 +76,12 @@ impl Grant for Pages<'_> {
     }
 
     fn finish(self, complete: &[bool]) {
+        self.finish_staged(complete, &[])
+    }
+
+    fn finish_staged(self, complete: &[bool], received: &[Option<u32>]) {
         let node = &self.engine.core.node;
-        if node.config.integrity && !self.verify(complete) {
+        if node.config.integrity && !self.verify(complete, received) {
             return;
         }
         let bytes: u64 = self
@@ -90,25 +112,52 @@ impl Grant for Pages<'_> {
 }
 
 impl Pages<'_> {
-    /// With `integrity=verify`: recomputes the digest of every run that landed whole over
-    /// the bytes where it landed (just written, so still in cache) and compares it with
-    /// the one its header carries ([`crate::integrity`]). A mismatch fails the room as
-    /// INTEGRITY, naming the engine, the buffer, the page and the byte range, and nothing
-    /// of the frame is counted; false then.
-    fn verify(&self, complete: &[bool]) -> bool {
-        let node = &self.engine.core.node;
+    /// With `integrity=verify`: verifies every run that landed whole
+    /// ([`DecodeEngine::verify_runs`]; just written, so still in cache; a run into device
+    /// memory was digested in the staging slots, `received`); false if one did not match
+    /// (the room failed, and nothing of the frame is counted).
+    fn verify(&self, complete: &[bool], received: &[Option<u32>]) -> bool {
+        let whole = self
+            .runs
+            .iter()
+            .zip(complete)
+            .enumerate()
+            .filter(|(_, (_, &c))| c)
+            .map(|(i, (r, _))| (r, received.get(i).copied().flatten()));
+        self.engine.verify_runs(self.peer, &self.room, whole)
+    }
+}
+
+impl DecodeEngine {
+    /// Recomputes the digest of each of `runs` of `peer` over the bytes where it landed
+    /// (or takes the one computed as it landed, where given) and compares it with the one
+    /// its header carries ([`crate::integrity`]), counting the bytes verified. A mismatch
+    /// fails the room as INTEGRITY, naming the engine, the buffer, the page and the byte
+    /// range; false then. The runs were admitted to the room
+    /// ([`DecodeEngine::check_data`]), and the caller holds the room's io count.
+    pub(super) fn verify_runs<'r, 'm: 'r>(
+        &self,
+        peer: &Peer,
+        room: &Arc<DRoom>,
+        runs: impl Iterator<Item = (&'r Run<'m>, Option<u32>)>,
+    ) -> bool {
+        let node = &self.core.node;
         let mut verified = 0u64;
-        for ((h, mem, buffer), _) in self.runs.iter().zip(complete).filter(|(_, &c)| c) {
-            let landed = mem
-                .bytes(
-                    *buffer as usize,
-                    h.first_page,
-                    h.n_pages,
-                    h.page_off as usize,
-                    h.byte_len as usize,
-                )
-                .expect("admitted bytes lie inside a registered buffer");
-            let got = crate::integrity::digest(h, landed);
+        for ((h, mem, buffer), digested) in runs {
+            let got = match digested {
+                Some(crc) => crc,
+                None => crate::integrity::digest(
+                    h,
+                    mem.bytes(
+                        *buffer as usize,
+                        h.first_page,
+                        h.n_pages,
+                        h.page_off as usize,
+                        h.byte_len as usize,
+                    )
+                    .expect("admitted bytes lie inside a registered buffer"),
+                ),
+            };
             if got == h.digest {
                 verified += u64::from(h.byte_len);
                 continue;
@@ -132,12 +181,12 @@ impl Pages<'_> {
                 } else {
                     String::new()
                 },
-                self.peer.name,
+                peer.name,
                 h.digest
             );
             lifecycle::fail(
-                self.engine,
-                &self.room,
+                self,
+                room,
                 FailureReason::local(Cause::Integrity, why),
                 None,
             );
@@ -257,7 +306,7 @@ impl DecodeEngine {
     /// destination, and each run's pages are granted to it, in registered buffers, with
     /// the right length (the grants under one lock for the whole frame). Returns the
     /// peer's position and, for each run, the memory and our buffer it fills.
-    fn check_data<'m>(
+    pub(super) fn check_data<'m>(
         &'m self,
         peer: &Arc<Peer>,
         room: &Arc<DRoom>,

@@ -206,11 +206,7 @@ mod tests {
     fn memory(ids: bool, backing: &mut Vec<u8>) -> Memory {
         *backing = vec![0u8; 4 * 64];
         let bufs = (0..4)
-            .map(|b| BufferDesc {
-                base: backing.as_ptr() as usize + b * 64,
-                len: 64,
-                item_len: 16,
-            })
+            .map(|b| BufferDesc::host(backing.as_ptr() as usize + b * 64, 64, 16))
             .collect();
         if ids {
             Memory::with_layers(bufs, vec![0, 0, 1, 1])

@@ -11,6 +11,7 @@ mod outbox;
 mod plan;
 mod send;
 mod sender;
+mod staged;
 
 use sender::Handed;
 

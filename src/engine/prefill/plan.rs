@@ -181,11 +181,7 @@ mod tests {
         Memory::new(
             backing
                 .iter_mut()
-                .map(|b| BufferDesc {
-                    base: b.as_mut_ptr() as usize,
-                    len: b.len(),
-                    item_len: item,
-                })
+                .map(|b| BufferDesc::host(b.as_mut_ptr() as usize, b.len(), item))
                 .collect(),
         )
     }

@@ -166,6 +166,22 @@ impl PrefillEngine {
         if ended() {
             return Ok(false);
         }
+        let memory = &self.core.node.memory;
+        if batch
+            .frames
+            .iter()
+            .any(|f| super::staged::on_device(memory, f))
+        {
+            // Device pages go through the pinned staging ring; the io count goes with
+            // them, held until every copy out of the room's pages completed.
+            let io = io.take().expect("held until here");
+            let written = self.write_staged(link, batch, io)?;
+            #[cfg(feature = "test-hooks")]
+            if written {
+                crate::testing::pause_point("worker.mid_chunk", room.id());
+            }
+            return Ok(written);
+        }
         let runs = self.runs(batch)?;
         // A slow link: once the room ends, its pages are no longer read, and the io count
         // drops before the frame in progress is ended with zeros.
@@ -244,6 +260,13 @@ impl PrefillEngine {
         if sent == Sent::RoomEnded {
             return Ok(false);
         }
+        self.batch_sent(batch);
+        Ok(true)
+    }
+
+    /// A batch went out whole: counted, and its room's deadline renewed.
+    pub(super) fn batch_sent(&self, batch: &Batch) {
+        let room = &batch.room;
         self.core
             .node
             .metrics
@@ -255,7 +278,6 @@ impl PrefillEngine {
             .data_runs_sent
             .fetch_add(batch.frames.len() as u64, Ordering::Relaxed);
         lifecycle::progressed(self, room);
-        Ok(true)
     }
 
     /// One batch ended (`written` whole, or not, on `link`): counts its chunk once every

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::{Condvar, Mutex};
 
 use super::verbs::{Access, Device, Endpoint, EndpointInfo, Region, WriteOp};
-use crate::proto::{BufferInfo, DataHeader, Message, Target, WireTransport};
+use crate::proto::{BufferInfo, DataHeader, Message, Target, WireTransport, MAX_RUNS};
 use crate::transport::{DataLink, Sent, Watch};
 
 /// Where one remote buffer lives: address, key and size.
@@ -87,6 +87,8 @@ pub struct RdmaLink {
     slice: usize,
     stall: Duration,
     control: ControlSender,
+    /// `integrity=verify`: progress carries every run's header and digest.
+    integrity: bool,
 }
 
 #[derive(Default)]
@@ -118,6 +120,8 @@ pub struct LinkSetup {
     pub stall: Duration,
     /// Sends control frames to the peer.
     pub control: ControlSender,
+    /// `integrity=verify`: progress carries every run's header and digest.
+    pub integrity: bool,
 }
 
 impl RdmaLink {
@@ -140,6 +144,7 @@ impl RdmaLink {
             slice: setup.slice,
             stall: setup.stall,
             control: setup.control,
+            integrity: setup.integrity,
         }
     }
 
@@ -306,24 +311,39 @@ impl DataLink for RdmaLink {
         };
         #[cfg(feature = "test-hooks")]
         crate::testing::pause_point("rdma.batch_done", first.room);
-        let (mut kv, mut aux, mut bytes) = (Vec::<(u32, u64)>::new(), 0u32, 0u64);
-        for (hdr, b) in runs {
-            match hdr.target {
-                Target::Kv => match kv.iter_mut().find(|(buf, _)| *buf == hdr.buffer) {
-                    Some((_, n)) => *n += b.len() as u64,
-                    None => kv.push((hdr.buffer, b.len() as u64)),
-                },
-                Target::Aux => aux += 1,
+        // With integrity=verify the runs themselves go too, digests included (at most
+        // MAX_RUNS a message), for the decode side to check where they landed.
+        let per_message = if self.integrity {
+            MAX_RUNS as usize
+        } else {
+            runs.len()
+        };
+        for part in runs.chunks(per_message.max(1)) {
+            let (mut kv, mut aux, mut bytes) = (Vec::<(u32, u64)>::new(), 0u32, 0u64);
+            for (hdr, b) in part {
+                match hdr.target {
+                    Target::Kv => match kv.iter_mut().find(|(buf, _)| *buf == hdr.buffer) {
+                        Some((_, n)) => *n += b.len() as u64,
+                        None => kv.push((hdr.buffer, b.len() as u64)),
+                    },
+                    Target::Aux => aux += 1,
+                }
+                bytes += b.len() as u64;
             }
-            bytes += b.len() as u64;
+            let digested = if self.integrity {
+                part.iter().map(|(h, _)| *h).collect()
+            } else {
+                Vec::new()
+            };
+            self.send(&Message::Progress {
+                room: first.room,
+                generation: first.generation,
+                kv,
+                aux_rows: aux,
+                bytes,
+                runs: digested,
+            })?;
         }
-        self.send(&Message::Progress {
-            room: first.room,
-            generation: first.generation,
-            kv,
-            aux_rows: aux,
-            bytes,
-        })?;
         Ok(Sent::All)
     }
 

@@ -201,6 +201,8 @@ pub struct Outbound<'a> {
     pub stall: Duration,
     /// Sends a control frame to the decode engine (each link gets its own sender).
     pub control: &'a dyn Fn() -> ControlSender,
+    /// `integrity=verify`: progress carries every run's header and digest.
+    pub integrity: bool,
 }
 
 /// Prefill side: connects `eps` to the decode engine's answered queue pairs `remotes`,
@@ -235,6 +237,7 @@ pub fn outbound(
                 slice: setup.slice,
                 stall: setup.stall,
                 control: (setup.control)(),
+                integrity: setup.integrity,
             },
         )));
     }

@@ -5,6 +5,7 @@
 pub mod recv;
 pub mod seal;
 pub mod send;
+mod staged;
 
 use std::io::{self, Read};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};

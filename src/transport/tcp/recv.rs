@@ -246,6 +246,13 @@ pub trait Grant {
     #[allow(clippy::mut_from_ref)]
     fn pages(&self, i: usize) -> &mut [u8];
 
+    /// For run `i` into device memory: its device and the device address of its first
+    /// byte (the run's bytes then go through the staging ring, and [`pages`](Self::pages)
+    /// is never asked for it). `None`: host memory.
+    fn device(&self, _i: usize) -> Option<(u32, usize)> {
+        None
+    }
+
     /// Counts one write into the pages in (until the guard drops) and says whether the
     /// room is still live; `None`: it ended, write nothing more.
     fn enter(&self) -> Option<IoGuard<'_>>;
@@ -253,6 +260,18 @@ pub trait Grant {
     /// The payloads have been read: `complete[i]`, run `i` whole into its pages, or
     /// only in part before the room ended (the rest was dropped).
     fn finish(self, complete: &[bool]);
+
+    /// As [`finish`](Self::finish), for a frame with runs into device memory:
+    /// `received[i]` is the digest ([`crate::integrity`]) of run `i`'s bytes as they
+    /// were received, taken in the staging slots before the copy to the device (`None`
+    /// for runs into host memory, whose digest is taken where they landed).
+    fn finish_staged(self, complete: &[bool], received: &[Option<u32>])
+    where
+        Self: Sized,
+    {
+        let _ = received;
+        self.finish(complete)
+    }
 }
 
 /// What a data connection's frames are for: the decode engine, for one peer.
@@ -304,6 +323,8 @@ pub(crate) fn next_frame<R: io::Read, S: FrameSink>(
 /// Reads one data connection until it ends; returns why it ended.
 pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
     let mut s = DataStream::new(s);
+    // The connection's staging rings for runs into device memory, made on first use.
+    let mut rings = crate::cuda::copy::Rings::default();
     loop {
         let hdr = match next_frame(&mut s, sink, limits) {
             Ok(h) => h,
@@ -312,14 +333,14 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
         let r = match hdr.kind {
             Kind::Data => proto::read_data_header(&mut s, &hdr, limits)
                 .map_err(|e| e.to_string())
-                .and_then(|dh| data(&mut s, sink, std::slice::from_ref(&dh))),
+                .and_then(|dh| data(&mut s, sink, std::slice::from_ref(&dh), &mut rings)),
             Kind::DataRuns => proto::read_runs_count(&mut s, &hdr, limits)
                 .and_then(|n| {
                     s.expect(n as usize * proto::DATA_HEADER_LEN);
                     proto::read_run_headers(&mut s, &hdr, n, limits)
                 })
                 .map_err(|e| e.to_string())
-                .and_then(|runs| data(&mut s, sink, &runs)),
+                .and_then(|runs| data(&mut s, sink, &runs, &mut rings)),
             Kind::Done => match proto::read_control(&mut s, &hdr, limits) {
                 Ok(Message::Done {
                     room,
@@ -348,7 +369,12 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
 /// The runs of one data frame (one run for `Data`; one room's runs for `DataRuns`)
 /// whose headers were read: admitted together before any byte is read, then their
 /// payloads into the granted pages with as few `recv`s as they allow, or dropped.
-fn data<S: FrameSink>(s: &mut DataStream, sink: &S, runs: &[DataHeader]) -> Result<(), String> {
+fn data<S: FrameSink>(
+    s: &mut DataStream,
+    sink: &S,
+    runs: &[DataHeader],
+    rings: &mut crate::cuda::copy::Rings,
+) -> Result<(), String> {
     let grant = match sink.admit(runs) {
         Admit::Write(g) => g,
         Admit::Discard => {
@@ -357,6 +383,9 @@ fn data<S: FrameSink>(s: &mut DataStream, sink: &S, runs: &[DataHeader]) -> Resu
         }
         Admit::Refuse(why) => return Err(why),
     };
+    if (0..runs.len()).any(|i| grant.device(i).is_some()) {
+        return super::staged::data(s, grant, runs, rings);
+    }
     let mut dst: Vec<&mut [u8]> = (0..runs.len()).map(|i| grant.pages(i)).collect();
     debug_assert!(
         dst.iter()
@@ -383,7 +412,7 @@ fn data<S: FrameSink>(s: &mut DataStream, sink: &S, runs: &[DataHeader]) -> Resu
     Ok(())
 }
 
-fn discard(s: &mut DataStream, n: u64) -> Result<(), String> {
+pub(super) fn discard(s: &mut DataStream, n: u64) -> Result<(), String> {
     super::discard(s, n).map_err(|e| format!("data read failed: {e}"))
 }
 
