@@ -30,11 +30,15 @@ kvxfer_buffer_desc desc(uint32_t kind, uint32_t device, void *base) {
 
 void *device_address() { return reinterpret_cast<void *>(uintptr_t{0x7000000000}); }
 
+/// An engine on TCP, whatever the suite's default transport (RDMA in the soft-RoCE
+/// guest): GPU memory is refused over RDMA before the driver is asked.
+EnginePtr tcp_engine(const char *role) { return engine(role, {{"transport", "tcp"}}); }
+
 } // namespace
 
 TEST(Cuda, AMissingDriverLibraryIsTransportUnavailableNamingIt) {
     setenv("KVXFER_CUDA_LIBRARY", "/nonexistent/libcuda-gtest.so.1", 1);
-    EnginePtr e = engine("decode");
+    EnginePtr e = tcp_engine("decode");
     kvxfer_buffer_desc d = desc(KVXFER_MEMORY_CUDA, 0, device_address());
     Result r = result(kvxfer_register_kv_desc(e.get(), &d, nullptr, 1, nullptr));
     EXPECT_EQ(r.status, KVXFER_ERR_TRANSPORT_UNAVAILABLE) << r;
@@ -47,7 +51,7 @@ TEST(Cuda, AMissingDriverLibraryIsTransportUnavailableNamingIt) {
 }
 
 TEST(Cuda, TheDescriptorsStructSizeKindAndDeviceAreChecked) {
-    EnginePtr e = engine("prefill");
+    EnginePtr e = tcp_engine("prefill");
     std::vector<unsigned char> host(4096);
     kvxfer_buffer_desc d = desc(KVXFER_MEMORY_HOST, 0, host.data());
     d.struct_size = sizeof d - 8;
@@ -69,7 +73,7 @@ TEST(Cuda, AFailingCuInitAndADriverWithoutDevicesAreNamed) {
     setenv("KVXFER_CUDA_LIBRARY", KVXFER_FAKECUDA_LIBRARY, 1);
     setenv("FAKECUDA_INIT_ERROR", "100", 1);
     {
-        EnginePtr e = engine("decode");
+        EnginePtr e = tcp_engine("decode");
         kvxfer_buffer_desc d = desc(KVXFER_MEMORY_CUDA, 0, device_address());
         Result r = result(kvxfer_register_kv_desc(e.get(), &d, nullptr, 1, nullptr));
         EXPECT_EQ(r.status, KVXFER_ERR_TRANSPORT_UNAVAILABLE) << r;
@@ -78,14 +82,14 @@ TEST(Cuda, AFailingCuInitAndADriverWithoutDevicesAreNamed) {
     }
     unsetenv("FAKECUDA_INIT_ERROR");
     setenv("FAKECUDA_DEVICES", "0", 1);
-    EnginePtr e = engine("decode");
+    EnginePtr e = tcp_engine("decode");
     kvxfer_buffer_desc d = desc(KVXFER_MEMORY_CUDA, 0, device_address());
     Result r = result(kvxfer_register_kv_desc(e.get(), &d, nullptr, 1, nullptr));
     EXPECT_EQ(r.status, KVXFER_ERR_TRANSPORT_UNAVAILABLE) << r;
     EXPECT_TRUE(contains(r.message, "sees no CUDA device")) << r;
     // Memory the driver does not know, with a device present.
     setenv("FAKECUDA_DEVICES", "1", 1);
-    EnginePtr e2 = engine("decode");
+    EnginePtr e2 = tcp_engine("decode");
     r = result(kvxfer_register_kv_desc(e2.get(), &d, nullptr, 1, nullptr));
     EXPECT_EQ(r.status, KVXFER_ERR_INVALID_ARGUMENT) << r;
     EXPECT_TRUE(contains(r.message, "not memory the CUDA driver knows")) << r;
@@ -95,6 +99,7 @@ TEST(CudaHpp, RegisterKvDescThrowsTheStatusAndMessage) {
     setenv("KVXFER_CUDA_LIBRARY", "/nonexistent/libcuda-hpp.so.1", 1);
     kvxfer::Config c;
     c.set("role", "decode");
+    c.set("transport", "tcp");
     kvxfer::Engine e(c);
     try {
         e.register_kv_desc({kvxfer::cuda_buffer(0, device_address(), 4096, 1024)});
