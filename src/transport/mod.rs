@@ -5,6 +5,7 @@
 //! is freed) plus the range checks here make those slices sound.
 
 pub mod copy_link;
+pub mod fdpass;
 pub mod rdma;
 pub mod samehost;
 pub mod staging;
