@@ -530,7 +530,13 @@ CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, unsigned long long 
     if (m == MAP_FAILED) {
         return OUT_OF_MEMORY;
     }
-    if (add(p, size, device, p, size, -1) != 0) {
+    /* The mapping keeps a descriptor of its own, so that cuMemRetainAllocationHandle
+     * finds the allocation again (as CUDA does for a mapping of an imported handle). */
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0 || add(p, size, device, p, size, own) != 0) {
+        if (own >= 0) {
+            close(own);
+        }
         return OUT_OF_MEMORY;
     }
     mark_imported(p);
@@ -558,12 +564,79 @@ CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
         if (a->size && a->imported && a->reservation && a->base >= p &&
             a->base - p < size) {
             a->size = 0;
+            if (a->fd >= 0) {
+                close(a->fd);
+            }
         }
     }
     pthread_mutex_unlock(&lock);
     void *m = mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
                    -1, 0);
     return m == MAP_FAILED ? INVALID_VALUE : SUCCESS;
+}
+
+
+/* For scripts/gpu (the IPC check's own allocations): cudaMalloc-style memory, VMM
+ * allocations (cuMemCreate: a memfd behind a handle, mapped with cuMemMap), and
+ * synchronous copies. */
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
+    void *fakecuda_alloc(int device, size_t size);
+    void *m = fakecuda_alloc(0, size);
+    if (!m) {
+        return OUT_OF_MEMORY;
+    }
+    *p = (uintptr_t)m;
+    return SUCCESS;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    void fakecuda_free(void *p);
+    fakecuda_free((void *)(uintptr_t)p);
+    return SUCCESS;
+}
+
+struct alloc_prop {
+    int type;            /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+    int handle_types;    /* requested shareable handle types */
+    int location_type;   /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+    int location_id;
+    void *win32;
+    unsigned char flags[8];
+};
+
+CUresult cuMemGetAllocationGranularity(size_t *g, const struct alloc_prop *prop, int option) {
+    (void)prop;
+    (void)option;
+    *g = 2 << 20;
+    return SUCCESS;
+}
+
+CUresult cuMemCreate(unsigned long long *h, size_t size, const struct alloc_prop *prop,
+                     unsigned long long flags) {
+    if (prop->type != 1 || prop->location_type != 1 || flags != 0 || size == 0) {
+        return INVALID_VALUE;
+    }
+    int fd = memfd_create("fakecuda-vmm", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        return OUT_OF_MEMORY;
+    }
+    *h = new_handle(fd, size, prop->location_id);
+    return *h ? SUCCESS : OUT_OF_MEMORY;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    return cuMemcpyHtoDAsync_v2(dst, src, n, NULL);
+}
+
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    return cuMemcpyDtoHAsync_v2(dst, src, n, NULL);
+}
+
+CUresult cuStreamSynchronize(void *stream) {
+    return stream ? SUCCESS : INVALID_VALUE;
 }
 
 /* ---- test API ---- */
