@@ -300,6 +300,25 @@ fn a_source_outside_the_exported_ranges_is_refused_and_nothing_is_copied() {
 }
 
 #[test]
+fn a_range_longer_than_what_its_legacy_handle_opens_is_refused_at_import() {
+    with_env(fakecuda().to_str().unwrap(), &[], || {
+        let x = exporter("legacy", &[]).unwrap();
+        // Legacy handles need no descriptors: the offer gives none.
+        let fds = fdpass::take(&x.name, &x.nonce, x.pid, 0, Duration::from_secs(10)).unwrap();
+        assert!(fds.is_empty());
+        let mut ranges = x.ranges.clone();
+        // The peer's word says 16 pages and one more: the driver's mapping has 16.
+        ranges[0].len += PAGE;
+        let e = Imports::open(0, &ranges, Vec::new())
+            .err()
+            .expect("refused");
+        assert!(e.message().contains("claims"), "{e}");
+        // As exported, the same ranges import.
+        assert_eq!(Imports::open(0, &x.ranges, Vec::new()).unwrap().len(), 2);
+    });
+}
+
+#[test]
 fn an_export_the_driver_refuses_names_the_allocation_and_the_driver_error() {
     with_env(fakecuda().to_str().unwrap(), &[], || {
         let why = exporter("legacy", &[("FAKECUDA_EXPORT_ERROR", "2")])

@@ -320,12 +320,31 @@ impl Imports {
             (self.api.cuIpcOpenMemHandle_v2)(&mut p, h, IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         })
         .map_err(|e| self.failed(r, e))?;
-        Ok(Segment {
+        let seg = Segment {
             remote: r.base,
             len: r.len,
             local: p,
             mapped: Mapped::Legacy,
-        })
+        };
+        // The length is the peer's word; the mapping's is the driver's. A range longer
+        // than what was opened would let a copy read past it, into memory of ours.
+        let (d, ctx) = (self.d, self.ctx);
+        let attr = |a| d.with_context(ctx, || d.pointer_attribute::<u64>(a, p));
+        // An attribute the driver cannot give makes the range refused.
+        let start = attr(ATTR_RANGE_START_ADDR)?.unwrap_or(u64::MAX);
+        let size = attr(ATTR_RANGE_SIZE)?.unwrap_or(0);
+        let fits = start <= p && p.saturating_add(r.len) <= start.saturating_add(size);
+        if !fits {
+            self.close(&seg);
+            return Err(err!(
+                InvalidArgument,
+                "the peer's device allocation {:#x} claims {} bytes, but what its handle \
+                 opened here is {start:#x}+{size}",
+                r.base,
+                r.len
+            ));
+        }
+        Ok(seg)
     }
 
     fn open_vmm(&self, r: &Exported, fd: &OwnedFd) -> Result<Segment> {
@@ -450,24 +469,30 @@ fn translate(
     }
 }
 
+impl Imports {
+    /// Gives back one imported segment.
+    fn close(&self, s: &Segment) {
+        let (d, api, len) = (self.d, self.api, s.len as usize);
+        let _ = d.with_context(self.ctx, || match s.mapped {
+            // SAFETY: opened by cuIpcOpenMemHandle, closed once; no copy reads it
+            // (copies are waited for before DtoD::copy returns, and this table is
+            // dropped only when no one borrows it).
+            Mapped::Legacy => unsafe { (api.cuIpcCloseMemHandle)(s.local) },
+            // SAFETY: as above, for the mapping, reservation and handle made by
+            // open_vmm, each given back once.
+            Mapped::Vmm { handle } => unsafe {
+                (api.cuMemUnmap)(s.local, len);
+                (api.cuMemAddressFree)(s.local, len);
+                (api.cuMemRelease)(handle)
+            },
+        });
+    }
+}
+
 impl Drop for Imports {
     fn drop(&mut self) {
-        let (d, api) = (self.d, self.api);
-        for s in self.segments.drain(..) {
-            let len = s.len as usize;
-            let _ = d.with_context(self.ctx, || match s.mapped {
-                // SAFETY: opened by cuIpcOpenMemHandle, closed once; no copy reads it
-                // (copies are waited for before DtoD::copy returns, and this table is
-                // dropped only when no one borrows it).
-                Mapped::Legacy => unsafe { (api.cuIpcCloseMemHandle)(s.local) },
-                // SAFETY: as above, for the mapping, reservation and handle made by
-                // open_vmm, each given back once.
-                Mapped::Vmm { handle } => unsafe {
-                    (api.cuMemUnmap)(s.local, len);
-                    (api.cuMemAddressFree)(s.local, len);
-                    (api.cuMemRelease)(handle)
-                },
-            });
+        for s in std::mem::take(&mut self.segments) {
+            self.close(&s);
         }
     }
 }
