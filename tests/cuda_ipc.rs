@@ -19,8 +19,10 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::Duration;
 
 use common::fakecuda::{fakecuda, with_env, Fake};
+use common::{wait_state, wait_terminal, wait_until};
 use kvxfer::cuda::ipc::{self, CopyError, DtoD, Imports};
 use kvxfer::transport::fdpass::{self, FdOffer};
+use kvxfer::State;
 use kvxfer::{BufferDesc, MemKind};
 
 /// Bytes of a page in these tests.
@@ -352,5 +354,455 @@ fn descriptors_offered_to_another_process_are_not_given_and_a_wrong_exporter_pid
         );
         // The right one, after: the offer is still open, and gives them.
         drop(import(&x));
+    });
+}
+
+// ---- The engine over the CUDA IPC path: a prefill engine in a second process ----
+
+/// KV pages of the engine tests' buffers.
+const EPAGES: usize = 32;
+/// Bytes of an aux slot (host memory on both sides: it crosses by process_vm_readv).
+const AUX: usize = 64;
+
+/// The byte at `offset` of prefill rank `rank`'s kv buffer `b`.
+fn esource(rank: usize, b: usize, offset: usize) -> u8 {
+    (offset as u8).wrapping_mul(13)
+        ^ ((b + 4 * rank) as u8).wrapping_mul(101)
+        ^ ((offset / 4096) as u8)
+}
+
+/// A layout of `kv_heads` 2 for head slices (HND pages of 16 tokens, 64 x 2 bytes a
+/// head): `tp` ranks.
+fn layout(rank: u32, tp: u32) -> kvxfer::KvLayout {
+    kvxfer::KvLayout {
+        kv_heads: 2,
+        head_dim: 64,
+        dtype_bytes: 2,
+        tp_rank: rank,
+        tp_size: tp,
+        page_tokens: 16,
+        order: kvxfer::PageOrder::Hnd,
+        kind: kvxfer::KvKind::Heads,
+    }
+}
+
+fn ipc_engine(role: &str, extra: &[(&str, &str)]) -> kvxfer::Engine {
+    let mut keys = vec![
+        ("transport", "tcp"),
+        ("same_host", "require"),
+        ("integrity", "off"),
+        ("heartbeat_interval_ms", "100"),
+    ];
+    keys.extend_from_slice(extra);
+    common::start(role, &keys, common::quiet())
+}
+
+/// Device memory of `bufs` kv buffers of EPAGES pages of `item` bytes (`vmm`: each
+/// buffer four VMM chunks), with `fill(b, offset)`.
+fn device_buffers(
+    fake: &Fake,
+    vmm: bool,
+    bufs: usize,
+    item: usize,
+    fill: impl Fn(usize, usize) -> u8,
+) -> Vec<BufferDesc> {
+    (0..bufs)
+        .map(|b| {
+            let len = EPAGES * item;
+            let base = if vmm {
+                fake.alloc_vmm(0, len / 4, 4)
+            } else {
+                fake.alloc(0, len)
+            };
+            // SAFETY: fake "device" memory (host memory) of len bytes we allocated.
+            let m = unsafe { std::slice::from_raw_parts_mut(base as *mut u8, len) };
+            for (o, x) in m.iter_mut().enumerate() {
+                *x = fill(b, o);
+            }
+            BufferDesc {
+                kind: MemKind::Cuda { device: 0 },
+                ..BufferDesc::host(base, len, item)
+            }
+        })
+        .collect()
+}
+
+/// The prefill process of the engine tests (KVXFER_IPC_PREFILL = `legacy` or `vmm`):
+/// two device kv buffers (or, with KVXFER_IPC_LAYERS, four of layers 0, 0, 1, 1), of
+/// EPAGES pages of 4 KiB (with KVXFER_IPC_TP=`rank/size`, 2 KiB pages of that head
+/// slice), and one host aux buffer. Commands: `create R`, `chunk R LAST PAGES..`,
+/// `layer R LAYER LAST PAGES..`, `abort R`, `quit`; after each, `OK` or `ERR why`.
+#[test]
+fn child_ipc_prefill() {
+    let Ok(kind) = std::env::var("KVXFER_IPC_PREFILL") else {
+        return;
+    };
+    let fake = Fake::open();
+    let tp: Option<(u32, u32)> = std::env::var("KVXFER_IPC_TP").ok().map(|t| {
+        let (r, s) = t.split_once('/').unwrap();
+        (r.parse().unwrap(), s.parse().unwrap())
+    });
+    let rank = tp.map_or(0, |t| t.0 as usize);
+    let layers = std::env::var_os("KVXFER_IPC_LAYERS").is_some();
+    let (bufs, item) = match (tp, layers) {
+        (Some(_), _) => (2, 2048),
+        (None, true) => (4, 4096),
+        (None, false) => (2, 4096),
+    };
+    let descs = device_buffers(&fake, kind == "vmm", bufs, item, |b, o| esource(rank, b, o));
+    let aux = common::Region::new(4, AUX, |i| (i as u8).wrapping_mul(7) ^ 0x5c);
+    let p = ipc_engine("prefill", &[("same_host", "auto")]);
+    match (tp, layers) {
+        (Some((r, s)), _) => p.register_kv_layout(descs, None, layout(r, s)).unwrap(),
+        (None, true) => p.register_kv_layers(descs, vec![0, 0, 1, 1]).unwrap(),
+        (None, false) => p.register_kv(descs).unwrap(),
+    }
+    p.register_aux(vec![aux.desc()]).unwrap();
+    println!("ADDR {}", p.address());
+    std::io::stdout().flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let n = |i: usize| w[i].parse::<u64>().unwrap();
+        let pages =
+            |from: usize| -> Vec<u32> { w[from..].iter().map(|x| x.parse().unwrap()).collect() };
+        let r = match w[0] {
+            "create" => p.room_create(n(1), kvxfer::RoomPeers::Decoders(1)),
+            "chunk" => {
+                let last = n(2) == 1;
+                p.enqueue_chunk(n(1), &pages(3), last, last.then_some(2))
+            }
+            "layer" => {
+                let last = n(3) == 1;
+                p.enqueue_layers(n(1), &pages(4), n(2) as u32, 1, last, last.then_some(2))
+            }
+            "abort" => p.room_abort(n(1), "the prefill's client went away"),
+            "path" => {
+                println!("PATH {:?}", p.room_path(n(1)).unwrap());
+                Ok(())
+            }
+            _ => break,
+        };
+        match r {
+            Ok(()) => println!("OK"),
+            Err(e) => println!("ERR {e}"),
+        }
+        std::io::stdout().flush().unwrap();
+    }
+}
+
+/// A prefill process of the engine tests.
+struct Prefill(common::ChildPrefill);
+
+impl Prefill {
+    fn start(kind: &str, env: &[(&str, &str)]) -> Prefill {
+        let mut env = env.to_vec();
+        env.push(("KVXFER_IPC_PREFILL", kind));
+        Prefill(common::ChildPrefill::spawn("child_ipc_prefill", &[], &env))
+    }
+
+    fn run(&mut self, cmd: &str) -> String {
+        self.0.send(cmd);
+        let line = self.0.line_after("");
+        line.trim().to_string()
+    }
+
+    fn ok(&mut self, cmd: &str) {
+        assert_eq!(self.run(cmd), "OK", "{cmd}");
+    }
+}
+
+const EPOISON: u8 = 0xA5;
+
+/// The decode side: device kv buffers (poisoned) and a host aux buffer.
+struct Decode {
+    _fake: Fake,
+    e: kvxfer::Engine,
+    kv: Vec<BufferDesc>,
+    aux: common::Region,
+}
+
+impl Decode {
+    fn new(
+        vmm: bool,
+        bufs: usize,
+        item: usize,
+        register: impl FnOnce(&kvxfer::Engine, Vec<BufferDesc>),
+    ) -> Decode {
+        let fake = Fake::open();
+        let kv = device_buffers(&fake, vmm, bufs, item, |_, _| EPOISON);
+        let aux = common::Region::new(4, AUX, |_| EPOISON);
+        let e = ipc_engine("decode", &[]);
+        register(&e, kv.clone());
+        e.register_aux(vec![aux.desc()]).unwrap();
+        Decode {
+            _fake: fake,
+            e,
+            kv,
+            aux,
+        }
+    }
+
+    fn page(&self, b: usize, p: u32) -> &[u8] {
+        let d = &self.kv[b];
+        // SAFETY: fake device memory of the decode's buffer, read once no copy lands
+        // (after SUCCESS or room_drained).
+        unsafe {
+            std::slice::from_raw_parts((d.base + p as usize * d.item_len) as *const u8, d.item_len)
+        }
+    }
+}
+
+fn expected(rank: usize, b: usize, item: usize, p: u32) -> Vec<u8> {
+    (0..item)
+        .map(|o| esource(rank, b, p as usize * item + o))
+        .collect()
+}
+
+fn device_pages_arrive_byte_exact_through_cuda_ipc(kind: &str) {
+    with_env(fakecuda().to_str().unwrap(), &[], || {
+        let mut p = Prefill::start(kind, &[]);
+        let d = Decode::new(kind == "vmm", 2, 4096, |e, kv| e.register_kv(kv).unwrap());
+        let src = [5u32, 0, 13, 14, 15, 16, 17, 31, 2];
+        let dst = [30u32, 1, 7, 8, 9, 10, 11, 3, 20];
+        p.ok("create 1");
+        d.e.room_create(1, kvxfer::RoomPeers::Prefills(vec![p.0.addr.clone()]))
+            .unwrap();
+        d.e.room_set_destination(1, &dst, Some(1)).unwrap();
+        p.ok("chunk 1 0 5 0 13 14");
+        p.ok("chunk 1 1 15 16 17 31 2");
+        let s = wait_terminal(&d.e, 1);
+        assert_eq!(s, State::Success, "{:?}", d.e.room_failure(1));
+        assert_eq!(d.e.room_path(1).unwrap(), kvxfer::DataPath::CudaIpc);
+        assert_eq!(p.run("path 1"), "PATH CudaIpc");
+        let m = d.e.metrics();
+        assert_eq!((m.pairings_cuda_ipc, m.same_host_fallbacks), (1, 0));
+        assert!(
+            !d.e.room_verified(1).unwrap(),
+            "integrity is off: nothing verified"
+        );
+        for b in 0..2 {
+            for (&s, &t) in src.iter().zip(&dst) {
+                assert!(
+                    d.page(b, t) == expected(0, b, 4096, s),
+                    "{kind}: buffer {b} page {t}"
+                );
+            }
+            for t in 0..EPAGES as u32 {
+                if !dst.contains(&t) {
+                    assert!(
+                        d.page(b, t).iter().all(|&x| x == EPOISON),
+                        "{kind}: page {t} written"
+                    );
+                }
+            }
+        }
+        // The aux row (host memory) of slot 2 went to slot 1, copied host to host.
+        let want: Vec<u8> = (2 * AUX..3 * AUX)
+            .map(|i| (i as u8).wrapping_mul(7) ^ 0x5c)
+            .collect();
+        assert_eq!(d.aux.page(1), want);
+        assert!(d.aux.page(0).iter().all(|&x| x == EPOISON));
+    });
+}
+
+#[test]
+fn scattered_cuda_malloc_pages_and_an_aux_row_move_through_cuda_ipc_byte_exact_and_the_path_says_so(
+) {
+    device_pages_arrive_byte_exact_through_cuda_ipc("legacy");
+}
+
+#[test]
+fn scattered_vmm_pages_and_an_aux_row_move_through_cuda_ipc_byte_exact_and_the_path_says_so() {
+    device_pages_arrive_byte_exact_through_cuda_ipc("vmm");
+}
+
+#[test]
+fn head_slices_from_two_prefill_processes_fill_each_device_page_through_cuda_ipc() {
+    with_env(fakecuda().to_str().unwrap(), &[], || {
+        let mut ps: Vec<Prefill> = (0..2)
+            .map(|r| {
+                Prefill::start(
+                    if r == 0 { "legacy" } else { "vmm" },
+                    &[("KVXFER_IPC_TP", &format!("{r}/2"))],
+                )
+            })
+            .collect();
+        let d = Decode::new(false, 2, 4096, |e, kv| {
+            e.register_kv_layout(kv, None, layout(0, 1)).unwrap()
+        });
+        let (src, dst) = ([3u32, 4, 10], [0u32, 5, 6]);
+        for p in &mut ps {
+            p.ok("create 2");
+        }
+        let addrs = ps.iter().map(|p| p.0.addr.clone()).collect();
+        d.e.room_create(2, kvxfer::RoomPeers::Prefills(addrs))
+            .unwrap();
+        d.e.room_set_destination(2, &dst, None).unwrap();
+        for p in &mut ps {
+            p.ok("chunk 2 1 3 4 10");
+        }
+        assert_eq!(
+            wait_terminal(&d.e, 2),
+            State::Success,
+            "{:?}",
+            d.e.room_failure(2)
+        );
+        assert_eq!(d.e.room_path(2).unwrap(), kvxfer::DataPath::CudaIpc);
+        for b in 0..2 {
+            for (&s, &t) in src.iter().zip(&dst) {
+                for r in 0..2 {
+                    // HND: head r is the r-th half of the decode page.
+                    assert!(
+                        d.page(b, t)[r * 2048..(r + 1) * 2048] == expected(r, b, 2048, s),
+                        "buffer {b} page {t}: head {r}"
+                    );
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn a_layer_wise_room_moves_device_layers_through_cuda_ipc_as_they_are_enqueued() {
+    with_env(fakecuda().to_str().unwrap(), &[], || {
+        let mut p = Prefill::start("vmm", &[("KVXFER_IPC_LAYERS", "1")]);
+        let d = Decode::new(true, 4, 4096, |e, kv| {
+            e.register_kv_layers(kv, vec![0, 0, 1, 1]).unwrap()
+        });
+        let (src, dst) = ([1u32, 2, 3], [10u32, 11, 12]);
+        p.ok("create 3");
+        d.e.room_create(3, kvxfer::RoomPeers::Prefills(vec![p.0.addr.clone()]))
+            .unwrap();
+        d.e.room_set_destination(3, &dst, None).unwrap();
+        p.ok("layer 3 0 0 1 2 3");
+        wait_until("layer 0 to land", || {
+            d.e.room_layers_landed(3).unwrap() >= 1
+        });
+        for b in 2..4 {
+            for &t in &dst {
+                assert!(
+                    d.page(b, t).iter().all(|&x| x == EPOISON),
+                    "layer 1 landed early"
+                );
+            }
+        }
+        p.ok("layer 3 1 1 1 2 3");
+        assert_eq!(
+            wait_terminal(&d.e, 3),
+            State::Success,
+            "{:?}",
+            d.e.room_failure(3)
+        );
+        for b in 0..4 {
+            for (&s, &t) in src.iter().zip(&dst) {
+                assert!(
+                    d.page(b, t) == expected(0, b, 4096, s),
+                    "buffer {b} page {t}"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn an_abort_from_either_side_lands_nothing_more_through_cuda_ipc_once_the_room_drained() {
+    with_env(fakecuda().to_str().unwrap(), &[], || {
+        for (room, from_decode) in [(7u64, true), (8, false)] {
+            let mut p = Prefill::start("legacy", &[]);
+            let d = Decode::new(false, 2, 4096, |e, kv| e.register_kv(kv).unwrap());
+            let dst: Vec<u32> = (0..16).collect();
+            let src: Vec<u32> = (8..24).collect();
+            p.ok(&format!("create {room}"));
+            d.e.room_create(room, kvxfer::RoomPeers::Prefills(vec![p.0.addr.clone()]))
+                .unwrap();
+            d.e.room_set_destination(room, &dst, None).unwrap();
+            wait_state(&d.e, room, State::WaitingForInput);
+            let first: Vec<String> = src[..8].iter().map(|s| s.to_string()).collect();
+            p.ok(&format!("chunk {room} 0 {}", first.join(" ")));
+            wait_until("the first chunk to land", || {
+                d.page(1, 7).iter().any(|&x| x != EPOISON)
+                    && d.e.metrics().bytes_received >= (8 * 2 * 4096) as u64
+            });
+            if from_decode {
+                d.e.room_abort(room, "the decode's client went away")
+                    .unwrap();
+            } else {
+                p.ok(&format!("abort {room}"));
+            }
+            assert_eq!(wait_terminal(&d.e, room), State::Failed);
+            let rest: Vec<String> = src[8..].iter().map(|s| s.to_string()).collect();
+            // Refused or dropped by the prefill: its room is failed.
+            let _ = p.run(&format!("chunk {room} 1 {}", rest.join(" ")));
+            wait_until("the decode room to drain", || {
+                d.e.room_drained(room).unwrap()
+            });
+            let why = d.e.room_failure(room).unwrap();
+            assert!(why.message.contains("client went away"), "{why:?}");
+            assert_eq!(why.from_peer, !from_decode, "{why:?}");
+            for b in 0..2 {
+                for (&s, &t) in src[..8].iter().zip(&dst[..8]) {
+                    assert!(
+                        d.page(b, t) == expected(0, b, 4096, s),
+                        "buffer {b} page {t}"
+                    );
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            for b in 0..2 {
+                for &t in &dst[8..] {
+                    assert!(
+                        d.page(b, t).iter().all(|&x| x == EPOISON),
+                        "page {t} of buffer {b} written after the abort"
+                    );
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn auto_falls_back_to_tcp_staging_with_a_warning_count_and_require_fails_when_the_export_fails() {
+    with_env(fakecuda().to_str().unwrap(), &[], || {
+        for require in [false, true] {
+            let mut p = Prefill::start("vmm", &[("FAKECUDA_EXPORT_ERROR", "2")]);
+            let setting = if require { "require" } else { "auto" };
+            let fake = Fake::open();
+            let kv = device_buffers(&fake, false, 2, 4096, |_, _| EPOISON);
+            let e = ipc_engine("decode", &[("same_host", setting)]);
+            e.register_kv(kv.clone()).unwrap();
+            let aux = common::Region::new(4, AUX, |_| EPOISON);
+            e.register_aux(vec![aux.desc()]).unwrap();
+            p.ok("create 4");
+            e.room_create(4, kvxfer::RoomPeers::Prefills(vec![p.0.addr.clone()]))
+                .unwrap();
+            e.room_set_destination(4, &[6], None).unwrap();
+            if require {
+                assert_eq!(wait_terminal(&e, 4), State::Failed);
+                let why = e.room_failure(4).unwrap();
+                assert!(
+                    why.message.contains("same_host=require")
+                        && why.message.contains("cuMemExportToShareableHandle"),
+                    "{why:?}"
+                );
+                assert_eq!(why.cause, kvxfer::Cause::Mismatch);
+            } else {
+                p.ok("chunk 4 1 9");
+                assert_eq!(
+                    wait_terminal(&e, 4),
+                    State::Success,
+                    "{:?}",
+                    e.room_failure(4)
+                );
+                assert_eq!(e.room_path(4).unwrap(), kvxfer::DataPath::Tcp);
+                let m = e.metrics();
+                assert_eq!((m.same_host_fallbacks, m.pairings_cuda_ipc), (1, 0));
+                // SAFETY: the decode's fake device page 6, after SUCCESS.
+                let page = unsafe {
+                    std::slice::from_raw_parts((kv[0].base + 6 * 4096) as *const u8, 4096)
+                };
+                assert!(page == expected(0, 0, 4096, 9), "page 6 over TCP staging");
+            }
+        }
     });
 }

@@ -110,6 +110,18 @@ impl FdOffer {
     /// if the deadline passes first. The descriptors stay ours (the kernel duplicates
     /// them into the taker).
     pub fn give(&self, pid: u32, fds: &[BorrowedFd<'_>], within: Duration) -> io::Result<()> {
+        self.give_unless(pid, fds, within, &|| false)
+    }
+
+    /// As [`give`](Self::give), giving up (an error) as soon as `cancelled` says so
+    /// (checked every few milliseconds while no one connects).
+    pub fn give_unless(
+        &self,
+        pid: u32,
+        fds: &[BorrowedFd<'_>],
+        within: Duration,
+        cancelled: &dyn Fn() -> bool,
+    ) -> io::Result<()> {
         if fds.len() > MAX_FDS {
             return Err(io::Error::other(format!(
                 "{} descriptors to pass, at most {MAX_FDS}",
@@ -120,6 +132,12 @@ impl FdOffer {
         let mut refused = Vec::new();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
+            if cancelled() {
+                return Err(io::Error::new(
+                    io::ErrorKind::Interrupted,
+                    format!("the offer to process {pid} was cancelled"),
+                ));
+            }
             if left.is_zero() {
                 let also = if refused.is_empty() {
                     String::new()
@@ -375,6 +393,18 @@ mod tests {
         assert!(e.to_string().contains("gave no descriptors"), "{e}");
         let got = good.join().unwrap().unwrap();
         assert_eq!(content(got.into_iter().next().unwrap()), b"kv");
+    }
+
+    #[test]
+    fn a_cancelled_offer_gives_up_at_once_not_at_its_deadline() {
+        let offer = FdOffer::bind().unwrap();
+        let fd = memfd(b"kv");
+        let t0 = Instant::now();
+        let e = offer
+            .give_unless(1, &[fd.as_fd()], Duration::from_secs(30), &|| true)
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::Interrupted, "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
     }
 
     #[test]
