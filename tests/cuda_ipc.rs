@@ -763,9 +763,30 @@ fn an_abort_from_either_side_lands_nothing_more_through_cuda_ipc_once_the_room_d
 
 #[test]
 fn auto_falls_back_to_tcp_staging_with_a_warning_count_and_require_fails_when_the_export_fails() {
+    fallback_or_failure(
+        "vmm",
+        ("FAKECUDA_EXPORT_ERROR", "2"),
+        "cuMemExportToShareableHandle",
+    );
+}
+
+#[test]
+fn a_prefill_whose_gpu_this_process_does_not_see_falls_back_or_fails_naming_it() {
+    // Another GPU namespace: the prefill's devices have UUIDs no device here has.
+    fallback_or_failure(
+        "legacy",
+        ("FAKECUDA_UUID_SEED", "9"),
+        "which this process does not see",
+    );
+}
+
+/// With the prefill started with `knob`, a pairing cannot set CUDA IPC up: with
+/// `same_host=auto` it takes TCP staging (counted as a fallback, byte-exact); with
+/// `require` the room fails as MISMATCH with a reason that contains `why`.
+fn fallback_or_failure(kind: &str, knob: (&str, &str), why_has: &str) {
     with_env(fakecuda().to_str().unwrap(), &[], || {
         for require in [false, true] {
-            let mut p = Prefill::start("vmm", &[("FAKECUDA_EXPORT_ERROR", "2")]);
+            let mut p = Prefill::start(kind, &[knob]);
             let setting = if require { "require" } else { "auto" };
             let fake = Fake::open();
             let kv = device_buffers(&fake, false, 2, 4096, |_, _| EPOISON);
@@ -781,8 +802,7 @@ fn auto_falls_back_to_tcp_staging_with_a_warning_count_and_require_fails_when_th
                 assert_eq!(wait_terminal(&e, 4), State::Failed);
                 let why = e.room_failure(4).unwrap();
                 assert!(
-                    why.message.contains("same_host=require")
-                        && why.message.contains("cuMemExportToShareableHandle"),
+                    why.message.contains("same_host=require") && why.message.contains(why_has),
                     "{why:?}"
                 );
                 assert_eq!(why.cause, kvxfer::Cause::Mismatch);

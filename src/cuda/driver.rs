@@ -139,6 +139,8 @@ driver_table! {
     cuMemSetAccess: fn(CuDevicePtr, usize, *const MemAccessDesc, usize);
     cuMemUnmap: fn(CuDevicePtr, usize);
     cuMemcpyDtoDAsync_v2: fn(CuDevicePtr, CuDevicePtr, usize, CuHandle);
+    cuDeviceGetUuid: fn(*mut [u8; 16], CuDevice);
+    cuDeviceCanAccessPeer: fn(*mut c_int, CuDevice, CuDevice);
     }
 }
 
@@ -319,6 +321,22 @@ impl Driver {
                 )
             })?;
         Ok(Context(ctx))
+    }
+
+    /// The `CUdevice` of ordinal `ordinal` (checked against the device count).
+    pub fn device(&self, ordinal: u32) -> Result<CuDevice> {
+        let n = self.device_count()?;
+        if ordinal >= n {
+            return Err(err!(
+                InvalidArgument,
+                "CUDA device {ordinal} does not exist (the driver sees {n})"
+            ));
+        }
+        let mut dev: CuDevice = 0;
+        // SAFETY: writes one CUdevice; ordinal checked against the count.
+        self.check(unsafe { (self.cuDeviceGet)(&mut dev, ordinal as c_int) })
+            .map_err(|e| err!(TransportUnavailable, "cuDeviceGet({ordinal}) failed: {e}"))?;
+        Ok(dev)
     }
 
     /// Runs `f` with `ctx` current on this thread, restoring the thread's context after:

@@ -16,6 +16,10 @@
 //! - Other device memory (`cudaMalloc`): a legacy IPC handle (`cuIpcGetMemHandle`, 64
 //!   bytes that may travel in any message), opened with `cuIpcOpenMemHandle`.
 //!
+//! Each range names its GPU by UUID (ordinals differ between processes that see different
+//! devices); the importer refuses ranges on a GPU it does not see, or cannot reach by peer
+//! access, before it imports anything.
+//!
 //! The importer trusts nothing of the exporter's addresses: a copy names its source by
 //! the exporter's address, which [`Imports::translate`] maps through the table and
 //! refuses unless every byte lies in an imported range. A peer can make the importer
@@ -54,8 +58,11 @@ pub struct Exported {
     pub base: u64,
     /// Its bytes.
     pub len: u64,
-    /// The CUDA device it is memory of.
+    /// The CUDA device it is memory of, by the exporter's ordinal.
     pub device: u32,
+    /// That device's UUID: ordinals differ between processes that see different devices
+    /// (`CUDA_VISIBLE_DEVICES`, containers), UUIDs do not.
+    pub uuid: [u8; 16],
     pub handle: ExportHandle,
 }
 
@@ -67,7 +74,7 @@ pub struct Exports {
 }
 
 /// Bytes of one encoded range.
-const RANGE_BYTES: usize = 8 + 8 + 4 + 1 + 64;
+const RANGE_BYTES: usize = 8 + 8 + 4 + 16 + 1 + 64;
 
 /// Encodes `ranges` for a control message: a count, then each range.
 pub fn encode(ranges: &[Exported]) -> Vec<u8> {
@@ -77,6 +84,7 @@ pub fn encode(ranges: &[Exported]) -> Vec<u8> {
         out.extend_from_slice(&r.base.to_le_bytes());
         out.extend_from_slice(&r.len.to_le_bytes());
         out.extend_from_slice(&r.device.to_le_bytes());
+        out.extend_from_slice(&r.uuid);
         let mut handle = [0u8; 64];
         match r.handle {
             ExportHandle::Legacy(h) => {
@@ -112,8 +120,10 @@ pub fn decode(b: &[u8]) -> std::result::Result<Vec<Exported>, String> {
         .chunks(RANGE_BYTES)
         .map(|c| {
             let mut h = [0u8; 64];
-            h.copy_from_slice(&c[21..85]);
-            let handle = match c[20] {
+            h.copy_from_slice(&c[37..101]);
+            let mut uuid = [0u8; 16];
+            uuid.copy_from_slice(&c[20..36]);
+            let handle = match c[36] {
                 0 => ExportHandle::Legacy(IpcMemHandle(h)),
                 1 => ExportHandle::Fd(u32_at(&h, 0)),
                 k => return Err(format!("an IPC export range of kind {k}")),
@@ -122,6 +132,7 @@ pub fn decode(b: &[u8]) -> std::result::Result<Vec<Exported>, String> {
                 base: u64_at(c, 0),
                 len: u64_at(c, 8),
                 device: u32_at(c, 16),
+                uuid,
                 handle,
             })
         })
@@ -152,6 +163,7 @@ pub fn export(bufs: &[BufferDesc]) -> Result<Exports> {
             continue;
         };
         let ctx = d.primary_context(device)?;
+        let uuid = device_uuid(d, api, device)?;
         let (mut at, end) = (b.base as u64, b.base as u64 + b.len as u64);
         while at < end {
             let attr = |a| {
@@ -179,6 +191,7 @@ pub fn export(bufs: &[BufferDesc]) -> Result<Exports> {
                     base: start,
                     len: size,
                     device,
+                    uuid,
                     handle,
                 });
             }
@@ -186,6 +199,68 @@ pub fn export(bufs: &[BufferDesc]) -> Result<Exports> {
         }
     }
     Ok(out)
+}
+
+/// The UUID of device `ordinal`.
+fn device_uuid(d: &Driver, api: &IpcApi, ordinal: u32) -> Result<[u8; 16]> {
+    let dev = d.device(ordinal)?;
+    let mut uuid = [0u8; 16];
+    // SAFETY: writes one CUuuid (16 bytes) of a valid device.
+    d.check(unsafe { (api.cuDeviceGetUuid)(&mut uuid, dev) })
+        .map_err(|e| {
+            err!(
+                TransportUnavailable,
+                "cuDeviceGetUuid({ordinal}) failed: {e}"
+            )
+        })?;
+    Ok(uuid)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Whether device `ordinal` here can read memory of every GPU the ranges name: its own,
+/// or a peer it has access to; a GPU this process does not see (another GPU namespace,
+/// other visible devices) cannot be imported from.
+fn check_reach(d: &Driver, api: &IpcApi, ordinal: u32, ranges: &[Exported]) -> Result<()> {
+    let ours = device_uuid(d, api, ordinal)?;
+    let n = d.device_count()?;
+    let mut seen: Vec<[u8; 16]> = Vec::new();
+    for r in ranges {
+        if r.uuid == ours || seen.contains(&r.uuid) {
+            continue;
+        }
+        seen.push(r.uuid);
+        let mut at = None;
+        for j in 0..n {
+            if device_uuid(d, api, j)? == r.uuid {
+                at = Some(j);
+                break;
+            }
+        }
+        let Some(j) = at else {
+            return Err(err!(
+                TransportUnavailable,
+                "the peer's device memory is on GPU {}, which this process does not see \
+                 (another GPU namespace, or other visible devices)",
+                hex(&r.uuid)
+            ));
+        };
+        let mut can: c_int = 0;
+        // SAFETY: writes one int, for two valid devices.
+        d.check(unsafe { (api.cuDeviceCanAccessPeer)(&mut can, d.device(ordinal)?, d.device(j)?) })
+            .map_err(|e| err!(TransportUnavailable, "cuDeviceCanAccessPeer failed: {e}"))?;
+        if can == 0 {
+            return Err(err!(
+                TransportUnavailable,
+                "device {ordinal} here cannot access the peer's GPU {} (device {j} here): no \
+                 peer access between them",
+                hex(&r.uuid)
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The handle of the allocation `start..start + size`: a file descriptor (pushed to
@@ -294,6 +369,7 @@ impl Imports {
         let d = driver::load()?;
         let api = d.ipc()?;
         let ctx = d.primary_context(device)?;
+        check_reach(d, api, device, ranges)?;
         let mut t = Imports {
             d,
             api,
@@ -686,6 +762,7 @@ mod tests {
             base,
             len,
             device: 0,
+            uuid: [tag; 16],
             handle: ExportHandle::Legacy(IpcMemHandle([tag; 64])),
         }
     }
@@ -698,6 +775,7 @@ mod tests {
                 base: 0x9000,
                 len: 8192,
                 device: 3,
+                uuid: [5; 16],
                 handle: ExportHandle::Fd(0),
             },
         ];
@@ -705,7 +783,7 @@ mod tests {
         assert_eq!(decode(&b).unwrap(), ranges);
         assert!(decode(&b[..b.len() - 1]).is_err());
         let mut bad = b.clone();
-        bad[4 + 20] = 9;
+        bad[4 + 36] = 9;
         assert!(decode(&bad).unwrap_err().contains("kind 9"));
         let mut many = b.clone();
         many[..4].copy_from_slice(&(MAX_RANGES as u32 + 1).to_le_bytes());
@@ -757,6 +835,7 @@ mod tests {
             base,
             len: 0x1000,
             device: 0,
+            uuid: [0; 16],
             handle: ExportHandle::Fd(i),
         };
         assert!(check(&[fd(0x1000, 0), fd(0x2000, 1)], 2).is_ok());

@@ -648,7 +648,7 @@ pub const IPC_NONCE_LEN: usize = 32;
 /// The longest abstract socket name of an `IpcOffer` (`sun_path` less its NUL).
 pub const MAX_IPC_SOCKET_LEN: usize = 107;
 /// The most bytes of encoded ranges an `IpcOffer` carries.
-pub const MAX_IPC_RANGES_LEN: usize = 4 + 65_536 * 85;
+pub const MAX_IPC_RANGES_LEN: usize = 4 + 65_536 * 101;
 
 /// The checks of an `IpcOffer`'s fields, shared by [`Message::validate`] and decoding.
 fn check_ipc_offer(

@@ -13,7 +13,8 @@
  *
  * Knobs, read at each call: FAKECUDA_INIT_ERROR=<CUresult> makes cuInit fail with that
  * code; FAKECUDA_DEVICES=<n> is the device count (default 1); FAKECUDA_EXPORT_ERROR=
- * <CUresult> makes cuIpcGetMemHandle and cuMemExportToShareableHandle fail with it.
+ * <CUresult> makes cuIpcGetMemHandle and cuMemExportToShareableHandle fail with it;
+ * FAKECUDA_UUID_SEED=<n> gives the devices other UUIDs (another GPU namespace).
  *
  * CUDA IPC between two processes, over the same memfds: a legacy IPC handle
  * (cuIpcGetMemHandle, cudaMalloc-style allocations only) is (magic, pid, memfd number,
@@ -575,6 +576,28 @@ CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
     return m == MAP_FAILED ? INVALID_VALUE : SUCCESS;
 }
 
+
+/* Device UUIDs: 'f','a','k','e', then FAKECUDA_UUID_SEED (default 0: another value is
+ * another GPU namespace, whose devices the default one does not see), then the ordinal. */
+CUresult cuDeviceGetUuid(unsigned char *uuid, CUdevice d) {
+    if (d < 0 || d >= device_count()) {
+        return INVALID_DEVICE;
+    }
+    const char *s = getenv("FAKECUDA_UUID_SEED");
+    memset(uuid, 0, 16);
+    memcpy(uuid, "fake", 4);
+    uuid[4] = (unsigned char)(s ? atoi(s) : 0);
+    uuid[5] = (unsigned char)d;
+    return SUCCESS;
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer) {
+    if (d < 0 || d >= device_count() || peer < 0 || peer >= device_count()) {
+        return INVALID_DEVICE;
+    }
+    *can = 1;
+    return SUCCESS;
+}
 
 /* For scripts/gpu (the IPC check's own allocations): cudaMalloc-style memory, VMM
  * allocations (cuMemCreate: a memfd behind a handle, mapped with cuMemMap), and
