@@ -15,6 +15,7 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::peer::Path;
 use super::{Control, Peer};
 use crate::cuda::ipc::{self, ExportHandle, Imports};
 use crate::proto::{self, HostInfo, Message, SameHostSetting};
@@ -90,11 +91,17 @@ impl Control {
         let name = peer.name.clone();
         let (node, weak) = (self.node.clone(), Arc::downgrade(peer));
         // The descriptors go only to the decode's process, proving the nonce; given or
-        // not by the deadline (or once the engine stops or the peer is lost), this thread
-        // ends and closes our copies of them.
+        // not by the deadline (or once the engine stops, the peer is lost or its pairing
+        // took another path), this thread ends and closes our copies of them.
         let give = move || {
             let fds: Vec<_> = exports.fds.iter().map(|f| f.as_fd()).collect();
-            let cancelled = || node.is_stopping() || weak.upgrade().is_none_or(|p| p.is_lost());
+            let elsewhere = |p: &Peer| {
+                p.is_lost()
+                    || p.path
+                        .get()
+                        .is_some_and(|x| !matches!(x, Path::CudaIpc { .. }))
+            };
+            let cancelled = || node.is_stopping() || weak.upgrade().is_none_or(|p| elsewhere(&p));
             if let Err(e) = offer.give_unless(pid, &fds, within, &cancelled) {
                 crate::log!(log, Info, "CUDA IPC descriptors for {name} not taken: {e}");
             }
