@@ -55,7 +55,7 @@ rust-checks: deps
 	# The reported silent-pin interleaving and its neighbours, held open by test-only
 	# pause points (feature test-hooks, never in a release build).
 	cargo test --locked --features test-hooks --test pin_regression --test hooks_complete --test hardening \
-	  --test hardening_again --test hetero --test integrity
+	  --test hardening_again --test hetero --test integrity --test cuda_ipc
 	# The byte-exact suites again over the same-host path (a direct copy between the
 	# processes; any pairing that cannot take it fails its rooms).
 	KVXFER_TEST_SAME_HOST=require cargo test --locked --features test-hooks --test transfer \

@@ -477,6 +477,11 @@ fn child_ipc_prefill() {
                 p.enqueue_layers(n(1), &pages(4), n(2) as u32, 1, last, last.then_some(2))
             }
             "abort" => p.room_abort(n(1), "the prefill's client went away"),
+            #[cfg(feature = "test-hooks")]
+            "outside" => {
+                kvxfer::testing::inject_fault("ipc.outside", n(1));
+                Ok(())
+            }
             "path" => {
                 println!("PATH {:?}", p.room_path(n(1)).unwrap());
                 Ok(())
@@ -822,6 +827,41 @@ fn fallback_or_failure(kind: &str, knob: (&str, &str), why_has: &str) {
                     std::slice::from_raw_parts((kv[0].base + 6 * 4096) as *const u8, 4096)
                 };
                 assert!(page == expected(0, 0, 4096, 9), "page 6 over TCP staging");
+            }
+        }
+    });
+}
+
+/// A prefill that names a source outside what it exported (a test-only fault in its
+/// sender) makes the decode engine refuse the copy whole: the connection ends, the room
+/// fails naming it, and none of the room's pages is written.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_source_address_outside_the_prefills_export_is_refused_and_nothing_lands() {
+    with_env(fakecuda().to_str().unwrap(), &[], || {
+        let mut p = Prefill::start("legacy", &[]);
+        let d = Decode::new(false, 2, 4096, |e, kv| e.register_kv(kv).unwrap());
+        p.ok("create 5");
+        d.e.room_create(5, kvxfer::RoomPeers::Prefills(vec![p.0.addr.clone()]))
+            .unwrap();
+        d.e.room_set_destination(5, &[1, 2, 3], None).unwrap();
+        wait_state(&d.e, 5, State::WaitingForInput);
+        p.ok("outside 5");
+        p.ok("chunk 5 1 7 8 9");
+        assert_eq!(wait_terminal(&d.e, 5), State::Failed);
+        let why = d.e.room_failure(5).unwrap();
+        assert!(
+            why.message
+                .contains("outside the device memory the peer exported"),
+            "{why:?}"
+        );
+        wait_until("the decode room to drain", || d.e.room_drained(5).unwrap());
+        for b in 0..2 {
+            for t in 0..EPAGES as u32 {
+                assert!(
+                    d.page(b, t).iter().all(|&x| x == EPOISON),
+                    "page {t} of buffer {b} written"
+                );
             }
         }
     });

@@ -264,6 +264,15 @@ impl PrefillEngine {
                     })?
                     .as_ptr() as usize
             };
+            #[cfg(feature = "test-hooks")]
+            let addr = if on_device(memory, f) && crate::testing::take_fault("ipc.outside", h.room)
+            {
+                // A source the decode engine was never given: past this buffer's
+                // allocation by a page-aligned distance it cannot have exported.
+                addr.wrapping_add(1 << 40)
+            } else {
+                addr
+            };
             out.push((h, addr as u64));
         }
         Ok(out)
