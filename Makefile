@@ -7,7 +7,7 @@
 #   make test-rdma  the Rust and gtest suites over real verbs in a soft-RoCE QEMU guest
 #   make test-vllm  opt-in: a vLLM prefill/decode pair on KvxferConnector (Makefile.vllm)
 #   make header  regenerate include/kvxfer.h from src/ffi/ (after changing the C ABI)
-#   make gpu-bundle  a stripped release libkvxfer.so in build/gpu/ for scripts/gpu-check.sh
+#   make gpu-bundle  a stripped release libkvxfer.so and ipc_check in build/gpu/ for scripts/gpu-check.sh
 #   make clean   remove build/, build-asan/ and cargo's target/
 
 SHELL := bash
@@ -55,7 +55,7 @@ rust-checks: deps
 	# The reported silent-pin interleaving and its neighbours, held open by test-only
 	# pause points (feature test-hooks, never in a release build).
 	cargo test --locked --features test-hooks --test pin_regression --test hooks_complete --test hardening \
-	  --test hardening_again --test hetero --test integrity
+	  --test hardening_again --test hetero --test integrity --test cuda_ipc
 	# The byte-exact suites again over the same-host path (a direct copy between the
 	# processes; any pairing that cannot take it fails its rooms).
 	KVXFER_TEST_SAME_HOST=require cargo test --locked --features test-hooks --test transfer \
@@ -99,9 +99,11 @@ gpu-skipped:
 # release build with its debug info stripped (the device tool carries at most 64 MiB).
 gpu-bundle:
 	cargo build --release --locked --lib
+	cargo build --release --locked -p kvxfer-bench --bin ipc_check
 	mkdir -p build/gpu
 	objcopy --strip-debug target/release/libkvxfer.so build/gpu/libkvxfer.so
-	@ls -l build/gpu/libkvxfer.so
+	objcopy --strip-debug target/release/ipc_check build/gpu/ipc_check
+	@ls -l build/gpu/libkvxfer.so build/gpu/ipc_check
 
 # The benchmark tool end to end at --quick size: it exits nonzero on any unexpected
 # failure or a room whose two sides disagree. Behaviour only; timings are for make bench.

@@ -277,6 +277,12 @@ enum kvxfer_path
    */
   KVXFER_PATH_SAME_HOST = 3,
   /**
+   * Both engines on one host with CUDA device memory: the decode engine copies the
+   * device pages device to device through CUDA IPC (host pages, such as aux rows, as
+   * `KVXFER_PATH_SAME_HOST`).
+   */
+  KVXFER_PATH_CUDA_IPC = 4,
+  /**
    * The room's peer engines took different paths.
    */
   KVXFER_PATH_MIXED = 15,
@@ -639,6 +645,11 @@ typedef struct kvxfer_metrics {
    * expired, or it was deleted) or a new incarnation of the engine replaced it.
    */
   uint64_t registry_departures;
+  /**
+   * Peer pairings on one host with CUDA device memory whose device pages the decode
+   * engine copies device to device through CUDA IPC (`same_host`).
+   */
+  uint64_t pairings_cuda_ipc;
 } kvxfer_metrics;
 
 /**
@@ -1245,7 +1256,9 @@ KVXFER_MUST_USE kvxfer_status kvxfer_room_drained(const struct kvxfer_engine *en
 /**
  * Stores in `*path` the path room `room`'s data takes with its peer engines: TCP, RDMA
  * or `KVXFER_PATH_SAME_HOST` (a direct copy between the two processes on one host,
- * `same_host` in `kvxfer_config_set`) when every peer engine of the room agrees;
+ * `same_host` in `kvxfer_config_set`), or `KVXFER_PATH_CUDA_IPC` (the same host with
+ * CUDA device memory: device pages copied device to device through CUDA IPC) when
+ * every peer engine of the room agrees;
  * `KVXFER_PATH_MIXED` when they differ; `KVXFER_PATH_UNKNOWN` while none is paired yet.
  * A path is never changed silently: a same-host pairing that could not take the direct
  * copy is logged at WARN with the reason and counted (`same_host_fallbacks`), and with

@@ -160,6 +160,7 @@ enum class Path : int32_t {
     Tcp = KVXFER_PATH_TCP,
     Rdma = KVXFER_PATH_RDMA,
     SameHost = KVXFER_PATH_SAME_HOST,
+    CudaIpc = KVXFER_PATH_CUDA_IPC,
     Mixed = KVXFER_PATH_MIXED,
 };
 

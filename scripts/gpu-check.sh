@@ -17,8 +17,15 @@
 #     after room_drained;
 #   - the benchmark: device->device over TCP staging against host->host over TCP, at
 #     1 MiB pages x 4 rooms in flight and at 32 KiB pages (target: >= 0.9x).
-# Not run, because not built: CUDA IPC (same node, two processes): the engine refuses the
-# same-host path for device memory and says so; the IPC target cannot be measured.
+#   - the same cases over CUDA IPC (--path ipc: same_host=require on both engines, so a
+#     pairing that cannot take it fails with the reason instead of falling back), each
+#     checking the path its rooms report; and the engine's IPC figure at 1 MiB pages;
+#   - CUDA IPC, the layer alone (build/gpu/ipc_check, kvxfer-bench/src/bin/ipc_check.rs):
+#     two processes, cuMemAlloc memory through a legacy IPC handle and VMM memory
+#     (cuMemCreate chunks exportable as POSIX descriptors) through descriptors passed over
+#     a Unix socket; scattered 1 MiB pages byte-exact, a source outside the export
+#     refused, and a plain device-to-device copy of the same pages in one process, the
+#     baseline of the IPC target (>= 0.8x).
 #   - the vLLM connector's worker half and the SGLang backend with CUDA tensors as KV
 #     caches (scripts/gpu/servers.py), byte-exact.
 #
@@ -85,8 +92,10 @@ VMM=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 for alloc in cudamalloc vmm; do
   e=(KVXFER_GPU_CHECK_ALLOC=$alloc)
   [ $alloc = vmm ] && e+=("$VMM")
-  for c in scattered heads layers abort; do
-    run "$c/$alloc" 90 "${e[@]}" -- "$c"
+  for path in staging ipc; do
+    for c in scattered heads layers abort; do
+      run "$c/$alloc/$path" 90 "${e[@]}" -- "$c" --path "$path"
+    done
   done
 done
 
@@ -94,23 +103,45 @@ for c in vllm sglang; do
   run "servers/$c" 90 SCRIPT=servers.py X=1 -- "$c"
 done
 
-# The benchmark: host->host over TCP, then device->device over TCP staging, same work.
+# The benchmark: host->host over TCP, then device->device over TCP staging, same work;
+# then device->device through the engine over CUDA IPC (cudaMalloc memory) at 1 MiB.
 for mem in host "$MEM"; do
   MEM_SAVED=$MEM; MEM=$mem
   run "bench/$mem/1MiBx4" 120 X=1 -- bench --item 1048576 --per-room 8 --rooms 128 --inflight 4
   run "bench/$mem/32KiB" 120 X=1 -- bench --item 32768 --per-room 64 --rooms 256 --inflight 4
   MEM=$MEM_SAVED
 done
+run "bench/$MEM/ipc/1MiBx4" 120 KVXFER_GPU_CHECK_ALLOC=cudamalloc -- \
+  bench --item 1048576 --per-room 8 --rooms 128 --inflight 4 --path ipc
 
-echo "NOT BUILT cuda-ipc: the CUDA IPC path (same node, two processes) is not in this build;"
-echo "  device memory never takes the same-host path (same_host=require fails the room)."
+# CUDA IPC, the layer (see the header): one JSON line per allocation kind.
+IPC_CHECK=${KVXFER_IPC_CHECK:-$ROOT/build/gpu/ipc_check}
+for alloc in legacy vmm; do
+  if (( $(date +%s) - START > BUDGET )); then
+    echo "SKIPPED ipc/$alloc: past the time budget (${BUDGET}s)"; SKIPPED=$((SKIPPED + 1)); continue
+  fi
+  if [ ! -x "$IPC_CHECK" ]; then
+    echo "FAIL ipc/$alloc: $IPC_CHECK missing (make gpu-bundle here, carry build/gpu)"; FAILED=$((FAILED + 1)); continue
+  fi
+  t0=$(date +%s)
+  line=$(timeout 120 "$IPC_CHECK" "$alloc" --item 1048576 --pages 256 --reps 20 \
+           2> >(sed "s|^|  [ipc/$alloc] |" >&2) | tail -n 1)
+  rc=${PIPESTATUS[0]}
+  echo "$line" | grep -q '^{' && echo "$line" >> "$RESULTS"
+  if [ "$rc" = 0 ] && echo "$line" | grep -q '"ok": true'; then
+    echo "PASS ipc/$alloc ($(( $(date +%s) - t0 ))s): $line"; PASSED=$((PASSED + 1))
+  else
+    echo "FAIL ipc/$alloc (rc $rc, $(( $(date +%s) - t0 ))s): $line"; FAILED=$((FAILED + 1))
+  fi
+done
 
 "$PY" - "$RESULTS" "$MEM" <<'PYEOF'
 import json, sys
 if sys.argv[2] == "fake":
     print("NOTE: the figures below are the CUDA driver's test double's (host memcpy), not a GPU's: meaningless")
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-bench = {(r["mem"], r["item"]): r["gbps"] for r in rows if r["case"] == "bench" and r["ok"]}
+bench = {(r["mem"], r["item"]): r["gbps"] for r in rows
+         if r["case"] == "bench" and r["ok"] and r.get("path", "staging") == "staging"}
 for item, name in ((1048576, "1 MiB x4"), (32768, "32 KiB")):
     host = bench.get(("host", item))
     dev = [v for (m, i), v in bench.items() if i == item and m != "host"]
@@ -120,7 +151,23 @@ for item, name in ((1048576, "1 MiB x4"), (32768, "32 KiB")):
               f"({'met' if ratio >= 0.9 else 'NOT met'}: >= 0.9)")
     else:
         print(f"TARGET d2d-staging/h2h {name}: not measured")
-print("TARGET cuda-ipc/plain-d2d 1 MiB: not measured (CUDA IPC not built)")
+eng = [r for r in rows if r["case"] == "bench" and r.get("path") == "ipc" and r["ok"]]
+layer = [r for r in rows if r["case"] == "ipc" and r["alloc"] == "legacy" and r["ok"]]
+if eng and layer:
+    ratio = eng[0]["gbps"] / layer[0]["plain_gbps"]
+    print(f"TARGET cuda-ipc (engine, 1 MiB x4)/plain-d2d: {eng[0]['gbps']:.3f} / "
+          f"{layer[0]['plain_gbps']:.3f} GB/s = {ratio:.3f} ({'met' if ratio >= 0.8 else 'NOT met'}: >= 0.8)")
+else:
+    print("TARGET cuda-ipc (engine, 1 MiB x4)/plain-d2d: not measured")
+for alloc in ("legacy", "vmm"):
+    r = [r for r in rows if r["case"] == "ipc" and r["alloc"] == alloc and r["ok"]]
+    if r:
+        r = r[0]
+        print(f"TARGET cuda-ipc/plain-d2d 1 MiB ({alloc}, the IPC layer alone): "
+              f"{r['ipc_gbps']:.3f} / {r['plain_gbps']:.3f} GB/s = {r['ratio']:.3f} "
+              f"({'met' if r['ratio'] >= 0.8 else 'NOT met'}: >= 0.8)")
+    else:
+        print(f"TARGET cuda-ipc/plain-d2d 1 MiB ({alloc}): not measured")
 PYEOF
 
 echo "== gpu-check done in $(( $(date +%s) - START ))s: $PASSED passed, $FAILED failed, $SKIPPED skipped (mem=$MEM)"

@@ -116,6 +116,9 @@ macro_rules! metrics_table {
             counter registry_departures (registry_departures)
                 "kvxfer_registry_departures_total"
                 "Discovery: peers lost because their entry left the registry (lease expired, deleted) or a new incarnation replaced it.";
+            counter pairings_cuda_ipc (pairings_cuda_ipc)
+                "kvxfer_pairings_cuda_ipc_total"
+                "Peer pairings on one host whose device pages are copied device to device through CUDA IPC.";
         }
     };
 }
@@ -378,7 +381,7 @@ mod tests {
             s.rooms_by_state[2]
         )));
         assert!(line("# TYPE kvxfer_rooms gauge"));
-        // Every sample line carries one distinct value, none missing, none twice: 29
+        // Every sample line carries one distinct value, none missing, none twice: 30
         // counters, 11 causes, 5 states and 2 gauges.
         let mut values: Vec<u64> = text
             .lines()
@@ -388,11 +391,11 @@ mod tests {
         values.sort_unstable();
         let n = values.len() as u64;
         assert_eq!(values, (1..=n).collect::<Vec<_>>(), "{text}");
-        assert_eq!(n, 47, "{text}");
+        assert_eq!(n, 48, "{text}");
         // One HELP and one TYPE per series, every series prefixed.
         let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((types, helps), (33, 33), "{text}");
+        assert_eq!((types, helps), (34, 34), "{text}");
         assert!(text
             .lines()
             .all(|l| l.starts_with("kvxfer_") || l.starts_with("# ")));

@@ -189,24 +189,49 @@ fn many_small_scattered_device_pages_share_slots_and_frames_byte_exact() {
 }
 
 #[test]
-fn same_host_require_with_device_memory_fails_the_room_instead_of_falling_back_to_tcp() {
-    with_env(fakecuda().to_str().unwrap(), &[], || {
-        let pmem = DevMem::new(1, 4096, source);
-        let dmem = DevMem::new(1, 4096, |_, _| POISON);
-        let p = engine("prefill", &[]);
-        let d = engine("decode", &[("same_host", "require")]);
-        p.register_kv(pmem.descs()).unwrap();
-        d.register_kv(dmem.descs()).unwrap();
-        d.room_create(1, RoomPeers::Prefills(vec![p.address().into()]))
-            .unwrap();
-        assert_eq!(wait_terminal(&d, 1), State::Failed);
-        let why = d.room_failure(1).unwrap();
-        assert!(
-            why.message.contains("same_host=require") && why.message.contains("CUDA device memory"),
-            "{why:?}"
-        );
-        assert!(dmem.buf(0).iter().all(|&x| x == POISON));
-    });
+fn same_host_require_fails_the_room_with_the_reason_when_cuda_ipc_cannot_be_set_up() {
+    // The prefill's export fails (the fake's knob): with same_host=require the room
+    // fails naming it instead of falling back to TCP staging; with auto the pairing
+    // falls back, and says so (the path is TCP, counted as a fallback).
+    with_env(
+        fakecuda().to_str().unwrap(),
+        &[("FAKECUDA_EXPORT_ERROR", "2")],
+        || {
+            let pmem = DevMem::new(1, 4096, source);
+            let dmem = DevMem::new(1, 4096, |_, _| POISON);
+            let off = ("integrity", "off");
+            let p = engine("prefill", &[off]);
+            let d = engine("decode", &[("same_host", "require"), off]);
+            p.register_kv(pmem.descs()).unwrap();
+            d.register_kv(dmem.descs()).unwrap();
+            d.room_create(1, RoomPeers::Prefills(vec![p.address().into()]))
+                .unwrap();
+            assert_eq!(wait_terminal(&d, 1), State::Failed);
+            let why = d.room_failure(1).unwrap();
+            assert!(
+                why.message.contains("same_host=require")
+                    && why.message.contains("CUDA IPC export failed")
+                    && why.message.contains("cuIpcGetMemHandle"),
+                "{why:?}"
+            );
+            assert!(dmem.buf(0).iter().all(|&x| x == POISON));
+
+            let p = engine("prefill", &[off]);
+            let d = engine("decode", &[off]);
+            p.register_kv(pmem.descs()).unwrap();
+            d.register_kv(dmem.descs()).unwrap();
+            p.room_create(2, RoomPeers::Decoders(1)).unwrap();
+            d.room_create(2, RoomPeers::Prefills(vec![p.address().into()]))
+                .unwrap();
+            d.room_set_destination(2, &[0], None).unwrap();
+            p.enqueue_chunk(2, &[0], true, None).unwrap();
+            assert_eq!(wait_terminal(&d, 2), State::Success);
+            assert!(dmem.page(0, 0) == pmem.page(0, 0), "page 0 differs");
+            assert_eq!(d.room_path(2).unwrap(), kvxfer::DataPath::Tcp);
+            assert_eq!(d.metrics().same_host_fallbacks, 1);
+            assert_eq!(d.metrics().pairings_cuda_ipc, 0);
+        },
+    );
 }
 
 #[test]

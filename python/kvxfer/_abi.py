@@ -173,6 +173,11 @@ class DataPath(enum.IntEnum):
     """Both engines on one host: the decode engine copies the pages directly from the
     prefill process's memory (`same_host`). (``KVXFER_PATH_SAME_HOST``)"""
 
+    CUDA_IPC = 4
+    """Both engines on one host with CUDA device memory: the decode engine copies the
+    device pages device to device through CUDA IPC (host pages, such as aux rows, as
+    `KVXFER_PATH_SAME_HOST`). (``KVXFER_PATH_CUDA_IPC``)"""
+
     MIXED = 15
     """The room's peer engines took different paths. (``KVXFER_PATH_MIXED``)"""
 
@@ -319,6 +324,7 @@ class Metrics(ctypes.Structure):
         ('registry_outages', ctypes.c_uint64),
         ('registry_rejected', ctypes.c_uint64),
         ('registry_departures', ctypes.c_uint64),
+        ('pairings_cuda_ipc', ctypes.c_uint64),
     ]
 
     FIELD_DOCS = {
@@ -356,6 +362,7 @@ class Metrics(ctypes.Structure):
         'registry_outages': 'Discovery: times etcd stopped answering this engine (or did not answer when it\nstarted), each logged at WARN, as is its return.',
         'registry_rejected': 'Discovery: registry entries ignored (logged at WARN once per key): not signed\nwith the cluster key, malformed, stored under a name other than the one signed,\nor an older incarnation than one already seen under that name.',
         'registry_departures': 'Discovery: peer engines lost because their entry left the registry (its lease\nexpired, or it was deleted) or a new incarnation of the engine replaced it.',
+        'pairings_cuda_ipc': 'Peer pairings on one host with CUDA device memory whose device pages the decode\nengine copies device to device through CUDA IPC (`same_host`).',
     }
 
 
@@ -649,7 +656,7 @@ FUNCTIONS = {
         ('engine', 'room', 'path'),
         True,
         'kvxfer_status kvxfer_room_path(const kvxfer_engine *engine, uint64_t room, kvxfer_path *path)',
-        "Stores in `*path` the path room `room`'s data takes with its peer engines: TCP, RDMA\nor `KVXFER_PATH_SAME_HOST` (a direct copy between the two processes on one host,\n`same_host` in `kvxfer_config_set`) when every peer engine of the room agrees;\n`KVXFER_PATH_MIXED` when they differ; `KVXFER_PATH_UNKNOWN` while none is paired yet.\nA path is never changed silently: a same-host pairing that could not take the direct\ncopy is logged at WARN with the reason and counted (`same_host_fallbacks`), and with\n`same_host=require` its rooms fail as MISMATCH instead. Never blocks.\n\nErrors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.",
+        "Stores in `*path` the path room `room`'s data takes with its peer engines: TCP, RDMA\nor `KVXFER_PATH_SAME_HOST` (a direct copy between the two processes on one host,\n`same_host` in `kvxfer_config_set`), or `KVXFER_PATH_CUDA_IPC` (the same host with\nCUDA device memory: device pages copied device to device through CUDA IPC) when\nevery peer engine of the room agrees;\n`KVXFER_PATH_MIXED` when they differ; `KVXFER_PATH_UNKNOWN` while none is paired yet.\nA path is never changed silently: a same-host pairing that could not take the direct\ncopy is logged at WARN with the reason and counted (`same_host_fallbacks`), and with\n`same_host=require` its rooms fail as MISMATCH instead. Never blocks.\n\nErrors: `KVXFER_ERR_NOT_FOUND`; `KVXFER_ERR_NULL_POINTER`.",
     ),
     'kvxfer_room_verified': (
         ctypes.c_int32,

@@ -883,7 +883,7 @@ class Engine:
     @_wraps("kvxfer_room_path")
     def room_path(self, room: int) -> DataPath | int:
         """The path room ``room``'s data takes with its peer engines (:class:`DataPath`:
-        ``TCP``, ``RDMA``, ``SAME_HOST``; ``MIXED`` when its peers differ, ``UNKNOWN``
+        ``TCP``, ``RDMA``, ``SAME_HOST``, ``CUDA_IPC``; ``MIXED`` when its peers differ, ``UNKNOWN``
         before any is paired)."""
         name = "kvxfer_room_path"
         path = ctypes.c_int32()

@@ -168,14 +168,16 @@ def test_the_sglang_backend_takes_kv_data_ptrs_as_device_memory_where_told(monke
         _kv_device(Args())
 
 
+@pytest.mark.parametrize("path", ["staging", "ipc"])
 @pytest.mark.parametrize("case", ["scattered", "heads", "layers", "abort"])
-def test_the_gpu_check_cases_pass_on_the_drivers_test_double(fakecuda, case):
+def test_the_gpu_check_cases_pass_on_the_drivers_test_double(fakecuda, case, path):
     """scripts/gpu/pair.py, the cases of scripts/gpu-check.sh, run here on the driver's
-    test double so that the script cannot rot before a GPU runs it. Proves the script and
-    the engine's device path, not the GPU."""
+    test double so that the script cannot rot before a GPU runs it, over TCP staging and
+    over CUDA IPC (each checks the path its rooms took). Proves the script and the
+    engine's device paths, not the GPU."""
     env = dict(os.environ, KVXFER_CUDA_LIBRARY=fakecuda)
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/pair.py"), "--mem", "fake", case],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/pair.py"), "--mem", "fake", case,
+                        "--path", path], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["case"] == case, result

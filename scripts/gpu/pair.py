@@ -13,6 +13,12 @@ once, here, and runs the same whatever the memory is:
                   machine without a GPU, to check this script; says nothing about GPUs
     --mem host    host memory (numpy): the baseline of the benchmark
 
+--path staging (TCP staging: same_host=off on both engines) or --path ipc (CUDA IPC:
+same_host=require on both engines, so that a pairing that cannot take it fails its rooms
+with the reason instead of falling back); every case reports the path its rooms took and
+fails if it is not the one asked for (host memory takes TCP with staging, the same-host
+copy with ipc).
+
 Cases: scattered (byte-exact scattered pages, two buffers), heads (head slices: two
 prefill ranks of TP 2 into one decode rank), layers (a layer-wise room), abort (an abort
 after the first chunk, from decode then from prefill: FAILED with its reason on both
@@ -181,8 +187,24 @@ def bench_prefill(e: kvxfer.Engine, rooms: list[int], per_room: int, inflight: i
     return 0.0
 
 
+# The engines' same_host setting, from --path: "off" (TCP staging) or "require" (CUDA IPC).
+SAME_HOST = "off"
+
+
+def want_path(mem: str) -> str:
+    if SAME_HOST == "off":
+        return "TCP"
+    return "SAME_HOST" if mem == "host" else "CUDA_IPC"
+
+
+def path_error(d: kvxfer.Engine, room: int, mem: str) -> str | None:
+    path = kvxfer.DataPath(d.room_path(room)).name
+    return None if path == want_path(mem) else f"room {room} took {path}, not {want_path(mem)}"
+
+
 class Prefill:
     def __init__(self, mem: str, spec: dict):
+        spec = {"same_host": SAME_HOST, **spec}
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=prefill_main, args=(child, mem, spec), daemon=True)
@@ -203,7 +225,7 @@ class Prefill:
 
 
 def decode(mem: str, m: Memory, **keys) -> kvxfer.Engine:
-    keys = {"same_host": "auto", **keys}
+    keys = {"same_host": SAME_HOST, **keys}
     return kvxfer.Engine(role="decode", transport="tcp", **keys)
 
 
@@ -244,9 +266,10 @@ def case_scattered(mem: str) -> dict:
         why = d.room_failure(1) if state == kvxfer.RoomState.FAILED else None
         why = why or (None if pstate == "SUCCESS" else f"prefill room {pstate}")
         path = kvxfer.DataPath(d.room_path(1)).name
-        bad = why or check_pages(m, dst, src, 1) or check_poison(m, [4, 5, 20, 50])
+        bad = why or path_error(d, 1, mem) or check_pages(m, dst, src, 1)
+        bad = bad or check_poison(m, [4, 5, 20, 50])
     p.close()
-    return dict(ok=bad is None, state=state.name, path=path, error=bad)
+    return dict(ok=bad is None, state=state.name, room_path=path, error=bad)
 
 
 def case_heads(mem: str) -> dict:
@@ -268,6 +291,8 @@ def case_heads(mem: str) -> dict:
             p("wait", 2)
         if state != kvxfer.RoomState.SUCCESS:
             bad = d.room_failure(2)
+        elif path_error(d, 2, mem):
+            bad = path_error(d, 2, mem)
         else:
             for b in range(2):
                 got = m.read(b)
@@ -304,7 +329,7 @@ def case_layers(mem: str) -> dict:
         state = wait(d, 3)
         p("wait", 3)
         bad = bad or (d.room_failure(3) if state == kvxfer.RoomState.FAILED else None)
-        bad = bad or check_pages(m, dst, src, 3)
+        bad = bad or path_error(d, 3, mem) or check_pages(m, dst, src, 3)
     p.close()
     return dict(ok=bad is None, state=state.name, error=bad)
 
@@ -326,6 +351,7 @@ def case_abort(mem: str) -> dict:
             want = 8 * 2 * (256 << 10)
             while d.metrics()["bytes_received"] < want and time.monotonic() < end:
                 time.sleep(0.001)
+            path_bad = path_error(d, 7, mem)
             if side == "decode":
                 d.room_abort(7, "client went away")
             else:
@@ -345,6 +371,7 @@ def case_abort(mem: str) -> dict:
                 bad = f"states {dstate.name}/{pstate}"
             elif "client went away" not in why:
                 bad = f"reason {why!r}"
+            bad = bad or path_bad
             bad = bad or check_pages(m, dst[:8], src[:8], 4) or check_poison(m, dst[8:])
         p.close()
         out[side] = dict(ok=bad is None, decode=dstate.name, prefill=pstate, reason=why,
@@ -355,11 +382,12 @@ def case_abort(mem: str) -> dict:
 
 def case_bench(mem: str, item: int, per_room: int, rooms: int, inflight: int = 4) -> dict:
     pages = max(per_room * 8, 64)
-    # TCP on both sides whatever the memory: host memory would take the same-host copy.
-    p = Prefill(mem, dict(bufs=1, pages=pages, item=item, seed=5, workers=4, same_host="off"))
+    # --path staging: TCP on both sides whatever the memory (host memory would take the
+    # same-host copy); --path ipc: CUDA IPC (the same-host copy for host memory).
+    p = Prefill(mem, dict(bufs=1, pages=pages, item=item, seed=5, workers=4))
     m = Memory(mem, 1, pages, item, None)
     ids = list(range(1000, 1000 + rooms))
-    with decode(mem, m, workers=4, same_host="off") as d:
+    with decode(mem, m, workers=4) as d:
         d.register_kv(m.bufs)
         # One room first: the connections and the staging rings are set up outside the
         # timing.
@@ -369,6 +397,7 @@ def case_bench(mem: str, item: int, per_room: int, rooms: int, inflight: int = 4
         p("create", 999)
         p("enqueue", 999, warm, True)
         wait(d, 999)
+        path_bad = path_error(d, 999, mem)
         t0 = time.monotonic()
         p.conn.send(("bench", ids, per_room, inflight, pages))
         live: list[int] = []
@@ -388,9 +417,9 @@ def case_bench(mem: str, item: int, per_room: int, rooms: int, inflight: int = 4
         status, _ = p.conn.recv()
     p.close()
     gb = rooms * per_room * item / 1e9
-    return dict(ok=failed == 0 and status == "ok", item=item, per_room=per_room,
-                rooms=rooms, inflight=inflight, seconds=round(dt, 3), gbps=round(gb / dt, 3),
-                failed=failed)
+    return dict(ok=failed == 0 and status == "ok" and path_bad is None, item=item,
+                per_room=per_room, rooms=rooms, inflight=inflight, seconds=round(dt, 3),
+                gbps=round(gb / dt, 3), failed=failed, error=path_bad)
 
 
 def main() -> int:
@@ -401,12 +430,15 @@ def main() -> int:
     ap.add_argument("--per-room", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=64)
     ap.add_argument("--inflight", type=int, default=4)
+    ap.add_argument("--path", choices=["staging", "ipc"], default="staging")
     a = ap.parse_args()
+    global SAME_HOST
+    SAME_HOST = "off" if a.path == "staging" else "require"
     if a.case == "bench":
         r = case_bench(a.mem, a.item, a.per_room, a.rooms, a.inflight)
     else:
         r = globals()[f"case_{a.case}"](a.mem)
-    r = dict(case=a.case, mem=a.mem,
+    r = dict(case=a.case, mem=a.mem, path=a.path,
              alloc=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if a.mem == "torch" else "",
              **r)
     print(json.dumps(r), flush=True)

@@ -214,7 +214,10 @@ impl Control {
                     }
                     self.paired(&peer, Path::Tcp, Some("no same-host offer"), false);
                 }
-                let same_host = matches!(peer.path.get(), Some(Path::SameHost { .. }));
+                let same_host = matches!(
+                    peer.path.get(),
+                    Some(Path::SameHost { .. } | Path::CudaIpc { .. })
+                );
                 let link: Arc<dyn DataLink> = match admitted.secret.filter(|_| self.encrypts_data())
                 {
                     // Only run headers travel: the decode engine copies the bytes.

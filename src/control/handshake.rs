@@ -261,7 +261,18 @@ impl Control {
             Message::SameHost(h) => h,
             other => return Err(format!("expected SameHost, got {}", other.kind().name()).into()),
         };
-        let choice = samehost::check(&ours, &theirs);
+        // With device memory on either side the prefill follows with its CUDA IPC offer
+        // (read whatever is decided, to keep the connection in step).
+        let offer = if super::ipc::offered(&theirs, &ours) {
+            Some(self.read_past_heartbeats(ctrl)?)
+        } else {
+            None
+        };
+        let device = ours.device_memory || theirs.device_memory;
+        let choice = samehost::check(&ours, &theirs).and_then(|()| match offer {
+            Some(offer) => self.take_ipc(peer, &theirs, offer),
+            None => Ok(()),
+        });
         let why = choice.as_ref().err().map(|e| e.why().to_string());
         let limits = &self.node.limits;
         let told = Message::PathChoice {
@@ -276,7 +287,12 @@ impl Control {
         }
         match choice {
             Ok(()) => {
-                self.paired(peer, Path::SameHost { pid: theirs.pid }, None, false);
+                let path = if device {
+                    Path::CudaIpc { pid: theirs.pid }
+                } else {
+                    Path::SameHost { pid: theirs.pid }
+                };
+                self.paired(peer, path, None, false);
                 Ok(())
             }
             Err(e) if setting == SameHostSetting::Require => Err(SetupError::new(
@@ -307,8 +323,8 @@ impl Control {
     /// Prefill side, on the control reader: a decode engine's same-host offer, answered
     /// with our identity (and probe, unless `same_host=off`). Only before the path is
     /// chosen.
-    pub(super) fn on_same_host(&self, peer: &Arc<Peer>, _theirs: HostInfo) -> Result<(), String> {
-        if peer.path.get().is_some() {
+    pub(super) fn on_same_host(&self, peer: &Arc<Peer>, theirs: HostInfo) -> Result<(), String> {
+        if peer.path.get().is_some() || peer.ipc_offered.get().is_some() {
             return Err("a same-host offer after the path was chosen".into());
         }
         let mut ours = self.node.host_info();
@@ -316,6 +332,9 @@ impl Control {
             (ours.probe_addr, ours.probe) = (0, [0; 16]);
         }
         peer.send(&Message::SameHost(ours));
+        if super::ipc::offered(&ours, &theirs) {
+            peer.send(&self.ipc_offer(peer, &theirs));
+        }
         Ok(())
     }
 
@@ -344,11 +363,14 @@ impl Control {
             });
             return Ok(());
         }
-        let path = if same_host {
+        let path = match (same_host, peer.ipc_offered.get()) {
             // The decode engine copies; we only need to know that it does.
-            Path::SameHost { pid: 0 }
-        } else {
-            Path::Tcp
+            (true, None) => Path::SameHost { pid: 0 },
+            (true, Some(true)) => Path::CudaIpc { pid: 0 },
+            (true, Some(false)) => {
+                return Err("a same-host choice after an IpcOffer that offered nothing".into())
+            }
+            (false, _) => Path::Tcp,
         };
         let note = (!same_host).then_some(why.as_str());
         self.paired(peer, path, note, false);
@@ -367,6 +389,7 @@ impl Control {
             Path::Tcp => &m.pairings_tcp,
             Path::Rdma => &m.pairings_rdma,
             Path::SameHost { .. } => &m.pairings_same_host,
+            Path::CudaIpc { .. } => &m.pairings_cuda_ipc,
         };
         counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let name = path.data_path().name();

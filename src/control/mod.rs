@@ -19,6 +19,7 @@ pub(crate) mod admission;
 mod connect;
 mod handshake;
 mod heartbeat;
+mod ipc;
 pub(crate) mod pairing;
 pub(crate) mod peer;
 mod reader;

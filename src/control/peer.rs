@@ -68,6 +68,12 @@ pub(crate) struct Peer {
     /// The path the pairing's data takes, once chosen (by the setup, before the first
     /// data link).
     pub path: OnceLock<Path>,
+    /// Decode side, on the CUDA IPC path: the prefill's device memory, imported once per
+    /// pairing (given back when the peer is dropped, after its data connections ended).
+    pub ipc: OnceLock<Arc<crate::cuda::ipc::Imports>>,
+    /// Prefill side: whether an `IpcOffer` went out to this peer, and offered the path
+    /// (true) or said why not (false).
+    pub ipc_offered: OnceLock<bool>,
     /// Rooms (id, local generation) that depend on this peer: the engine's record, which
     /// the peer's loss hands back to it.
     pub rooms: Mutex<HashSet<(u64, u64)>>,
@@ -96,6 +102,9 @@ pub enum Path {
     Rdma,
     /// The decode engine copies from prefill process `pid` (`transport::samehost`).
     SameHost { pid: u32 },
+    /// The decode engine copies device pages from prefill process `pid` through CUDA IPC
+    /// (`cuda::ipc`), and host pages (aux rows) as over the same-host path.
+    CudaIpc { pid: u32 },
 }
 
 impl Path {
@@ -105,6 +114,7 @@ impl Path {
             Path::Tcp => crate::DataPath::Tcp,
             Path::Rdma => crate::DataPath::Rdma,
             Path::SameHost { .. } => crate::DataPath::SameHost,
+            Path::CudaIpc { .. } => crate::DataPath::CudaIpc,
         }
     }
 }
@@ -151,6 +161,8 @@ impl Peer {
             aux_count: OnceLock::new(),
             slicing: OnceLock::new(),
             path: OnceLock::new(),
+            ipc: OnceLock::new(),
+            ipc_offered: OnceLock::new(),
             rooms: Mutex::new(HashSet::new()),
             last_recv_ms: AtomicU64::new(now_ms),
             last_sent_ms: AtomicU64::new(now_ms),

@@ -51,19 +51,19 @@ pub const EVENT_DISABLE_TIMING: c_uint = 2;
 pub const STREAM_NON_BLOCKING: c_uint = 1;
 
 macro_rules! driver_table {
-    ($($name:ident: fn($($arg:ty),*);)*) => {
-        /// The driver entry points the library uses (each returns a `CUresult`).
+    ($(#[$doc:meta])* $table:ident { $($name:ident: fn($($arg:ty),*);)* }) => {
+        $(#[$doc])*
         #[allow(non_snake_case)]
-        pub struct Driver {
+        pub struct $table {
             /// Where it was loaded from.
             pub path: String,
             $(pub $name: unsafe extern "C" fn($($arg),*) -> CuResult,)*
             _lib: libloading::Library,
         }
 
-        impl Driver {
-            fn resolve(path: &str, lib: libloading::Library) -> Result<Driver> {
-                Ok(Driver {
+        impl $table {
+            fn resolve(path: &str, lib: libloading::Library) -> Result<$table> {
+                Ok($table {
                     path: path.to_string(),
                     $($name: {
                         // SAFETY: the symbol is the CUDA driver's entry point of this
@@ -92,6 +92,8 @@ macro_rules! driver_table {
 }
 
 driver_table! {
+    /// The driver entry points the library uses (each returns a `CUresult`).
+    Driver {
     cuInit: fn(c_uint);
     cuDeviceGetCount: fn(*mut c_int);
     cuDeviceGet: fn(*mut CuDevice, c_int);
@@ -111,7 +113,63 @@ driver_table! {
     cuEventRecord: fn(CuHandle, CuHandle);
     cuEventQuery: fn(CuHandle);
     cuEventSynchronize: fn(CuHandle);
+    }
 }
+
+/// `CUipcMemHandle`: 64 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcMemHandle(pub [u8; 64]);
+
+driver_table! {
+    /// The entry points of CUDA IPC ([`super::ipc`]), resolved apart from [`Driver`] and
+    /// only when the IPC path is set up: a driver without them still moves device pages
+    /// over TCP staging.
+    IpcApi {
+    cuIpcGetMemHandle: fn(*mut IpcMemHandle, CuDevicePtr);
+    cuIpcOpenMemHandle_v2: fn(*mut CuDevicePtr, IpcMemHandle, c_uint);
+    cuIpcCloseMemHandle: fn(CuDevicePtr);
+    cuMemRetainAllocationHandle: fn(*mut u64, *mut c_void);
+    cuMemRelease: fn(u64);
+    cuMemExportToShareableHandle: fn(*mut c_void, u64, c_int, u64);
+    cuMemImportFromShareableHandle: fn(*mut u64, *mut c_void, c_int);
+    cuMemAddressReserve: fn(*mut CuDevicePtr, usize, usize, CuDevicePtr, u64);
+    cuMemAddressFree: fn(CuDevicePtr, usize);
+    cuMemMap: fn(CuDevicePtr, usize, usize, u64, u64);
+    cuMemSetAccess: fn(CuDevicePtr, usize, *const MemAccessDesc, usize);
+    cuMemUnmap: fn(CuDevicePtr, usize);
+    cuMemcpyDtoDAsync_v2: fn(CuDevicePtr, CuDevicePtr, usize, CuHandle);
+    cuDeviceGetUuid: fn(*mut [u8; 16], CuDevice);
+    cuDeviceCanAccessPeer: fn(*mut c_int, CuDevice, CuDevice);
+    }
+}
+
+/// `CUmemAccessDesc`: a location (`CUmemLocation`: type, id) and the access flags.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MemAccessDesc {
+    pub location_type: c_int,
+    pub location_id: c_int,
+    pub flags: c_int,
+}
+
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+pub const MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+/// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
+pub const MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+pub const MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 1;
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`.
+pub const IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+
+// SAFETY: as for Driver: function pointers of the thread-safe driver API, and the
+// library handle, which only keeps the library loaded.
+unsafe impl Send for IpcApi {}
+// SAFETY: as for Send: nothing in the table is mutated after `resolve`.
+unsafe impl Sync for IpcApi {}
+
+/// IPC tables resolved so far, by driver path: never freed.
+static IPC: Mutex<Option<HashMap<String, &'static IpcApi>>> = Mutex::new(None);
 
 // SAFETY: the table holds function pointers of a thread-safe C library (the CUDA driver
 // API may be called from any thread) and the library handle, which is never used after
@@ -177,6 +235,28 @@ pub fn load() -> Result<&'static Driver> {
 }
 
 impl Driver {
+    /// The CUDA IPC entry points of this driver, resolved on first use; an error names
+    /// the symbol the driver lacks.
+    pub fn ipc(&self) -> Result<&'static IpcApi> {
+        let mut loaded = IPC.lock();
+        let map = loaded.get_or_insert_with(HashMap::new);
+        if let Some(t) = map.get(&self.path) {
+            return Ok(*t);
+        }
+        // SAFETY: the library is already loaded (this driver holds it): dlopen of the
+        // same path only takes another reference and runs no initializer again.
+        let lib = unsafe { libloading::Library::new(&self.path) }.map_err(|e| {
+            err!(
+                TransportUnavailable,
+                "reopening the CUDA driver {}: {e}",
+                self.path
+            )
+        })?;
+        let t: &'static IpcApi = Box::leak(Box::new(IpcApi::resolve(&self.path, lib)?));
+        map.insert(self.path.clone(), t);
+        Ok(t)
+    }
+
     /// `Ok` for `CUDA_SUCCESS`, else the driver's description of `r`.
     pub fn check(&self, r: CuResult) -> std::result::Result<(), String> {
         if r == 0 {
@@ -241,6 +321,22 @@ impl Driver {
                 )
             })?;
         Ok(Context(ctx))
+    }
+
+    /// The `CUdevice` of ordinal `ordinal` (checked against the device count).
+    pub fn device(&self, ordinal: u32) -> Result<CuDevice> {
+        let n = self.device_count()?;
+        if ordinal >= n {
+            return Err(err!(
+                InvalidArgument,
+                "CUDA device {ordinal} does not exist (the driver sees {n})"
+            ));
+        }
+        let mut dev: CuDevice = 0;
+        // SAFETY: writes one CUdevice; ordinal checked against the count.
+        self.check(unsafe { (self.cuDeviceGet)(&mut dev, ordinal as c_int) })
+            .map_err(|e| err!(TransportUnavailable, "cuDeviceGet({ordinal}) failed: {e}"))?;
+        Ok(dev)
     }
 
     /// Runs `f` with `ctx` current on this thread, restoring the thread's context after:

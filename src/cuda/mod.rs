@@ -10,6 +10,7 @@
 
 pub mod copy;
 pub mod driver;
+pub mod ipc;
 
 use crate::err;
 use crate::error::Result;

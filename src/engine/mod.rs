@@ -45,6 +45,9 @@ pub enum DataPath {
     Rdma = 2,
     /// A direct copy between the two processes on one host (`same_host`).
     SameHost = 3,
+    /// Both engines on one host with device memory: the decode engine copies device
+    /// pages device to device through CUDA IPC (host pages as `SameHost`).
+    CudaIpc = 4,
     /// The room's peers took different paths.
     Mixed = 15,
 }
@@ -71,6 +74,7 @@ impl DataPath {
             DataPath::Tcp => "tcp",
             DataPath::Rdma => "rdma",
             DataPath::SameHost => "same-host",
+            DataPath::CudaIpc => "CUDA IPC",
             DataPath::Mixed => "mixed",
         }
     }

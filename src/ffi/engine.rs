@@ -505,6 +505,9 @@ pub struct kvxfer_metrics {
     /// Discovery: peer engines lost because their entry left the registry (its lease
     /// expired, or it was deleted) or a new incarnation of the engine replaced it.
     pub registry_departures: u64,
+    /// Peer pairings on one host with CUDA device memory whose device pages the decode
+    /// engine copies device to device through CUDA IPC (`same_host`).
+    pub pairings_cuda_ipc: u64,
 }
 
 /// The copy of a snapshot into `kvxfer_metrics`, one field per C field named in the

@@ -390,7 +390,9 @@ pub unsafe extern "C" fn kvxfer_room_drained(
 
 /// Stores in `*path` the path room `room`'s data takes with its peer engines: TCP, RDMA
 /// or `KVXFER_PATH_SAME_HOST` (a direct copy between the two processes on one host,
-/// `same_host` in `kvxfer_config_set`) when every peer engine of the room agrees;
+/// `same_host` in `kvxfer_config_set`), or `KVXFER_PATH_CUDA_IPC` (the same host with
+/// CUDA device memory: device pages copied device to device through CUDA IPC) when
+/// every peer engine of the room agrees;
 /// `KVXFER_PATH_MIXED` when they differ; `KVXFER_PATH_UNKNOWN` while none is paired yet.
 /// A path is never changed silently: a same-host pairing that could not take the direct
 /// copy is logged at WARN with the reason and counted (`same_host_fallbacks`), and with

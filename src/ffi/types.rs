@@ -112,6 +112,10 @@ pub enum kvxfer_path {
     /// Both engines on one host: the decode engine copies the pages directly from the
     /// prefill process's memory (`same_host`).
     KVXFER_PATH_SAME_HOST = 3,
+    /// Both engines on one host with CUDA device memory: the decode engine copies the
+    /// device pages device to device through CUDA IPC (host pages, such as aux rows, as
+    /// `KVXFER_PATH_SAME_HOST`).
+    KVXFER_PATH_CUDA_IPC = 4,
     /// The room's peer engines took different paths.
     KVXFER_PATH_MIXED = 15,
 }
@@ -124,6 +128,7 @@ impl From<crate::DataPath> for kvxfer_path {
             crate::DataPath::Tcp => KVXFER_PATH_TCP,
             crate::DataPath::Rdma => KVXFER_PATH_RDMA,
             crate::DataPath::SameHost => KVXFER_PATH_SAME_HOST,
+            crate::DataPath::CudaIpc => KVXFER_PATH_CUDA_IPC,
             crate::DataPath::Mixed => KVXFER_PATH_MIXED,
         }
     }

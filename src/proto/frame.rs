@@ -56,11 +56,15 @@ pub enum Kind {
     /// Decode → prefill on a same-host data connection: the runs of a `Copy` were copied
     /// ([`Message::Copied`](super::Message::Copied)).
     Copied = 19,
+    /// Prefill → decode on the control connection, after its `SameHost`, when device
+    /// memory is registered on either side: the CUDA IPC offer
+    /// ([`Message::IpcOffer`](super::Message::IpcOffer)).
+    IpcOffer = 20,
 }
 
 impl Kind {
     /// Every kind, in wire-value order.
-    pub const ALL: [Kind; 19] = [
+    pub const ALL: [Kind; 20] = [
         Kind::Hello,
         Kind::Registration,
         Kind::Destination,
@@ -80,6 +84,7 @@ impl Kind {
         Kind::PathChoice,
         Kind::Copy,
         Kind::Copied,
+        Kind::IpcOffer,
     ];
 
     /// The wire value.
@@ -109,6 +114,7 @@ impl Kind {
             17 => Some(Kind::PathChoice),
             18 => Some(Kind::Copy),
             19 => Some(Kind::Copied),
+            20 => Some(Kind::IpcOffer),
             _ => None,
         }
     }
@@ -150,6 +156,7 @@ impl Kind {
             Kind::PathChoice => "PathChoice",
             Kind::Copy => "Copy",
             Kind::Copied => "Copied",
+            Kind::IpcOffer => "IpcOffer",
         }
     }
 }
@@ -834,7 +841,7 @@ mod tests {
         let b = FrameHeader::new(Kind::Abort, 0x0102_0304).encode();
         assert_eq!(
             b,
-            [b'F', b'X', b'V', b'K', 7, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
+            [b'F', b'X', b'V', b'K', 8, 0, 6, 0, 4, 3, 2, 1, 0, 0, 0, 0]
         );
     }
 
@@ -843,7 +850,7 @@ mod tests {
         let values: Vec<u8> = Kind::ALL.iter().map(|k| k.as_u8()).collect();
         assert_eq!(
             values,
-            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
         );
         for v in 0..=u8::MAX {
             match Kind::try_from(v) {
@@ -906,7 +913,7 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected() {
-        for k in [0u8, 20, 0xff] {
+        for k in [0u8, 21, 0xff] {
             assert_eq!(
                 FrameHeader::decode(&header_bytes(k, 0), &Limits::default()),
                 Err(ProtoError::UnknownKind { found: k })

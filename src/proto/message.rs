@@ -623,6 +623,67 @@ pub enum Message {
         generation: u64,
         whole: bool,
     },
+    /// Prefill → decode after its `SameHost`, when either engine registered device
+    /// memory and the prefill does not have `same_host=off`: what the decode engine needs
+    /// to copy the prefill's device pages through CUDA IPC, or, with `why` not empty
+    /// (at most [`Limits::max_reason_len`] bytes), why the prefill cannot offer it.
+    IpcOffer {
+        /// The exported allocations, as [`crate::cuda::ipc::encode`] writes them (at most
+        /// [`MAX_IPC_RANGES_LEN`] bytes; decoded and checked by the decode engine).
+        ranges: Vec<u8>,
+        /// The memory kind of each of the prefill's kv buffers, then each aux buffer:
+        /// 0 host, 1 CUDA device (at most 2 × [`Limits::max_buffers`]).
+        kinds: Vec<u8>,
+        /// The abstract Unix socket name the VMM descriptors are taken from (at most
+        /// [`MAX_IPC_SOCKET_LEN`] bytes).
+        socket: Vec<u8>,
+        /// The nonce the taker proves itself with.
+        nonce: [u8; IPC_NONCE_LEN],
+        why: String,
+    },
+}
+
+/// Bytes of an `IpcOffer`'s nonce.
+pub const IPC_NONCE_LEN: usize = 32;
+/// The longest abstract socket name of an `IpcOffer` (`sun_path` less its NUL).
+pub const MAX_IPC_SOCKET_LEN: usize = 107;
+/// The most bytes of encoded ranges an `IpcOffer` carries.
+pub const MAX_IPC_RANGES_LEN: usize = 4 + 65_536 * 101;
+
+/// The checks of an `IpcOffer`'s fields, shared by [`Message::validate`] and decoding.
+fn check_ipc_offer(
+    ranges: usize,
+    kinds: &[u8],
+    socket: usize,
+    why: usize,
+    limits: &Limits,
+) -> Result<(), ProtoError> {
+    let long = |field, len: usize, max: u64| {
+        if len as u64 > max {
+            Err(ProtoError::StringTooLong {
+                field,
+                len: len as u64,
+                max,
+            })
+        } else {
+            Ok(())
+        }
+    };
+    long("IpcOffer.ranges", ranges, MAX_IPC_RANGES_LEN as u64)?;
+    long(
+        "IpcOffer.kinds",
+        kinds.len(),
+        2 * u64::from(limits.max_buffers),
+    )?;
+    long("IpcOffer.socket", socket, MAX_IPC_SOCKET_LEN as u64)?;
+    long("IpcOffer.why", why, u64::from(limits.max_reason_len))?;
+    if let Some(&found) = kinds.iter().find(|&&k| k > 1) {
+        return Err(ProtoError::BadBool {
+            field: "IpcOffer.kinds",
+            found,
+        });
+    }
+    Ok(())
 }
 
 /// The longest prefix of `reason` that is at most `max_len` bytes and ends on a char
@@ -670,6 +731,7 @@ impl Message {
             Message::PathChoice { .. } => Kind::PathChoice,
             Message::Copy { .. } => Kind::Copy,
             Message::Copied { .. } => Kind::Copied,
+            Message::IpcOffer { .. } => Kind::IpcOffer,
         }
     }
 
@@ -699,6 +761,17 @@ impl Message {
             Message::PathChoice { why, .. } => 8u64.saturating_add(why.len() as u64),
             Message::Copy { runs } => 4u64.saturating_add(n(runs.len(), COPY_RUN_LEN as u64)),
             Message::Copied { .. } => 17,
+            Message::IpcOffer {
+                ranges,
+                kinds,
+                socket,
+                why,
+                ..
+            } => (IPC_NONCE_LEN as u64 + 16)
+                .saturating_add(ranges.len() as u64)
+                .saturating_add(kinds.len() as u64)
+                .saturating_add(socket.len() as u64)
+                .saturating_add(why.len() as u64),
         }
     }
 
@@ -828,6 +901,13 @@ impl Message {
                     });
                 }
             }
+            Message::IpcOffer {
+                ranges,
+                kinds,
+                socket,
+                why,
+                ..
+            } => check_ipc_offer(ranges.len(), kinds, socket.len(), why.len(), limits)?,
             Message::Copy { runs } => {
                 count_ok("Copy.runs", runs.len(), "MAX_RUNS", super::MAX_RUNS)?;
                 for (h, _) in runs {
@@ -1051,6 +1131,19 @@ impl Message {
                 put_u64(out, *room);
                 put_u64(out, *generation);
                 out.push(u8::from(*whole));
+            }
+            Message::IpcOffer {
+                ranges,
+                kinds,
+                socket,
+                nonce,
+                why,
+            } => {
+                out.extend_from_slice(nonce);
+                for field in [&ranges[..], &kinds[..], &socket[..], why.as_bytes()] {
+                    put_u32(out, len32(field.len()));
+                    out.extend_from_slice(field);
+                }
             }
         }
     }
@@ -1431,6 +1524,30 @@ impl Message {
                     whole,
                 }
             }
+            Kind::IpcOffer => {
+                let mut nonce = [0u8; IPC_NONCE_LEN];
+                nonce.copy_from_slice(r.take(IPC_NONCE_LEN, "IpcOffer.nonce")?);
+                let mut field = |name| -> Result<Vec<u8>, ProtoError> {
+                    let len = r.u32(name)?;
+                    Ok(r.take(len as usize, name)?.to_vec())
+                };
+                let ranges = field("IpcOffer.ranges")?;
+                let kinds = field("IpcOffer.kinds")?;
+                let socket = field("IpcOffer.socket")?;
+                let why = field("IpcOffer.why")?;
+                check_ipc_offer(ranges.len(), &kinds, socket.len(), why.len(), limits)?;
+                let why = String::from_utf8(why).map_err(|e| ProtoError::InvalidUtf8 {
+                    field: "IpcOffer.why",
+                    valid_up_to: e.utf8_error().valid_up_to(),
+                })?;
+                Message::IpcOffer {
+                    ranges,
+                    kinds,
+                    socket,
+                    nonce,
+                    why,
+                }
+            }
             Kind::Data | Kind::DataRuns => return Err(ProtoError::NotControlKind { kind }),
         };
         r.finish()?;
@@ -1767,6 +1884,70 @@ mod tests {
         let h = FrameHeader::decode(&hdr, limits)?;
         assert_eq!(h.payload_len as usize, bytes.len() - FRAME_HEADER_LEN);
         Message::decode(h.kind, &bytes[FRAME_HEADER_LEN..], limits)
+    }
+
+    #[test]
+    fn an_ipc_offer_round_trips_and_bad_kinds_long_names_or_short_payloads_are_refused() {
+        let limits = Limits::default();
+        let offer = Message::IpcOffer {
+            ranges: vec![1, 0, 0, 0, 9, 9],
+            kinds: vec![1, 1, 0],
+            socket: b"kvxfer-fd-1-abc".to_vec(),
+            nonce: [7; IPC_NONCE_LEN],
+            why: String::new(),
+        };
+        assert_eq!(offer.validate(&limits), Ok(()));
+        let bytes = encode(&offer);
+        assert_eq!(decode_frame(&bytes, &limits), Ok(offer.clone()));
+        let refused = Message::IpcOffer {
+            ranges: Vec::new(),
+            kinds: vec![0],
+            socket: Vec::new(),
+            nonce: [0; IPC_NONCE_LEN],
+            why: "CUDA IPC export failed".into(),
+        };
+        assert_eq!(decode_frame(&encode(&refused), &limits), Ok(refused));
+        let Message::IpcOffer {
+            ranges,
+            socket,
+            nonce,
+            why,
+            ..
+        } = offer.clone()
+        else {
+            unreachable!()
+        };
+        let bad_kind = Message::IpcOffer {
+            ranges: ranges.clone(),
+            kinds: vec![1, 2],
+            socket: socket.clone(),
+            nonce,
+            why: why.clone(),
+        };
+        assert!(matches!(
+            bad_kind.validate(&limits),
+            Err(ProtoError::BadBool { .. })
+        ));
+        assert!(matches!(
+            Message::decode(Kind::IpcOffer, &payload(&bad_kind), &limits),
+            Err(ProtoError::BadBool { .. })
+        ));
+        let long = Message::IpcOffer {
+            ranges,
+            kinds: vec![1],
+            socket: vec![b'x'; MAX_IPC_SOCKET_LEN + 1],
+            nonce,
+            why,
+        };
+        assert!(matches!(
+            Message::decode(Kind::IpcOffer, &payload(&long), &limits),
+            Err(ProtoError::StringTooLong { .. })
+        ));
+        let p = payload(&offer);
+        assert!(Message::decode(Kind::IpcOffer, &p[..p.len() - 1], &limits).is_err());
+        let mut extra = p.clone();
+        extra.push(0);
+        assert!(Message::decode(Kind::IpcOffer, &extra, &limits).is_err());
     }
 
     #[test]

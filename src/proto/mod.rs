@@ -87,7 +87,7 @@ pub use frame::{FrameHeader, Kind, Limits, ProtoError};
 pub use message::{
     truncate_reason, AuthMode, AuthRefusal, BufferInfo, ConnKind, HostInfo, Message, QpInfo,
     Registration, Role, SameHostSetting, WireTransport, AUTH_KEY_ID_LEN, AUTH_MAC_LEN,
-    AUTH_NONCE_LEN,
+    AUTH_NONCE_LEN, IPC_NONCE_LEN, MAX_IPC_RANGES_LEN, MAX_IPC_SOCKET_LEN,
 };
 pub use runs::{encode_runs_prefix, read_run_headers, read_runs, read_runs_count, MAX_RUNS};
 pub use stream::{read_control, read_data_header, read_frame_header, ReadError};
@@ -109,8 +109,9 @@ pub const FRAME_MAGIC: u32 = 0x4B56_5846;
 /// the same-host path (`SameHost`, `PathChoice`, `Copy`, `Copied`); 7 added the digested
 /// runs of `Progress` (verified bytes over RDMA) and says in `SameHost` whether the sender
 /// registered CUDA device memory (a reserved byte before), which the same-host copy cannot
-/// move.
-pub const PROTO_VERSION: u16 = 7;
+/// move; 8 added the CUDA IPC offer (`IpcOffer`), which a prefill engine sends after its
+/// `SameHost` when either engine registered device memory.
+pub const PROTO_VERSION: u16 = 8;
 
 /// Length in bytes of the fixed frame header that starts every frame.
 pub const FRAME_HEADER_LEN: usize = 16;

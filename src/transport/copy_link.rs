@@ -205,15 +205,12 @@ fn read_answers(shared: &Shared, stream: TcpStream, limits: &Limits, stall: Dura
 impl Pipelined for CopyLink {
     /// One thread starts batches on a link (its sender): the answers come in the order
     /// the `Copy` frames went out, which is the order of the queue.
-    fn start(&self, runs: &[(DataHeader, &[u8])], end: BatchEnd) {
+    fn start(&self, runs: &[(DataHeader, u64)], end: BatchEnd) {
         let Some((first, _)) = runs.first() else {
             return end(Ok(Sent::All));
         };
         let msg = Message::Copy {
-            runs: runs
-                .iter()
-                .map(|(h, bytes)| (*h, bytes.as_ptr() as u64))
-                .collect(),
+            runs: runs.to_vec(),
         };
         let mut frame = Vec::new();
         if let Err(e) = msg.encode(&mut frame) {
@@ -261,8 +258,10 @@ impl DataLink for CopyLink {
     /// way waits for its answer.
     fn write_runs(&self, runs: &[(DataHeader, &[u8])], _: &mut Watch<'_>) -> io::Result<Sent> {
         let (tx, rx) = std::sync::mpsc::channel();
+        let runs: Vec<(DataHeader, u64)> =
+            runs.iter().map(|(h, b)| (*h, b.as_ptr() as u64)).collect();
         self.start(
-            runs,
+            &runs,
             Box::new(move |r| {
                 let _ = tx.send(r);
             }),
@@ -335,7 +334,7 @@ mod tests {
         let bytes = [0u8; 4];
         let ends = ends.clone();
         link.start(
-            &[(header(room), &bytes[..])],
+            &[(header(room), bytes.as_ptr() as u64)],
             Box::new(move |r| ends.send((room, r)).unwrap()),
         );
     }
@@ -411,7 +410,7 @@ mod tests {
                 .unwrap();
                 l.finish(&done).unwrap();
             });
-            link.start(&[(header(room), &bytes[..])], end);
+            link.start(&[(header(room), bytes.as_ptr() as u64)], end);
         }
         for room in 1..=3 {
             assert_eq!(read_copy(&mut r), room);

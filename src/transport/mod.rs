@@ -5,6 +5,7 @@
 //! is freed) plus the range checks here make those slices sound.
 
 pub mod copy_link;
+pub mod fdpass;
 pub mod rdma;
 pub mod samehost;
 pub mod staging;
@@ -156,7 +157,9 @@ pub type BatchEnd = Box<dyn FnOnce(io::Result<Sent>) + Send>;
 /// batch's bytes (or the link broke: an error), so the caller holds the room's io count
 /// in `end` until then.
 pub trait Pipelined {
-    fn start(&self, runs: &[(DataHeader, &[u8])], end: BatchEnd);
+    /// Starts a batch of `runs`, each with the address of its bytes in this process
+    /// (host memory, or device memory on the CUDA IPC path: never dereferenced here).
+    fn start(&self, runs: &[(DataHeader, u64)], end: BatchEnd);
 }
 
 use crate::err;

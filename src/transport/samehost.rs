@@ -37,6 +37,7 @@ use std::net::TcpStream;
 use std::os::unix::fs::MetadataExt;
 
 use super::tcp::recv::{Admit, FrameSink, Grant};
+use crate::cuda::ipc::{CopyError, DtoD, Imports};
 use crate::proto::{self, DataHeader, HostInfo, Limits, Message, SameHostSetting};
 
 /// The most bytes one `process_vm_readv` call copies: a room that ends stops being
@@ -110,15 +111,6 @@ pub fn check(ours: &HostInfo, theirs: &HostInfo) -> Result<(), NotSameHost> {
     }
     if ours.boot_id == [0; 16] || theirs.boot_id != ours.boot_id {
         return Err(NotSameHost::Elsewhere("another host".into()));
-    }
-    for (info, who) in [(ours, "this decode engine"), (theirs, "the prefill engine")] {
-        if info.device_memory {
-            return Err(NotSameHost::Refused(format!(
-                "same host, but {who} registered CUDA device memory, which the same-host \
-                 copy (host memory, process_vm_readv) cannot move; there is no CUDA IPC \
-                 path in this build"
-            )));
-        }
     }
     if theirs.net_ns != ours.net_ns {
         return Err(NotSameHost::Elsewhere(
@@ -225,13 +217,24 @@ fn read_from(pid: u32, local: &mut [&mut [u8]], remote: &[(u64, usize)]) -> io::
 /// The answers go out together once every message already read is served (the prefill
 /// keeps several copies in flight, so several often arrive in one read): one write, and
 /// one wakeup of the prefill's reader, for all of them.
-pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, pid: u32, limits: &Limits) -> String {
+///
+/// On the CUDA IPC path (`ipc`: the pairing's import table) runs into device pages are
+/// copied device to device from the prefill's exported memory ([`crate::cuda::ipc`]);
+/// runs into host pages (aux rows) as on the same-host path.
+pub fn serve<S: FrameSink>(
+    s: TcpStream,
+    sink: &S,
+    pid: u32,
+    limits: &Limits,
+    ipc: Option<&Imports>,
+) -> String {
     let mut w = match s.try_clone() {
         Ok(w) => w,
         Err(e) => return format!("data connection: {e}"),
     };
     let mut r = BufReader::new(s);
     let mut answers = Vec::with_capacity(256);
+    let mut dtod = None;
     loop {
         if r.buffer().is_empty() && !answers.is_empty() {
             if let Err(e) = w.write_all(&answers) {
@@ -244,16 +247,18 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, pid: u32, limits: &Limits) ->
             Err(why) => return why,
         };
         let served = match proto::read_control(&mut r, &hdr, limits) {
-            Ok(Message::Copy { runs }) => copy(sink, pid, &runs).and_then(|whole| {
-                let (h, _) = runs[0];
-                Message::Copied {
-                    room: h.room,
-                    generation: h.generation,
-                    whole,
-                }
-                .encode(&mut answers)
-                .map_err(|e| e.to_string())
-            }),
+            Ok(Message::Copy { runs }) => {
+                copy(sink, pid, &runs, ipc, &mut dtod).and_then(|whole| {
+                    let (h, _) = runs[0];
+                    Message::Copied {
+                        room: h.room,
+                        generation: h.generation,
+                        whole,
+                    }
+                    .encode(&mut answers)
+                    .map_err(|e| e.to_string())
+                })
+            }
             Ok(Message::Done {
                 room,
                 generation,
@@ -280,12 +285,31 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, pid: u32, limits: &Limits) ->
 /// [`MAX_COPY_RUNS`] runs and [`MAX_COPY_BYTES`] at most per call, each call under the
 /// room's io count and only while the room is live. Whether every run was copied whole
 /// (false: the room ended, or cannot take them); an error ends the connection.
-fn copy<S: FrameSink>(sink: &S, pid: u32, runs: &[(DataHeader, u64)]) -> Result<bool, String> {
+///
+/// Runs into device pages (the grant says which) are copied through `ipc` with the
+/// connection's copier (`dtod`, made on first use): every source is translated through
+/// the import table first, and a source outside what the prefill exported ends the
+/// connection before anything of that call is copied.
+fn copy<S: FrameSink>(
+    sink: &S,
+    pid: u32,
+    runs: &[(DataHeader, u64)],
+    ipc: Option<&Imports>,
+    dtod: &mut Option<DtoD>,
+) -> Result<bool, String> {
     let headers: Vec<DataHeader> = runs.iter().map(|(h, _)| *h).collect();
     let grant = match sink.admit(&headers) {
         Admit::Write(g) => g,
         Admit::Discard => return Ok(false),
         Admit::Refuse(why) => return Err(why),
+    };
+    let device: Vec<Option<(u32, usize)>> = (0..runs.len()).map(|j| grant.device(j)).collect();
+    let ipc = match (ipc, device.iter().any(Option::is_some)) {
+        (Some(t), true) => Some(t),
+        (None, true) => {
+            return Err("runs into device pages on a same-host connection without CUDA IPC".into())
+        }
+        (_, false) => None,
     };
     let mut complete = vec![false; runs.len()];
     let mut i = 0;
@@ -299,17 +323,38 @@ fn copy<S: FrameSink>(sink: &S, pid: u32, runs: &[(DataHeader, u64)]) -> Result<
             bytes += runs[end].0.byte_len as usize;
             end += 1;
         }
-        let mut local: Vec<&mut [u8]> = (i..end).map(|j| grant.pages(j)).collect();
-        let remote: Vec<(u64, usize)> = runs[i..end]
-            .iter()
-            .map(|(h, src)| (*src, h.byte_len as usize))
-            .collect();
-        let n = read_from(pid, &mut local, &remote)
-            .map_err(|e| format!("copying from prefill process {pid} failed: {e}"))?;
-        if n != bytes {
-            return Err(format!(
-                "copying from prefill process {pid} stopped after {n} of {bytes} bytes"
-            ));
+        let host: Vec<usize> = (i..end).filter(|&j| device[j].is_none()).collect();
+        if let Some(t) = ipc {
+            let on_device: Vec<(u64, u64, u64)> = (i..end)
+                .filter_map(|j| {
+                    device[j].map(|(_, dst)| (dst as u64, runs[j].1, runs[j].0.byte_len as u64))
+                })
+                .collect();
+            if !on_device.is_empty() {
+                let copier = match dtod {
+                    Some(c) => c,
+                    None => dtod.insert(DtoD::new(t.device()).map_err(|e| e.to_string())?),
+                };
+                copier.copy(t, &on_device).map_err(|e| match e {
+                    CopyError::Outside(why) => format!("prefill process {pid}: {why}"),
+                    CopyError::Driver(why) => format!("copying through CUDA IPC failed: {why}"),
+                })?;
+            }
+        }
+        if !host.is_empty() {
+            let mut local: Vec<&mut [u8]> = host.iter().map(|&j| grant.pages(j)).collect();
+            let remote: Vec<(u64, usize)> = host
+                .iter()
+                .map(|&j| (runs[j].1, runs[j].0.byte_len as usize))
+                .collect();
+            let want: usize = remote.iter().map(|r| r.1).sum();
+            let n = read_from(pid, &mut local, &remote)
+                .map_err(|e| format!("copying from prefill process {pid} failed: {e}"))?;
+            if n != want {
+                return Err(format!(
+                    "copying from prefill process {pid} stopped after {n} of {want} bytes"
+                ));
+            }
         }
         complete[i..end].fill(true);
         i = end;
@@ -361,24 +406,6 @@ mod tests {
         theirs.probe = probe;
         let e = check(&ours, &theirs).unwrap_err();
         assert!(e.why().contains("same_host=off"), "{e:?}");
-    }
-
-    #[test]
-    fn device_memory_on_either_side_refuses_the_same_host_copy_with_the_reason() {
-        let probe = [7u8; 16];
-        for (ours_dev, theirs_dev, who) in [
-            (true, false, "this decode engine"),
-            (false, true, "the prefill engine"),
-        ] {
-            let ours = local(SameHostSetting::Auto, None, ours_dev);
-            let theirs = local(SameHostSetting::Auto, Some(&probe), theirs_dev);
-            let e = check(&ours, &theirs).unwrap_err();
-            assert!(matches!(e, NotSameHost::Refused(_)), "{e:?}");
-            assert!(
-                e.why().contains(who) && e.why().contains("CUDA device memory"),
-                "{e:?}"
-            );
-        }
     }
 
     #[test]

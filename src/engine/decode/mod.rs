@@ -449,7 +449,10 @@ impl Events for DecodeEngine {
         let limits = &self.core.node.limits;
         match (peer.path.get(), open) {
             // Nothing travels on the connection but run headers: no payload to seal.
-            (Some(&Path::SameHost { pid }), _) => samehost::serve(stream, &sink, pid, limits),
+            (Some(&Path::SameHost { pid }), _) => samehost::serve(stream, &sink, pid, limits, None),
+            (Some(&Path::CudaIpc { pid }), _) => {
+                samehost::serve(stream, &sink, pid, limits, peer.ipc.get().map(|t| &**t))
+            }
             (_, Some(open)) => crate::transport::tcp::seal::serve(stream, &sink, limits, open),
             (_, None) => recv::serve(stream, &sink, limits),
         }

@@ -71,7 +71,8 @@ impl PrefillEngine {
             drop(io);
             return self.end_batch(&batch, false, link);
         }
-        let runs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.runs(&batch)));
+        let runs =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.copy_runs(&batch)));
         let runs = match runs {
             Ok(Ok(runs)) => runs,
             Ok(Err(reason)) => {
@@ -206,7 +207,10 @@ impl PrefillEngine {
 
     /// The batch's runs: each frame's header (with its digest, under `integrity`) and
     /// source bytes.
-    fn runs<'a>(&'a self, batch: &Batch) -> Result<Vec<(DataHeader, &'a [u8])>, FailureReason> {
+    pub(super) fn runs<'a>(
+        &'a self,
+        batch: &Batch,
+    ) -> Result<Vec<(DataHeader, &'a [u8])>, FailureReason> {
         let memory = &self.core.node.memory;
         let mut runs = Vec::with_capacity(batch.frames.len());
         for f in &batch.frames {

@@ -210,6 +210,75 @@ impl PrefillEngine {
     }
 }
 
+impl PrefillEngine {
+    /// The runs of a batch for a pipelined (same-host) link, each with the address of
+    /// its bytes here: host pages as [`PrefillEngine::runs`] gives them (digested with
+    /// `integrity=verify`); device pages, on the CUDA IPC path, by their device address,
+    /// which the decode engine translates through its import table (never dereferenced
+    /// here). A pairing with device memory never takes this path with integrity on (the
+    /// bytes could not be digested without a copy back), so a device run then is a bug.
+    pub(super) fn copy_runs(&self, batch: &Batch) -> Result<Vec<(DataHeader, u64)>, FailureReason> {
+        let memory = &self.core.node.memory;
+        if !batch.frames.iter().any(|f| on_device(memory, f)) {
+            let runs = self.runs(batch)?;
+            return Ok(runs.iter().map(|(h, b)| (*h, b.as_ptr() as u64)).collect());
+        }
+        if self.core.node.config.integrity {
+            return Err(FailureReason::local(
+                Cause::Internal,
+                "device pages on a same-host link with integrity=verify".to_string(),
+            ));
+        }
+        let internal = |e: crate::Error| FailureReason::local(Cause::Internal, e.to_string());
+        let mut out = Vec::with_capacity(batch.frames.len());
+        for f in &batch.frames {
+            let mem = memory_of(memory, f);
+            let h = f.hdr;
+            let addr = if on_device(memory, f) {
+                let off = usize::try_from(f.src_off).map_err(|_| {
+                    FailureReason::local(Cause::Internal, "a run offset past usize".to_string())
+                })?;
+                mem.device_run(
+                    h.buffer as usize,
+                    f.src,
+                    h.n_pages,
+                    off,
+                    h.byte_len as usize,
+                )
+                .map_err(internal)?
+            } else {
+                let pages = mem
+                    .pages(h.buffer as usize, f.src, h.n_pages)
+                    .map_err(internal)?;
+                let off = usize::try_from(f.src_off).unwrap_or(usize::MAX);
+                pages
+                    .get(off..off.saturating_add(h.byte_len as usize))
+                    .ok_or_else(|| {
+                        FailureReason::local(
+                            Cause::Internal,
+                            format!(
+                                "planned bytes {off}+{} lie outside source page {}",
+                                h.byte_len, f.src
+                            ),
+                        )
+                    })?
+                    .as_ptr() as usize
+            };
+            #[cfg(feature = "test-hooks")]
+            let addr = if on_device(memory, f) && crate::testing::take_fault("ipc.outside", h.room)
+            {
+                // A source the decode engine was never given: past this buffer's
+                // allocation by a page-aligned distance it cannot have exported.
+                addr.wrapping_add(1 << 40)
+            } else {
+                addr
+            };
+            out.push((h, addr as u64));
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
