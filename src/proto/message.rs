@@ -226,18 +226,6 @@ fn auth_bytes<const N: usize>(
     Ok(out)
 }
 
-/// Reads the three reserved bytes after an authentication setting.
-fn auth_reserved(r: &mut WireReader<'_>, field: &'static str) -> Result<(), ProtoError> {
-    let b = r.take(3, field)?;
-    if b != [0; 3] {
-        return Err(ProtoError::NonzeroReserved {
-            field,
-            found: u64::from(u32::from_le_bytes([b[0], b[1], b[2], 0])),
-        });
-    }
-    Ok(())
-}
-
 /// Connection data of one RDMA RC queue pair, as announced in [`Message::Transport`].
 ///
 /// Decoding guarantees `psn <= QpInfo::MAX_PSN` (24 bits) and `mtu` in
@@ -1195,16 +1183,7 @@ impl Message {
                 };
                 let kv = decode_buffers(&mut r, KV_LIST, limits)?;
                 let aux = decode_buffers(&mut r, AUX_LIST, limits)?;
-                let integrity = match r.u8("Registration.integrity")? {
-                    0 => false,
-                    1 => true,
-                    found => {
-                        return Err(ProtoError::BadBool {
-                            field: "Registration.integrity",
-                            found,
-                        })
-                    }
-                };
+                let integrity = r.bool("Registration.integrity")?;
                 Message::Registration(Registration {
                     kv,
                     aux,
@@ -1237,16 +1216,7 @@ impl Message {
                 let generation = r.u64("Done.generation")?;
                 let room_echo = r.u64("Done.room_echo")?;
                 let pages_sent = r.u32("Done.pages_sent")?;
-                let aux_sent = match r.u8("Done.aux_sent")? {
-                    0 => false,
-                    1 => true,
-                    found => {
-                        return Err(ProtoError::BadBool {
-                            field: "Done.aux_sent",
-                            found,
-                        })
-                    }
-                };
+                let aux_sent = r.bool("Done.aux_sent")?;
                 if room_echo != room {
                     return Err(ProtoError::RoomEchoMismatch { room, room_echo });
                 }
@@ -1276,18 +1246,7 @@ impl Message {
                 let mut runs = Vec::with_capacity(n);
                 for _ in 0..n {
                     let target = super::Target::try_from(r.u8("Progress.runs[].target")?)?;
-                    let reserved = r.take(3, "Progress.runs[].reserved")?;
-                    if reserved != [0; 3] {
-                        return Err(ProtoError::NonzeroReserved {
-                            field: "Progress.runs[].reserved",
-                            found: u64::from(u32::from_le_bytes([
-                                reserved[0],
-                                reserved[1],
-                                reserved[2],
-                                0,
-                            ])),
-                        });
-                    }
+                    r.reserved(3, "Progress.runs[].reserved")?;
                     let h = super::DataHeader {
                         room,
                         generation,
@@ -1345,18 +1304,7 @@ impl Message {
             },
             Kind::Transport => {
                 let transport = WireTransport::try_from(r.u8("Transport.transport")?)?;
-                let reserved = r.take(3, "Transport.reserved")?;
-                if reserved != [0; 3] {
-                    return Err(ProtoError::NonzeroReserved {
-                        field: "Transport.reserved",
-                        found: u64::from(u32::from_le_bytes([
-                            reserved[0],
-                            reserved[1],
-                            reserved[2],
-                            0,
-                        ])),
-                    });
-                }
+                r.reserved(3, "Transport.reserved")?;
                 let qps = match transport {
                     WireTransport::Tcp => match r.u32(QP_LIST)? {
                         0 => Vec::new(),
@@ -1375,7 +1323,7 @@ impl Message {
             }
             Kind::AuthHello => {
                 let auth = AuthMode::decode(r.u8("AuthHello.auth")?, "AuthHello.auth")?;
-                auth_reserved(&mut r, "AuthHello.reserved")?;
+                r.reserved(3, "AuthHello.reserved")?;
                 let key_id = auth_bytes(&mut r, "AuthHello.key_id", auth)?;
                 let nonce = auth_bytes(&mut r, "AuthHello.nonce", auth)?;
                 Message::AuthHello {
@@ -1386,7 +1334,7 @@ impl Message {
             }
             Kind::AuthChallenge => {
                 let auth = AuthMode::decode(r.u8("AuthChallenge.auth")?, "AuthChallenge.auth")?;
-                auth_reserved(&mut r, "AuthChallenge.reserved")?;
+                r.reserved(3, "AuthChallenge.reserved")?;
                 let engine_id =
                     u64::from_le_bytes(auth_bytes(&mut r, "AuthChallenge.engine_id", auth)?);
                 let nonce = auth_bytes(&mut r, "AuthChallenge.nonce", auth)?;
@@ -1408,22 +1356,8 @@ impl Message {
             }
             Kind::SameHost => {
                 let setting = SameHostSetting::try_from(r.u8("SameHost.setting")?)?;
-                let device_memory = match r.u8("SameHost.device_memory")? {
-                    0 => false,
-                    1 => true,
-                    found => {
-                        return Err(ProtoError::BadBool {
-                            field: "SameHost.device_memory",
-                            found,
-                        })
-                    }
-                };
-                if r.take(2, "SameHost.reserved")? != [0; 2] {
-                    return Err(ProtoError::NonzeroReserved {
-                        field: "SameHost.reserved",
-                        found: 1,
-                    });
-                }
+                let device_memory = r.bool("SameHost.device_memory")?;
+                r.reserved(2, "SameHost.reserved")?;
                 let mut boot_id = [0u8; 16];
                 boot_id.copy_from_slice(r.take(16, "SameHost.boot_id")?);
                 let pid_ns = r.u64("SameHost.pid_ns")?;
@@ -1446,22 +1380,8 @@ impl Message {
                 })
             }
             Kind::PathChoice => {
-                let same_host = match r.u8("PathChoice.same_host")? {
-                    0 => false,
-                    1 => true,
-                    found => {
-                        return Err(ProtoError::BadBool {
-                            field: "PathChoice.same_host",
-                            found,
-                        })
-                    }
-                };
-                if r.take(3, "PathChoice.reserved")? != [0; 3] {
-                    return Err(ProtoError::NonzeroReserved {
-                        field: "PathChoice.reserved",
-                        found: 1,
-                    });
-                }
+                let same_host = r.bool("PathChoice.same_host")?;
+                r.reserved(3, "PathChoice.reserved")?;
                 let len = r.u32("PathChoice.why_len")?;
                 if len > limits.max_reason_len {
                     return Err(ProtoError::StringTooLong {
@@ -1508,16 +1428,7 @@ impl Message {
             Kind::Copied => {
                 let room = r.u64("Copied.room")?;
                 let generation = r.u64("Copied.generation")?;
-                let whole = match r.u8("Copied.whole")? {
-                    0 => false,
-                    1 => true,
-                    found => {
-                        return Err(ProtoError::BadBool {
-                            field: "Copied.whole",
-                            found,
-                        })
-                    }
-                };
+                let whole = r.bool("Copied.whole")?;
                 Message::Copied {
                     room,
                     generation,

@@ -50,6 +50,31 @@ impl<'a> WireReader<'a> {
         Ok(self.array::<1>(field)?[0])
     }
 
+    /// A byte that must be 0 (false) or 1 (true).
+    pub(super) fn bool(&mut self, field: &'static str) -> Result<bool, ProtoError> {
+        match self.u8(field)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            found => Err(ProtoError::BadBool { field, found }),
+        }
+    }
+
+    /// `n` (at most 8) reserved bytes, which must be zero; the error carries them as a
+    /// little-endian number.
+    pub(super) fn reserved(&mut self, n: usize, field: &'static str) -> Result<(), ProtoError> {
+        debug_assert!(n <= 8);
+        let b = self.take(n, field)?;
+        if b.iter().all(|&x| x == 0) {
+            return Ok(());
+        }
+        let mut le = [0u8; 8];
+        le[..n].copy_from_slice(b);
+        Err(ProtoError::NonzeroReserved {
+            field,
+            found: u64::from_le_bytes(le),
+        })
+    }
+
     pub(super) fn u16(&mut self, field: &'static str) -> Result<u16, ProtoError> {
         self.array(field).map(u16::from_le_bytes)
     }
