@@ -731,7 +731,9 @@ KVXFER_MUST_USE kvxfer_status kvxfer_config_new(struct kvxfer_config **out);
  * - `same_host` (default `auto`): `auto` | `require` | `off`. Engines on one host (the
  *   same boot id and network namespace, learnt in the handshake after authentication)
  *   move KV without the network: the decode engine copies the pages straight from the
- *   prefill process's registered memory (`process_vm_readv`). It needs the same PID
+ *   prefill process's registered memory (`process_vm_readv`; a batch of at most 64 KiB
+ *   of host memory goes inline on the path's connection instead, where a copy's answer
+ *   would cost more than the bytes). It needs the same PID
  *   namespace and permission to read the prefill process (same user and Yama
  *   `ptrace_scope` 0, or `CAP_SYS_PTRACE`), which the pairing proves by reading a probe.
  *   `auto`: that path when it can be used, TCP otherwise (logged at WARN with the

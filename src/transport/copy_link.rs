@@ -16,8 +16,9 @@
 //! answer it read, and writes them together.
 
 use std::collections::VecDeque;
-use std::io::{self, BufReader, Write};
+use std::io::{self, BufReader, IoSlice, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::ThreadId;
@@ -27,6 +28,12 @@ use parking_lot::{Condvar, Mutex};
 
 use super::{BatchEnd, DataLink, Pipelined, Sent, Watch};
 use crate::proto::{self, DataHeader, Kind, Limits, Message, ReadError};
+
+/// A batch of host memory of at most this many bytes goes inline, as a TCP data frame on
+/// the same connection, instead of as a copy: below it, the copy's answer and the Done
+/// that must wait for it (three crossings between the processes, each a wakeup) cost more
+/// than the two kernel copies of the bytes (one crossing, the Done right behind).
+pub const INLINE_MAX_BYTES: usize = 64 << 10;
 
 /// The most batches a link keeps waiting for their answers; a sender with one more waits.
 pub const MAX_IN_FLIGHT: usize = 16;
@@ -253,21 +260,67 @@ impl Pipelined for CopyLink {
     }
 }
 
+impl CopyLink {
+    /// Writes a small batch inline ([`INLINE_MAX_BYTES`]) as one `DataRuns` frame.
+    fn inline(&self, runs: &[(DataHeader, &[u8])], more: bool) -> io::Result<Sent> {
+        let headers: Vec<DataHeader> = runs.iter().map(|(h, _)| *h).collect();
+        let mut prefix = Vec::with_capacity(64 + headers.len() * proto::DATA_HEADER_LEN);
+        proto::encode_runs_prefix(&headers, &mut prefix).map_err(io::Error::other)?;
+        let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&prefix))
+            .chain(runs.iter().map(|(_, b)| IoSlice::new(b)))
+            .collect();
+        let written = send_all(&self.shared.stream.lock(), &mut bufs, more);
+        if let Err(e) = &written {
+            self.shared
+                .broke(format!("writing a batch inline failed: {e}"));
+        }
+        written.map(|()| Sent::All)
+    }
+}
+
+/// Writes all of `bufs` on `s` (vectored); with `more` the tail may wait in the socket
+/// for the next write or a flush (`MSG_MORE`).
+fn send_all(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], more: bool) -> io::Result<()> {
+    let flags = libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
+    while !bufs.is_empty() {
+        // SAFETY: an all-zero msghdr is valid (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        // IoSlice is ABI-compatible with iovec on Unix; the kernel only reads them.
+        msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = bufs.len().min(1024) as _;
+        // SAFETY: the socket is open while `s` is borrowed; msg points at live iovecs.
+        let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, flags) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        IoSlice::advance_slices(&mut bufs, n as usize);
+    }
+    Ok(())
+}
+
 impl DataLink for CopyLink {
-    /// Not used: the sender starts batches through [`Pipelined`]. A batch written this
-    /// way waits for its answer.
+    /// A small batch of host memory, sent inline (see [`INLINE_MAX_BYTES`]): one
+    /// `DataRuns` frame with the runs' bytes, which the decode engine reads into its
+    /// pages as over TCP. Returns once the bytes are in the socket (no answer comes).
     fn write_runs(&self, runs: &[(DataHeader, &[u8])], _: &mut Watch<'_>) -> io::Result<Sent> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let runs: Vec<(DataHeader, u64)> =
-            runs.iter().map(|(h, b)| (*h, b.as_ptr() as u64)).collect();
-        self.start(
-            &runs,
-            Box::new(move |r| {
-                let _ = tx.send(r);
-            }),
-        );
-        rx.recv()
-            .unwrap_or_else(|_| Err(io::Error::other("the link ended the batch unanswered")))
+        self.inline(runs, false)
+    }
+
+    /// As `write_runs`, the frame's tail waiting in the socket for the room's Done
+    /// (`MSG_MORE`), as over TCP.
+    fn write_last_runs(&self, runs: &[(DataHeader, &[u8])], _: &mut Watch<'_>) -> io::Result<Sent> {
+        self.inline(runs, true)
+    }
+
+    /// Sends what a write with `more` left waiting in the socket: setting `TCP_NODELAY`
+    /// pushes the pending frames (Linux).
+    fn flush(&self) {
+        let fd = self.shared.socket.as_raw_fd();
+        let _ = super::tcp::set_int_option(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1);
     }
 
     fn as_pipelined(&self) -> Option<&dyn Pipelined> {
@@ -427,6 +480,36 @@ mod tests {
                 m => panic!("{} in place of Done", m.kind().name()),
             }
         }
+    }
+
+    /// A small batch goes inline: one `DataRuns` frame with the runs' headers and bytes,
+    /// ended at once (no answer waits), and the link stays whole.
+    #[test]
+    fn a_small_batch_goes_inline_as_one_data_frame() {
+        let (link, mut r) = link(Duration::from_secs(10));
+        let (a, b) = ([1u8; 4], [2u8; 4]);
+        let mut h2 = header(7);
+        h2.first_page = 1;
+        let mut watch_ended = || false;
+        let mut release = || {};
+        let mut watch = Watch {
+            ended: &mut watch_ended,
+            release: &mut release,
+        };
+        let sent = link
+            .write_runs(&[(header(7), &a[..]), (h2, &b[..])], &mut watch)
+            .unwrap();
+        assert_eq!(sent, Sent::All);
+        let limits = Limits::default();
+        let h = proto::read_frame_header(&mut r, &limits).unwrap();
+        assert_eq!(h.kind, Kind::DataRuns);
+        let n = proto::read_runs_count(&mut r, &h, &limits).unwrap();
+        let runs = proto::read_run_headers(&mut r, &h, n, &limits).unwrap();
+        assert_eq!(runs, vec![header(7), h2]);
+        let mut bytes = [0u8; 8];
+        std::io::Read::read_exact(&mut r, &mut bytes).unwrap();
+        assert_eq!(bytes, [1, 1, 1, 1, 2, 2, 2, 2]);
+        assert!(!link.is_broken());
     }
 
     /// No answer within the stall: the link breaks, every waiting batch ends with the

@@ -32,13 +32,13 @@
 //! the prefill's process; it says the path it chose (and why not the fast one) in
 //! `PathChoice`, which the prefill applies and echoes before any data connection opens.
 
-use std::io::{self, BufReader, Write};
+use std::io::{self, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::MetadataExt;
 
-use super::tcp::recv::{Admit, FrameSink, Grant};
+use super::tcp::recv::{Admit, DataStream, FrameSink, Grant};
 use crate::cuda::ipc::{CopyError, DtoD, Imports};
-use crate::proto::{self, DataHeader, HostInfo, Limits, Message, SameHostSetting};
+use crate::proto::{self, DataHeader, HostInfo, Kind, Limits, Message, SameHostSetting};
 
 /// The most bytes one `process_vm_readv` call copies: a room that ends stops being
 /// copied within one call of this size.
@@ -214,6 +214,9 @@ fn read_from(pid: u32, local: &mut [&mut [u8]], remote: &[(u64, usize)]) -> io::
 /// ends: each `Copy` is admitted by `sink` as a data frame of those runs would be, copied
 /// into the granted pages and answered; `Done` goes to `sink`. Returns why it ended.
 ///
+/// A small batch comes inline as a TCP data frame (`copy_link::INLINE_MAX_BYTES`) and is
+/// read into the granted pages as over TCP.
+///
 /// The answers go out together once every message already read is served (the prefill
 /// keeps several copies in flight, so several often arrive in one read): one write, and
 /// one wakeup of the prefill's reader, for all of them.
@@ -232,11 +235,12 @@ pub fn serve<S: FrameSink>(
         Ok(w) => w,
         Err(e) => return format!("data connection: {e}"),
     };
-    let mut r = BufReader::new(s);
+    let mut r = DataStream::new(s);
     let mut answers = Vec::with_capacity(256);
     let mut dtod = None;
+    let mut rings = crate::cuda::copy::Rings::default();
     loop {
-        if r.buffer().is_empty() && !answers.is_empty() {
+        if !r.has_buffered() && !answers.is_empty() {
             if let Err(e) = w.write_all(&answers) {
                 return format!("answering copies failed: {e}");
             }
@@ -246,6 +250,15 @@ pub fn serve<S: FrameSink>(
             Ok(h) => h,
             Err(why) => return why,
         };
+        if matches!(hdr.kind, Kind::Data | Kind::DataRuns) {
+            // A small batch, sent inline (`copy_link::INLINE_MAX_BYTES`).
+            let served = super::tcp::recv::data_frame(&mut r, sink, &hdr, limits, &mut rings);
+            if let Err(why) = served {
+                sink.protocol_error();
+                return why;
+            }
+            continue;
+        }
         let served = match proto::read_control(&mut r, &hdr, limits) {
             Ok(Message::Copy { runs }) => {
                 copy(sink, pid, &runs, ipc, &mut dtod).and_then(|whole| {

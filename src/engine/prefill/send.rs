@@ -51,10 +51,19 @@ impl PrefillEngine {
     }
 
     /// Writes one batch on `link` and ends it; a failure (or a panic) fails its room. On
-    /// a pipelined link the batch ends later, on the thread that learns of its end.
+    /// a pipelined link the batch ends later, on the thread that learns of its end,
+    /// unless it is small and of host memory: then it goes inline, as over TCP.
     fn send_batch(self: &Arc<Self>, link: &Arc<dyn DataLink>, batch: Batch) {
         if let Some(p) = link.as_pipelined() {
-            return self.start_batch(p, link, batch);
+            let memory = &self.core.node.memory;
+            let inline = batch.bytes <= crate::transport::copy_link::INLINE_MAX_BYTES
+                && !batch
+                    .frames
+                    .iter()
+                    .any(|f| super::staged::on_device(memory, f));
+            if !inline {
+                return self.start_batch(p, link, batch);
+            }
         }
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.write_batch(link, &batch)

@@ -80,6 +80,11 @@ impl DataStream {
         self.pos == self.end
     }
 
+    /// Whether bytes already read from the socket wait in the buffer.
+    pub(crate) fn has_buffered(&self) -> bool {
+        !self.is_empty()
+    }
+
     /// Sets the read timeout to `TICK`, if it is not.
     fn tick(&mut self) -> io::Result<()> {
         if !self.ticking {
@@ -331,16 +336,7 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
             Err(why) => return why,
         };
         let r = match hdr.kind {
-            Kind::Data => proto::read_data_header(&mut s, &hdr, limits)
-                .map_err(|e| e.to_string())
-                .and_then(|dh| data(&mut s, sink, std::slice::from_ref(&dh), &mut rings)),
-            Kind::DataRuns => proto::read_runs_count(&mut s, &hdr, limits)
-                .and_then(|n| {
-                    s.expect(n as usize * proto::DATA_HEADER_LEN);
-                    proto::read_run_headers(&mut s, &hdr, n, limits)
-                })
-                .map_err(|e| e.to_string())
-                .and_then(|runs| data(&mut s, sink, &runs, &mut rings)),
+            Kind::Data | Kind::DataRuns => data_frame(&mut s, sink, &hdr, limits, &mut rings),
             Kind::Done => match proto::read_control(&mut s, &hdr, limits) {
                 Ok(Message::Done {
                     room,
@@ -364,6 +360,29 @@ pub fn serve<S: FrameSink>(s: TcpStream, sink: &S, limits: &Limits) -> String {
             return why;
         }
     }
+}
+
+/// Serves the `Data` or `DataRuns` frame whose header `hdr` was read (runs into device
+/// memory through `rings`).
+pub(crate) fn data_frame<S: FrameSink>(
+    s: &mut DataStream,
+    sink: &S,
+    hdr: &proto::FrameHeader,
+    limits: &Limits,
+    rings: &mut crate::cuda::copy::Rings,
+) -> Result<(), String> {
+    if hdr.kind == Kind::Data {
+        return proto::read_data_header(s, hdr, limits)
+            .map_err(|e| e.to_string())
+            .and_then(|dh| data(s, sink, std::slice::from_ref(&dh), rings));
+    }
+    proto::read_runs_count(s, hdr, limits)
+        .and_then(|n| {
+            s.expect(n as usize * proto::DATA_HEADER_LEN);
+            proto::read_run_headers(s, hdr, n, limits)
+        })
+        .map_err(|e| e.to_string())
+        .and_then(|runs| data(s, sink, &runs, rings))
 }
 
 /// The runs of one data frame (one run for `Data`; one room's runs for `DataRuns`)
