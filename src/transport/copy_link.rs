@@ -14,9 +14,12 @@
 //! An answer that ends a room's last batch completes the room on the reader thread, which
 //! then writes the room's Done; it holds the Done frames back until it has served every
 //! answer it read, and writes them together.
+//!
+//! A batch of host memory of at most [`INLINE_MAX_BYTES`] is not copied: it goes inline
+//! in data frames as over TCP (`write_runs`), ends once written, and has no answer.
 
 use std::collections::VecDeque;
-use std::io::{self, BufReader, IoSlice, Write};
+use std::io::{self, BufReader, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -59,7 +62,7 @@ struct Shared {
     stream: Mutex<TcpStream>,
     queue: Mutex<Queue>,
     /// Signalled when an answer frees a place in the queue, or the link breaks.
-    room: Condvar,
+    space: Condvar,
     /// Whether the link broke (a copy of `queue.broken` that needs no lock).
     broken: AtomicBool,
     /// The connection, shut when the link breaks so that both threads leave it.
@@ -81,16 +84,14 @@ impl Shared {
                 self.broken.store(true, Ordering::Relaxed);
                 let _ = self.socket.shutdown(Shutdown::Both);
             }
-            self.room.notify_all();
+            self.space.notify_all();
             q.waiting.drain(..).collect()
         };
         for w in ended {
             (w.end)(Err(io::Error::other(why.clone())));
         }
     }
-}
 
-impl Shared {
     /// Writes the Done frames the reader thread held back (see [`CopyLink::finish`]).
     fn send_done(&self) -> io::Result<()> {
         let mut done = self.done.lock();
@@ -132,7 +133,7 @@ impl CopyLink {
                 waiting: VecDeque::new(),
                 broken: None,
             }),
-            room: Condvar::new(),
+            space: Condvar::new(),
             broken: AtomicBool::new(false),
             socket,
             reader: OnceLock::new(),
@@ -195,7 +196,7 @@ fn read_answers(shared: &Shared, stream: TcpStream, limits: &Limits, stall: Dura
             let mut q = shared.queue.lock();
             match q.waiting.front() {
                 Some(w) if (w.room, w.generation) == (room, generation) => {
-                    shared.room.notify_one();
+                    shared.space.notify_one();
                     q.waiting.pop_front()
                 }
                 _ => None,
@@ -230,7 +231,7 @@ impl Pipelined for CopyLink {
             {
                 let mut q = self.shared.queue.lock();
                 while q.broken.is_none() && q.waiting.len() >= MAX_IN_FLIGHT {
-                    self.shared.room.wait_for(&mut q, self.stall);
+                    self.shared.space.wait_for(&mut q, self.stall);
                 }
             }
             let mut s = self.shared.stream.lock();
@@ -261,45 +262,15 @@ impl Pipelined for CopyLink {
 }
 
 impl CopyLink {
-    /// Writes a small batch inline ([`INLINE_MAX_BYTES`]) as one `DataRuns` frame.
+    /// Writes a small batch inline ([`INLINE_MAX_BYTES`]) in data frames, as over TCP.
     fn inline(&self, runs: &[(DataHeader, &[u8])], more: bool) -> io::Result<Sent> {
-        let headers: Vec<DataHeader> = runs.iter().map(|(h, _)| *h).collect();
-        let mut prefix = Vec::with_capacity(64 + headers.len() * proto::DATA_HEADER_LEN);
-        proto::encode_runs_prefix(&headers, &mut prefix).map_err(io::Error::other)?;
-        let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&prefix))
-            .chain(runs.iter().map(|(_, b)| IoSlice::new(b)))
-            .collect();
-        let written = send_all(&self.shared.stream.lock(), &mut bufs, more);
+        let written = super::tcp::send::write_frames(&self.shared.stream.lock(), runs, more);
         if let Err(e) = &written {
             self.shared
                 .broke(format!("writing a batch inline failed: {e}"));
         }
         written.map(|()| Sent::All)
     }
-}
-
-/// Writes all of `bufs` on `s` (vectored); with `more` the tail may wait in the socket
-/// for the next write or a flush (`MSG_MORE`).
-fn send_all(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], more: bool) -> io::Result<()> {
-    let flags = libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
-    while !bufs.is_empty() {
-        // SAFETY: an all-zero msghdr is valid (no name, no control data).
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        // IoSlice is ABI-compatible with iovec on Unix; the kernel only reads them.
-        msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
-        msg.msg_iovlen = bufs.len().min(1024) as _;
-        // SAFETY: the socket is open while `s` is borrowed; msg points at live iovecs.
-        let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, flags) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        IoSlice::advance_slices(&mut bufs, n as usize);
-    }
-    Ok(())
 }
 
 impl DataLink for CopyLink {
@@ -510,6 +481,27 @@ mod tests {
         std::io::Read::read_exact(&mut r, &mut bytes).unwrap();
         assert_eq!(bytes, [1, 1, 1, 1, 2, 2, 2, 2]);
         assert!(!link.is_broken());
+        // More runs than one DataRuns frame may carry: split as over TCP, not refused.
+        let many: Vec<(DataHeader, &[u8])> = (0..1200u32)
+            .map(|i| {
+                let mut h = header(8);
+                h.first_page = i;
+                (h, &a[..])
+            })
+            .collect();
+        assert_eq!(link.write_runs(&many, &mut watch).unwrap(), Sent::All);
+        let mut got = 0;
+        while got < many.len() {
+            let h = proto::read_frame_header(&mut r, &limits).unwrap();
+            assert_eq!(h.kind, Kind::DataRuns);
+            let n = proto::read_runs_count(&mut r, &h, &limits).unwrap();
+            let runs = proto::read_run_headers(&mut r, &h, n, &limits).unwrap();
+            assert_eq!(runs[0].first_page, got as u32);
+            let mut payload = vec![0u8; runs.len() * 4];
+            std::io::Read::read_exact(&mut r, &mut payload).unwrap();
+            got += runs.len();
+        }
+        assert_eq!(got, many.len());
     }
 
     /// No answer within the stall: the link breaks, every waiting batch ends with the

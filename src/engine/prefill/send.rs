@@ -55,12 +55,8 @@ impl PrefillEngine {
     /// unless it is small and of host memory: then it goes inline, as over TCP.
     fn send_batch(self: &Arc<Self>, link: &Arc<dyn DataLink>, batch: Batch) {
         if let Some(p) = link.as_pipelined() {
-            let memory = &self.core.node.memory;
             let inline = batch.bytes <= crate::transport::copy_link::INLINE_MAX_BYTES
-                && !batch
-                    .frames
-                    .iter()
-                    .any(|f| super::staged::on_device(memory, f));
+                && !super::staged::any_on_device(&self.core.node.memory, &batch);
             if !inline {
                 return self.start_batch(p, link, batch);
             }
@@ -176,12 +172,7 @@ impl PrefillEngine {
         if ended() {
             return Ok(false);
         }
-        let memory = &self.core.node.memory;
-        if batch
-            .frames
-            .iter()
-            .any(|f| super::staged::on_device(memory, f))
-        {
+        if super::staged::any_on_device(&self.core.node.memory, batch) {
             // Device pages go through the pinned staging ring; the io count goes with
             // them, held until every copy out of the room's pages completed.
             let io = io.take().expect("held until here");

@@ -42,6 +42,11 @@ pub(super) fn on_device(memory: &Registry, f: &Planned) -> bool {
         .is_some_and(|k| !k.is_host())
 }
 
+/// Whether any frame of `batch` reads device memory.
+pub(super) fn any_on_device(memory: &Registry, batch: &Batch) -> bool {
+    batch.frames.iter().any(|f| on_device(memory, f))
+}
+
 /// Consecutive frames grouped so that each group's bytes fit one slot of `slot_len`
 /// (every frame alone does: the ring's slots hold the longest).
 fn pack(frames: &[(DataHeader, usize)], slot_len: usize) -> Vec<std::ops::Range<usize>> {
@@ -219,7 +224,7 @@ impl PrefillEngine {
     /// bytes could not be digested without a copy back), so a device run then is a bug.
     pub(super) fn copy_runs(&self, batch: &Batch) -> Result<Vec<(DataHeader, u64)>, FailureReason> {
         let memory = &self.core.node.memory;
-        if !batch.frames.iter().any(|f| on_device(memory, f)) {
+        if !any_on_device(memory, batch) {
             let runs = self.runs(batch)?;
             return Ok(runs.iter().map(|(h, b)| (*h, b.as_ptr() as u64)).collect());
         }

@@ -244,6 +244,33 @@ impl SendConn {
     }
 }
 
+/// Writes every byte of `runs` in the frames of [`frames`] with vectored writes,
+/// waiting as the socket's write timeout allows (a timeout is an error); with `more` the
+/// tail may wait in the socket for what follows (`MSG_MORE`). For a writer that holds
+/// the connection for the whole batch and watches no room (the same-host path's small
+/// batches, `CopyLink`).
+pub(crate) fn write_frames(
+    s: &TcpStream,
+    runs: &[(DataHeader, &[u8])],
+    more: bool,
+) -> io::Result<()> {
+    let (heads, frames) = frames(runs)?;
+    let mut bufs: Vec<IoSlice<'_>> = Vec::with_capacity(frames.len() + runs.len());
+    for (head, carried) in &frames {
+        bufs.push(IoSlice::new(&heads[head.clone()]));
+        bufs.extend(runs[carried.clone()].iter().map(|(_, b)| IoSlice::new(b)));
+    }
+    let mut bufs = &mut bufs[..];
+    while !bufs.is_empty() {
+        match send_vectored(s, bufs, more) {
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// `writev` as `sendmsg` with `MSG_NOSIGNAL`: a peer that closed gives `EPIPE`, never a
 /// SIGPIPE that would kill a host process which did not ignore it (Rust's own
 /// `write` uses `send` with the same flag; its `write_vectored` uses `writev`).
