@@ -343,12 +343,17 @@ impl Stream {
                 return None;
             }
         }
+        // Blank lines are skipped in a loop: a stream of them (any length, from a
+        // misbehaving or tampered etcd) must cost neither stack nor quadratic time.
+        let start = self
+            .body
+            .iter()
+            .position(|b| !b.is_ascii_whitespace())
+            .unwrap_or(self.body.len());
+        self.body.drain(..start);
         let nl = self.body.iter().position(|&b| b == b'\n')?;
         let mut line: Vec<u8> = self.body.drain(..=nl).collect();
         line.pop();
-        if line.iter().all(u8::is_ascii_whitespace) {
-            return self.take_line();
-        }
         Some(line)
     }
 }
@@ -356,6 +361,24 @@ impl Stream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A watch stream of many blank lines (a misbehaving or tampered etcd) is skipped
+    /// in one pass: it once recursed per line and overflowed the stack.
+    #[test]
+    fn a_flood_of_blank_lines_is_skipped_without_recursion() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut s = Stream {
+            sock: TcpStream::connect(l.local_addr().unwrap()).unwrap(),
+            addr: "test".into(),
+            raw: Vec::new(),
+            body: vec![b'\n'; 4 << 20],
+            dechunk: Dechunk::default(),
+            chunked: true,
+        };
+        s.body.extend_from_slice(b"{\"a\":1}\n");
+        assert_eq!(s.take_line(), Some(b"{\"a\":1}".to_vec()));
+        assert!(s.body.is_empty());
+    }
 
     #[test]
     fn a_chunked_body_decodes_across_any_split() {
