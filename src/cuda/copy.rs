@@ -64,18 +64,37 @@ impl CudaCopy {
     }
 
     /// An event recorded on the stream after the work issued so far.
+    /// An event behind the copy just issued. If none can be made, the stream is waited
+    /// for before the error returns: a caller that sees an error must be able to take
+    /// the copy as over (the room's io count drops, the slot is reused or freed).
     fn record(&self) -> io::Result<Event> {
         let mut ev: CuHandle = std::ptr::null_mut();
         // SAFETY: writes one event handle.
-        self.call("cuEventCreate", || unsafe {
+        let made = self.call("cuEventCreate", || unsafe {
             (self.d.cuEventCreate)(&mut ev, EVENT_DISABLE_TIMING)
-        })?;
-        let ev = Event(ev);
+        });
         // SAFETY: a live event and stream of this context.
-        self.call("cuEventRecord", || unsafe {
-            (self.d.cuEventRecord)(ev.0, self.stream)
-        })?;
-        Ok(ev)
+        let recorded = made.and_then(|()| {
+            self.call("cuEventRecord", || unsafe {
+                (self.d.cuEventRecord)(ev, self.stream)
+            })
+        });
+        match recorded {
+            Ok(()) => Ok(Event(ev)),
+            Err(e) => {
+                if !ev.is_null() {
+                    // SAFETY: the event made above, destroyed once.
+                    let _ = self.call("cuEventDestroy", || unsafe {
+                        (self.d.cuEventDestroy_v2)(ev)
+                    });
+                }
+                // SAFETY: our live stream.
+                let _ = self.call("cuStreamSynchronize", || unsafe {
+                    (self.d.cuStreamSynchronize)(self.stream)
+                });
+                Err(e)
+            }
+        }
     }
 }
 

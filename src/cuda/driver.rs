@@ -106,6 +106,7 @@ driver_table! {
     cuMemFreeHost: fn(*mut c_void);
     cuStreamCreate: fn(*mut CuHandle, c_uint);
     cuStreamDestroy_v2: fn(CuHandle);
+    cuStreamSynchronize: fn(CuHandle);
     cuMemcpyDtoHAsync_v2: fn(*mut c_void, CuDevicePtr, usize, CuHandle);
     cuMemcpyHtoDAsync_v2: fn(CuDevicePtr, *const c_void, usize, CuHandle);
     cuEventCreate: fn(*mut CuHandle, c_uint);

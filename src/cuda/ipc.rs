@@ -31,7 +31,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 
 use super::driver::{
     self, Context, CuDevicePtr, CuHandle, Driver, IpcApi, IpcMemHandle, MemAccessDesc,
-    ATTR_RANGE_SIZE, ATTR_RANGE_START_ADDR, EVENT_DISABLE_TIMING, IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
+    ATTR_RANGE_SIZE, ATTR_RANGE_START_ADDR, IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
     MEM_ACCESS_FLAGS_PROT_READWRITE, MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
     MEM_LOCATION_TYPE_DEVICE, STREAM_NON_BLOCKING,
 };
@@ -702,26 +702,10 @@ impl DtoD {
     /// Waits for the work issued on the stream so far.
     fn wait(&self) -> Result<()> {
         let d = self.d;
-        let mut ev: CuHandle = std::ptr::null_mut();
-        // SAFETY: writes one event handle.
-        call(d, self.ctx, "cuEventCreate", || unsafe {
-            (d.cuEventCreate)(&mut ev, EVENT_DISABLE_TIMING)
-        })?;
-        // SAFETY: a live event and our stream; then waited for and destroyed once.
-        let r = call(d, self.ctx, "cuEventRecord", || unsafe {
-            (d.cuEventRecord)(ev, self.stream)
+        // SAFETY: our live stream.
+        call(d, self.ctx, "cuStreamSynchronize", || unsafe {
+            (d.cuStreamSynchronize)(self.stream)
         })
-        .and_then(|()| {
-            // SAFETY: as above.
-            call(d, self.ctx, "cuEventSynchronize", || unsafe {
-                (d.cuEventSynchronize)(ev)
-            })
-        });
-        // SAFETY: as above.
-        let _ = call(d, self.ctx, "cuEventDestroy", || unsafe {
-            (d.cuEventDestroy_v2)(ev)
-        });
-        r
     }
 }
 
