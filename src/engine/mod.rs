@@ -5,6 +5,7 @@
 //!
 //! The scheduler-facing calls (`room_*`, `enqueue_chunk`) never block on the network.
 
+mod bugs;
 mod changes;
 mod core;
 mod decode;

@@ -7,17 +7,27 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::holding::{Full, Grave};
+use super::ledger::{OnAbort, OnDestination, Standing};
 use super::{ext, Dest, Handed, Job, PRoom, PrefillEngine};
 use crate::control::Peer;
 use crate::engine::lifecycle;
 use crate::proto::Message;
-use crate::room::{Cause, FailureReason};
+use crate::room::{Cause, FailureReason, State};
 
 /// The answer to a late destination for a cleared use of room `id`.
 fn cleared_why(id: u64, reason: Option<String>) -> String {
     match reason {
         Some(r) => format!("prefill room {id} already failed and was cleared: {r}"),
         None => format!("prefill room {id} already finished and was cleared"),
+    }
+}
+
+/// What `room` is now, for the ledger's decisions.
+fn standing(room: &PRoom) -> Standing<'_> {
+    match room.state() {
+        State::Success => Standing::Succeeded,
+        State::Failed => Standing::Failed(room.failure().map_or("", |f| f.message.as_str())),
+        _ => Standing::Live,
     }
 }
 
@@ -89,17 +99,11 @@ impl PrefillEngine {
         );
     }
 
-    /// Ok if `peer` may send `room` a destination or an abort (`what`): any engine may
-    /// unless the room is bound to decode engines, else one of those; otherwise the
-    /// refusal's reason. A refusal is
-    /// counted and logged (warn the first time and every power of two, debug otherwise);
-    /// the caller answers it, if at all, and leaves the room as it is.
-    fn admitted(&self, room: &PRoom, peer: &Peer, what: &str) -> Result<(), String> {
-        // `bound` is set at creation and never changes: no race with the caller's later
-        // use of the room.
-        if ext(room).lock().admits(peer) {
-            return Ok(());
-        }
+    /// Counts and logs the refusal of a `what` (a destination or an abort) from `peer`,
+    /// which `room` is not bound to (warn the first time and every power of two, debug
+    /// otherwise), and returns its reason; the caller answers it, if at all, and leaves
+    /// the room as it is.
+    fn refused(&self, room: &PRoom, peer: &Peer, what: &str) -> String {
         let node = &self.core.node;
         let n = node
             .metrics
@@ -120,7 +124,7 @@ impl PrefillEngine {
         } else {
             crate::log!(node.log, Debug, "{why}");
         }
-        Err(why)
+        why
     }
 
     fn attach(
@@ -132,68 +136,46 @@ impl PrefillEngine {
         aux: Option<u32>,
     ) {
         let id = room.id();
-        // First: an engine the room is not bound to learns nothing of it (not even
-        // whether it ended) and changes nothing; its own room fails with the reason.
-        if let Err(why) = self.admitted(room, peer, "destination") {
-            self.refuse(peer, id, generation, &why);
-            return;
-        }
-        if room.state().is_terminal() {
-            let why = match room.failure() {
-                Some(f) => format!("prefill room {id} already failed: {}", f.message),
-                None => format!("prefill room {id} already finished"),
-            };
-            self.refuse(peer, id, generation, &why);
-            return;
-        }
-        let mut p = ext(room).lock();
-        if p.dests.iter().any(|d| Arc::ptr_eq(&d.peer, peer)) || p.complete() {
-            // The same destination again may have writes in flight: its acknowledgement
-            // is the one the failure queues below, not an immediate one.
-            let known = p
-                .dests
-                .iter()
-                .any(|d| Arc::ptr_eq(&d.peer, peer) && d.generation == generation);
-            drop(p);
-            let why = format!(
-                "prefill room {id} got a second destination from {}",
-                peer.name
-            );
-            if known {
-                peer.send(&Message::abort(
-                    id,
-                    generation,
-                    &why,
-                    &self.core.node.limits,
-                ));
-            } else {
-                self.refuse(peer, id, generation, &why);
-            }
-            lifecycle::fail(
-                self,
-                room,
-                FailureReason::local(Cause::Protocol, why),
-                Some(peer),
-            );
-            return;
-        }
-        peer.rooms.lock().insert((id, room.generation()));
-        p.dests.push(Dest {
+        let dest = Dest {
             peer: peer.clone(),
             generation,
             pages: pages.into(),
             aux,
-        });
-        // An abort that raced us failed the room after our first check: if it read the
-        // destinations before our push, it told nobody about this one. Checking again
-        // under the lock, after the push, closes that gap (a failure makes the room
-        // terminal before it takes this lock to read the destinations).
-        if let Some(f) = room.failure() {
-            let why = format!("prefill room {id} already failed: {}", f.message);
-            drop(p);
-            self.refuse(peer, id, generation, &why);
-            return;
-        }
+        };
+        let mut p = ext(room).lock();
+        // The standing is read under the room's lock: a failure makes the room terminal
+        // before it takes this lock to read the destinations, so either it is seen here
+        // or the failure finds this destination and tells it.
+        let outcome = p
+            .ledger
+            .destination(peer.engine_id, standing(room), dest, &peer.name, id);
+        let complete = match outcome {
+            OnDestination::Attached { complete } => complete,
+            OnDestination::NotBound => {
+                // An engine the room is not bound to learns nothing of it (not even
+                // whether it ended) and changes nothing; its own room fails.
+                drop(p);
+                let why = self.refused(room, peer, "destination");
+                return self.refuse(peer, id, generation, &why);
+            }
+            OnDestination::Ended(why) => {
+                drop(p);
+                return self.refuse(peer, id, generation, &why);
+            }
+            OnDestination::Second { why, known } => {
+                drop(p);
+                // The destination held is a party: the failure tells it, and over RDMA
+                // acknowledges it once its writes are done. Another one was never
+                // written to: refused at once.
+                if !known {
+                    self.refuse(peer, id, generation, &why);
+                }
+                let reason = FailureReason::local(Cause::Protocol, why);
+                lifecycle::fail(self, room, reason, None);
+                return;
+            }
+        };
+        peer.rooms.lock().insert((id, room.generation()));
         if peer.is_lost() {
             drop(p);
             #[cfg(feature = "test-hooks")]
@@ -206,7 +188,7 @@ impl PrefillEngine {
             );
             return;
         }
-        if p.complete() && lifecycle::ready(self, room) {
+        if complete && lifecycle::ready(self, room) {
             p.ready = true;
             let (mut sent, mut here) = (true, None);
             while let Some(chunk) = p.held.pop_front() {
@@ -266,12 +248,13 @@ impl PrefillEngine {
                 Grave::Aborted(_) => "abort (before the room was created)",
                 Grave::Lost(_) => "destination (before the room was created)",
             };
-            if self.admitted(room, &t.peer, what).is_err() {
+            if !ext(room).lock().ledger.admits(t.peer.engine_id) {
+                self.refused(room, &t.peer, what);
                 continue;
             }
             let reason = match t.grave {
                 Grave::Aborted(why) => {
-                    ext(room).lock().known.push((t.peer.clone(), t.generation));
+                    ext(room).lock().ledger.remember(&t.peer, t.generation);
                     FailureReason::peer(Cause::Aborted, why)
                 }
                 Grave::Lost(why) => FailureReason::local(
@@ -323,41 +306,28 @@ impl PrefillEngine {
             return self.core.unknown_room();
         }
         if let Some(room) = self.core.rooms.get(id) {
-            if self.admitted(&room, peer, "abort").is_err() {
-                return;
-            }
-            let applies = {
+            let outcome = {
                 let mut p = ext(&room).lock();
-                let from_peer = p.dests.iter().find(|d| Arc::ptr_eq(&d.peer, peer));
-                match from_peer {
-                    Some(d) => d.generation == generation,
-                    None if !p.complete() => {
-                        // Remembered for the cleared-use record; the first such abort
-                        // fails the room, so at most one per engine while it is live.
-                        let seen = p
-                            .known
-                            .iter()
-                            .any(|(k, g)| Arc::ptr_eq(k, peer) && *g == generation);
-                        if !seen && !room.state().is_terminal() {
-                            p.known.push((peer.clone(), generation));
-                        }
-                        true
-                    }
-                    None => false,
-                }
+                p.ledger
+                    .abort(peer.engine_id, standing(&room), peer, generation)
             };
-            if applies {
-                let cause = crate::integrity::peer_cause(&reason);
-                if cause == Cause::Integrity {
-                    self.core
-                        .node
-                        .metrics
-                        .integrity_failures
-                        .fetch_add(1, Ordering::Relaxed);
+            match outcome {
+                OnAbort::NotBound => {
+                    self.refused(&room, peer, "abort");
                 }
-                lifecycle::fail(self, &room, FailureReason::peer(cause, reason), Some(peer));
-            } else {
-                self.core.unknown_room();
+                OnAbort::Stale => self.core.unknown_room(),
+                OnAbort::Fails => {
+                    let cause = crate::integrity::peer_cause(&reason);
+                    if cause == Cause::Integrity {
+                        self.core
+                            .node
+                            .metrics
+                            .integrity_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    let reason = FailureReason::peer(cause, reason);
+                    lifecycle::fail(self, &room, reason, Some(peer));
+                }
             }
             return;
         }
@@ -384,13 +354,7 @@ impl PrefillEngine {
     /// destination is held by the room of that id or by a cleared use of it still
     /// draining; if neither holds it, nothing was ever written there.
     pub(super) fn ack_abort(&self, peer: &Arc<Peer>, id: u64, generation: u64) {
-        let holds = |room: &PRoom| {
-            ext(room)
-                .lock()
-                .dests
-                .iter()
-                .any(|d| Arc::ptr_eq(&d.peer, peer) && d.generation == generation)
-        };
+        let holds = |room: &PRoom| ext(room).lock().ledger.holds(peer, generation);
         let room = self
             .core
             .rooms

@@ -7,6 +7,7 @@ mod acks;
 mod arrivals;
 pub(crate) mod holding;
 mod layers;
+mod ledger;
 mod outbox;
 mod plan;
 mod send;
@@ -34,6 +35,7 @@ use crate::transport::DataLink;
 use acks::Acks;
 use holding::Holding;
 use layers::Chunks;
+use ledger::Ledger;
 use outbox::Outbox;
 
 /// One chunk of source pages, or some layers of one (`kvxfer_enqueue_layers`).
@@ -53,22 +55,12 @@ pub(crate) struct Chunk {
 }
 
 /// Where one decode engine wants the room's pages.
-#[derive(Clone)]
-pub(crate) struct Dest {
-    pub peer: Arc<Peer>,
-    /// The decode room's generation: every message about the room carries it.
-    pub generation: u64,
-    pub pages: Arc<[u32]>,
-    pub aux: Option<u32>,
-}
+pub(crate) type Dest = ledger::Dest<Arc<Peer>>;
 
 /// A prefill room's data.
 pub(crate) struct PrefillRoom {
-    expected: usize,
-    /// The decode engines (by engine id) that may send this room a destination or an
-    /// abort, if the room is bound to them; then `expected` is their number.
-    bound: Option<Box<[u64]>>,
-    dests: Vec<Dest>,
+    /// Its decode engines: the binding, the destinations, the generations heard.
+    ledger: Ledger<Arc<Peer>>,
     /// The room was made WAITING_FOR_INPUT (every destination arrived and the Ready
     /// transition was applied): chunks are planned from now on, not before.
     ready: bool,
@@ -89,9 +81,6 @@ pub(crate) struct PrefillRoom {
     closed: bool,
     /// The chunks enqueued so far, and those still missing layers.
     chunks: Chunks,
-    /// Decode generations heard from engines by messages that were not destinations
-    /// (an abort that came before the destination), kept for the cleared-use record.
-    known: Vec<(Arc<Peer>, u64)>,
     /// Batches planned and not yet ended (written, skipped or failed), all chunks.
     outstanding: usize,
     /// The last chunk was planned: the room completes when `outstanding` reaches 0.
@@ -104,9 +93,7 @@ pub(crate) struct PrefillRoom {
 impl PrefillRoom {
     fn new(expected: usize, bound: Option<Vec<u64>>) -> Self {
         PrefillRoom {
-            expected,
-            bound: bound.map(Vec::into_boxed_slice),
-            dests: Vec::new(),
+            ledger: Ledger::new(expected, bound),
             ready: false,
             planning: false,
             waiting: VecDeque::new(),
@@ -114,25 +101,15 @@ impl PrefillRoom {
             held: VecDeque::new(),
             closed: false,
             chunks: Chunks::default(),
-            known: Vec::new(),
             outstanding: 0,
             sealed: false,
             finishes: Vec::new(),
         }
     }
 
-    /// Whether `peer` may send this room a destination or an abort: any engine unless
-    /// the room is bound, else one it is bound to.
-    fn admits(&self, peer: &Peer) -> bool {
-        match &self.bound {
-            None => true,
-            Some(ids) => peer.engine_id.is_some_and(|id| ids.contains(&id)),
-        }
-    }
-
     /// Every destination it waits for arrived.
     fn complete(&self) -> bool {
-        self.dests.len() >= self.expected
+        self.ledger.complete()
     }
 }
 
@@ -377,22 +354,18 @@ impl Side for PrefillEngine {
     }
 
     fn parties(&self, room: &PRoom) -> Vec<(Arc<Peer>, u64)> {
-        ext(room)
-            .lock()
-            .dests
-            .iter()
-            .map(|d| (d.peer.clone(), d.generation))
-            .collect()
+        ext(room).lock().ledger.parties()
     }
 
+    /// The parties but `origin` ([`Ledger::told`]) get an Abort and, over RDMA, its
+    /// acknowledgement once our writes into their pages are done; an engine's own abort
+    /// is acknowledged where it arrives ([`PrefillEngine::ack_abort`]).
     fn tell_failed(&self, room: &PRoom, msg: &str, origin: Option<&Arc<Peer>>) {
         let node = &self.core.node;
-        for (peer, generation) in self.parties(room) {
-            if !origin.is_some_and(|o| Arc::ptr_eq(o, &peer)) {
-                peer.send(&Message::abort(room.id(), generation, msg, &node.limits));
-            }
+        let told = ext(room).lock().ledger.told(origin);
+        for (peer, generation) in told {
+            peer.send(&Message::abort(room.id(), generation, msg, &node.limits));
             if node.rdma.is_some() {
-                // The decode side may reuse the pages only once our writes are done.
                 self.acks.queue(&self.core, room, peer, generation);
             }
         }
@@ -452,13 +425,7 @@ impl Side for PrefillEngine {
     fn on_clear(&self, room: &PRoom) {
         let (gens, complete) = {
             let p = ext(room).lock();
-            let gens = p
-                .dests
-                .iter()
-                .map(|d| (d.peer.clone(), d.generation))
-                .chain(p.known.iter().cloned())
-                .collect();
-            (gens, p.complete())
+            (p.ledger.generations(), p.complete())
         };
         let node = &self.core.node;
         let reason = room.failure().map(|f| f.message.clone());

@@ -104,7 +104,7 @@ impl PrefillEngine {
         };
         // An empty chunk stays with the worker: there is nothing to plan, and it only
         // completes the room.
-        let runs = chunk.pages.len() * buffers * p.dests.len();
+        let runs = chunk.pages.len() * buffers * p.ledger.dests().len();
         let most = match planner {
             Planner::Caller => PLAN_HERE_RUNS,
             _ => usize::MAX,
@@ -218,7 +218,7 @@ impl PrefillEngine {
             // Skipped: the room is already terminal (aborted, failed or done).
             return Ok(());
         }
-        let dests = ext(room).lock().dests.clone();
+        let dests = ext(room).lock().ledger.dests().to_vec();
         let (start, n) = (chunk.start, chunk.pages.len());
         // With `is_last`, the room's source pages in all (the last call may add layers
         // to an earlier chunk than the last).

@@ -24,6 +24,8 @@
 
 use std::collections::HashMap;
 
+use crate::engine::bugs::{self, Bug};
+
 /// How a peer is known to the store: compared by identity (the engine's `Arc<Peer>`).
 pub(crate) trait PeerRef: Clone {
     fn same(&self, other: &Self) -> bool;
@@ -199,7 +201,9 @@ impl<P: PeerRef> Holding<P> {
         expires_ms: u64,
     ) -> Result<(), Full> {
         // An older abort from the same engine was for an earlier use of the id.
-        self.drop_tombs(id, peer, generation);
+        if !bugs::on(Bug::TombstoneAnyGeneration) {
+            self.drop_tombs(id, peer, generation);
+        }
         if self.n_dests >= self.limits.dests || self.n_pages + pages.len() > self.limits.pages {
             return Err(Full);
         }
@@ -269,6 +273,9 @@ impl<P: PeerRef> Holding<P> {
     /// the loss) instead of waiting for its bootstrap deadline. Returns how many held
     /// destinations found no place as a tombstone.
     pub fn peer_lost(&mut self, peer: &P, why: &str, expires_ms: u64) -> usize {
+        if bugs::on(Bug::HeldOfLostPeer) {
+            return 0;
+        }
         let mut lost = Vec::new();
         for (&id, list) in self.dests.iter() {
             for d in list.iter().filter(|d| d.peer.same(peer)) {
@@ -335,6 +342,9 @@ impl<P: PeerRef> Holding<P> {
     /// belongs to an earlier, cleared use of the id (see [`Cleared`]); if so, with that
     /// use's failure reason.
     pub fn earlier_use(&mut self, peer: &P, id: u64, generation: u64) -> Option<Option<String>> {
+        if bugs::on(Bug::NoCleared) {
+            return None;
+        }
         let c = self.cleared.get_mut(&id)?;
         if let Some((_, g)) = c.gens.iter().find(|(p, _)| p.same(peer)) {
             return (generation <= *g).then(|| c.reason.clone());

@@ -1,0 +1,72 @@
+//! Test-only switches, each putting back one bug that a review found, so that the
+//! simulator (`src/engine/sim/`) can show it finds them (issue 37). Outside `cfg(test)`
+//! every switch reads false and compiles away; in tests a switch is on for the current
+//! thread only (the simulator is single-threaded), inside [`with`].
+
+/// A bug to put back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bug {
+    /// Over RDMA an abort's acknowledgement goes while writes into its destination are
+    /// still in flight (invariant 6; the reason `Acks` exists).
+    AckWithWritesInFlight,
+    /// A failure's acknowledgement is queued for the engine whose abort failed the room
+    /// too, so that engine is acknowledged twice (aesthetics review 2026-12-05 §2).
+    AckTheOrigin,
+    /// A tombstone (an abort held before its room) is adopted by whichever use of the
+    /// id is created next, whatever its generation (invariants review 2026-12 F3).
+    TombstoneAnyGeneration,
+    /// Late messages for a cleared use of an id are not told apart from a new use: a
+    /// late destination attaches to the new use (invariants review 2026-12 F3).
+    NoCleared,
+    /// The holding area keeps a lost engine's held destinations, so that a room created
+    /// later waits for the bootstrap deadline instead of failing at once
+    /// (invariants review 2026-12 F5).
+    HeldOfLostPeer,
+}
+
+#[cfg(test)]
+thread_local! {
+    static ON: std::cell::Cell<Option<Bug>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether `bug` is put back on this thread.
+#[inline]
+pub(crate) fn on(bug: Bug) -> bool {
+    #[cfg(test)]
+    {
+        ON.with(|b| b.get() == Some(bug))
+    }
+    #[cfg(not(test))]
+    {
+        let _ = bug;
+        false
+    }
+}
+
+/// Runs `f` with `bug` (if any) put back on this thread.
+#[cfg(test)]
+pub(crate) fn with<R>(bug: Option<Bug>, f: impl FnOnce() -> R) -> R {
+    struct Reset(Option<Bug>);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            ON.with(|b| b.set(self.0));
+        }
+    }
+    let _reset = Reset(ON.with(|b| b.replace(bug)));
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_switch_is_on_only_inside_with_and_only_for_its_bug() {
+        assert!(!on(Bug::NoCleared));
+        with(Some(Bug::NoCleared), || {
+            assert!(on(Bug::NoCleared));
+            assert!(!on(Bug::AckTheOrigin));
+        });
+        assert!(!on(Bug::NoCleared));
+    }
+}
