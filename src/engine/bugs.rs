@@ -4,8 +4,14 @@
 //! thread only (the simulator is single-threaded), inside [`with`].
 
 /// A bug to put back.
+// `MaxRule` is only ever named by tests: its switch lives in `room::state`.
+#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Bug {
+    /// The reference design's state rule: `max()` over the states, where `Failed = 0`,
+    /// so a late "transferring" resurrects a failed room, whose work the sender then
+    /// skips (DESIGN §1; the rule is in `room::state`).
+    MaxRule,
     /// Over RDMA an abort's acknowledgement goes while writes into its destination are
     /// still in flight (invariant 6; the reason `Acks` exists).
     AckWithWritesInFlight,
@@ -52,7 +58,15 @@ pub(crate) fn with<R>(bug: Option<Bug>, f: impl FnOnce() -> R) -> R {
             ON.with(|b| b.set(self.0));
         }
     }
+    struct Rule(bool);
+    impl Drop for Rule {
+        fn drop(&mut self) {
+            crate::room::state::MAX_RULE.with(|m| m.set(self.0));
+        }
+    }
     let _reset = Reset(ON.with(|b| b.replace(bug)));
+    let max = bug == Some(Bug::MaxRule);
+    let _rule = Rule(crate::room::state::MAX_RULE.with(|m| m.replace(max)));
     f()
 }
 

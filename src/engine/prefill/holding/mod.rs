@@ -150,8 +150,15 @@ impl<P: PeerRef> Holding<P> {
         (self.n_dests, self.n_pages, self.n_tombs, self.cleared.len())
     }
 
-    fn is_empty(&self) -> bool {
+    /// Nothing is held: no destination, no tombstone, no cleared-use record.
+    pub fn is_empty(&self) -> bool {
         self.n_dests == 0 && self.n_tombs == 0 && self.cleared.is_empty()
+    }
+
+    /// How many records are held, of every kind.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.n_dests + self.n_tombs + self.cleared.len()
     }
 
     /// Removes `peer`'s held destinations for `id` with a generation at most `upto`.
