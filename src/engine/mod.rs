@@ -10,6 +10,7 @@ mod changes;
 mod core;
 mod decode;
 mod lifecycle;
+mod peer_ref;
 mod prefill;
 mod watchdog;
 

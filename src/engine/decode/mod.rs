@@ -23,7 +23,7 @@ use crate::proto::Message;
 use crate::room::{Cause, FailureReason, Room, State};
 use crate::transport::samehost;
 use crate::transport::tcp::recv;
-use room::{DecodeRoom, Settle};
+use room::{DecodeRoom, Facts, Settle};
 
 pub(crate) type DRoom = Room<DecodeRoom>;
 
@@ -174,10 +174,12 @@ impl DecodeEngine {
     /// Sends the destination to every peer, once, when both it and the peers are ready.
     ///
     /// Whether the room is live and whether its destination went out are decided in one
-    /// step, under the room's lock: `room_drained` reads `sent` under it after the room
-    /// is terminal, and an Abort is queued under it after the room failed. So either the
-    /// destination went out ahead of the Abort (and over RDMA the room drains only on
-    /// the peers' acknowledgements), or it never goes out.
+    /// step, under the room's lock, and the messages are queued on the peers' control
+    /// connections under it too (the room decides, `Peer::send` is applied there):
+    /// `room_drained` reads `sent` under it after the room is terminal, and an Abort is
+    /// queued under it after the room failed (`tell_failed`). So either the destination
+    /// went out ahead of the Abort (and over RDMA the room drains only on the peers'
+    /// acknowledgements), or it never goes out.
     fn send_destination(&self, room: &Arc<DRoom>) {
         if room.state() != State::WaitingForInput {
             return;
@@ -192,6 +194,7 @@ impl DecodeEngine {
                 pages: pages.to_vec(),
                 aux_slot: aux,
             },
+            |peer, m| peer.send(m),
         );
     }
 
@@ -245,24 +248,23 @@ impl DecodeEngine {
     fn settle(&self, _peer: &Arc<Peer>, room: &Arc<DRoom>, idx: usize) {
         let ordered = self.core.node.rdma.is_some();
         let kv = self.core.node.memory.kv.get();
-        let owed =
-            |peer: &Peer, pages_sent: u32, dest_pages: u64| -> std::result::Result<u64, String> {
-                let map = peer.kv_map.get().map_or(&[][..], |m| &m[..]);
-                match peer.slicing.get() {
-                    Some(s) => s
-                        .room_tokens(u64::from(pages_sent), dest_pages)
-                        .map(|tokens| s.owed(tokens) * map.len() as u64),
-                    None if u64::from(pages_sent) != dest_pages => Err(format!(
-                        "sent {pages_sent} pages for a destination of {dest_pages}"
-                    )),
-                    None => Ok(map
-                        .iter()
-                        .map(|&b| kv.and_then(|m| m.item_len(b as usize)).unwrap_or(0) as u64)
-                        .sum::<u64>()
-                        * dest_pages),
-                }
-            };
-        match room.ext.settle(idx, ordered, owed) {
+        let owed = |peer: &Arc<Peer>, pages_sent: u32, dest_pages: u64| {
+            let map = peer.kv_map.get().map_or(&[][..], |m| &m[..]);
+            match peer.slicing.get() {
+                Some(s) => s
+                    .room_tokens(u64::from(pages_sent), dest_pages)
+                    .map(|tokens| s.owed(tokens) * map.len() as u64),
+                None if u64::from(pages_sent) != dest_pages => Err(format!(
+                    "sent {pages_sent} pages for a destination of {dest_pages}"
+                )),
+                None => Ok(map
+                    .iter()
+                    .map(|&b| kv.and_then(|m| m.item_len(b as usize)).unwrap_or(0) as u64)
+                    .sum::<u64>()
+                    * dest_pages),
+            }
+        };
+        match room.ext.settle(idx, ordered, Facts::of, owed) {
             Settle::Fail(why) => {
                 lifecycle::fail(
                     self,
@@ -364,7 +366,7 @@ impl Side for DecodeEngine {
     }
 
     fn deadline_note(&self, room: &DRoom) -> Option<String> {
-        room.ext.missing().map(|m| format!(": {m}"))
+        room.ext.missing(Facts::of).map(|m| format!(": {m}"))
     }
 
     /// Over RDMA, a failed room whose peers have not all acknowledged within

@@ -2,6 +2,12 @@
 //! engine has delivered and claimed, and (over RDMA) which engines can no longer write
 //! into it. The checks on that data are here too; what they lead to (a transition, a
 //! message) is the engine's.
+//!
+//! No I/O and no clock: the room is generic over the peer handle ([`PeerRef`]), takes
+//! what it needs to know of a peer as arguments ([`Facts`], `owed`) and the time as a
+//! number, and hands what must go out to a closure the engine gives (see
+//! [`DecodeRoom::send_destination`]). Unit tests (`room/tests.rs`) drive it with a fake
+//! peer.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -9,11 +15,12 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::control::Peer;
+use crate::engine::peer_ref::PeerRef;
 use crate::proto::{DataHeader, Message, Target};
 
-pub(crate) struct DecodeRoom {
+pub(crate) struct DecodeRoom<P: PeerRef = Arc<Peer>> {
     /// The prefill engines the room pulls from.
-    pub peers: Vec<Arc<Peer>>,
+    pub peers: Vec<P>,
     /// Under this lock: whether the room's destination went out, and the Aborts sent
     /// when it fails (see `DecodeEngine::send_destination`).
     inner: Mutex<DecodeState>,
@@ -142,7 +149,26 @@ pub(crate) struct Landed {
     pub per_buffer: Vec<u64>,
 }
 
+/// What the room needs to know of one of its peers that the handle need not hold: its
+/// name (for failure messages) and how many aux buffers it registered.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Facts<'a> {
+    pub name: &'a str,
+    pub aux_count: usize,
+}
+
+impl<'a> Facts<'a> {
+    /// The engine's peer: its name, and its registered aux buffers (none before setup).
+    pub fn of(peer: &'a Arc<Peer>) -> Facts<'a> {
+        Facts {
+            name: &peer.name,
+            aux_count: peer.aux_count.get().copied().unwrap_or(0),
+        }
+    }
+}
+
 /// What a peer's Done claim comes to, given what has arrived so far.
+#[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Settle {
     /// Not yet (no claim, or already settled).
     Nothing,
@@ -155,8 +181,8 @@ pub(crate) enum Settle {
     },
 }
 
-impl DecodeRoom {
-    pub fn new(peers: Vec<Arc<Peer>>) -> Self {
+impl<P: PeerRef> DecodeRoom<P> {
+    pub fn new(peers: Vec<P>) -> Self {
         let n = peers.len();
         DecodeRoom {
             peers,
@@ -169,8 +195,8 @@ impl DecodeRoom {
     }
 
     /// The position of `peer` among the room's prefill engines.
-    pub fn index_of(&self, peer: &Arc<Peer>) -> Option<usize> {
-        self.peers.iter().position(|p| Arc::ptr_eq(p, peer))
+    pub fn index_of(&self, peer: &P) -> Option<usize> {
+        self.peers.iter().position(|p| p.same(peer))
     }
 
     /// Records the destination; false if the room already has one.
@@ -191,12 +217,23 @@ impl DecodeRoom {
         true
     }
 
-    /// Sends the destination (the message `msg` makes of it) to every peer, once, if
-    /// `live()` still holds under the room's lock; whether it went out.
+    /// Decides whether the destination goes out now: once, if the room has one and
+    /// `live()` still holds; then makes its message with `msg` and hands it for every
+    /// peer to `send`; whether it went out.
+    ///
+    /// The decision, the `sent` flag and the calls of `send` happen under the room's
+    /// lock, and the engine's `send` queues the message on the peer's control
+    /// connection there. A thread that fails the room queues its Abort under the same
+    /// lock ([`DecodeRoom::with_lock`]) after the room is terminal, so `live()` is false
+    /// for any later decision: either every peer's destination is queued ahead of the
+    /// Abort, or no destination goes out at all. The room itself does no I/O: `send` is
+    /// the caller's (the engine's queues on the control connection; a simulator's would
+    /// push onto its modelled one).
     pub fn send_destination(
         &self,
-        live: impl Fn() -> bool,
-        msg: impl Fn(&[u32], Option<u32>) -> Message,
+        live: impl FnOnce() -> bool,
+        msg: impl FnOnce(&[u32], Option<u32>) -> Message,
+        mut send: impl FnMut(&P, &Message),
     ) -> bool {
         let mut st = self.inner.lock();
         if st.sent || !live() {
@@ -208,12 +245,13 @@ impl DecodeRoom {
         let m = msg(&dest.pages, dest.aux);
         st.sent = true;
         for p in &self.peers {
-            p.send(&m);
+            send(p, &m);
         }
         true
     }
 
-    /// Runs `f` under the room's lock (what a destination is sent under).
+    /// Runs `f` under the room's lock (what a destination is sent under): a failing
+    /// room's Aborts are queued in `f`, so that no destination can overtake them.
     pub fn with_lock<R>(&self, f: impl FnOnce() -> R) -> R {
         let _st = self.inner.lock();
         f()
@@ -316,21 +354,21 @@ impl DecodeRoom {
     /// What peer `idx`'s Done claim comes to now. `ordered`: over RDMA, progress and
     /// Done come in order on the control connection, so a claim short of what arrived
     /// is a broken promise at once; over TCP the missing frames may still be on another
-    /// data connection, and the room's transfer deadline bounds the wait. `owed` gives
-    /// the KV bytes the peer owes for `pages_sent` source pages into a destination of
-    /// so many pages, or why that claim is wrong.
-    pub fn settle(
-        &self,
+    /// data connection, and the room's transfer deadline bounds the wait. `facts` tells
+    /// a peer's name and aux buffer count; `owed` gives the KV bytes the peer owes for
+    /// `pages_sent` source pages into a destination of so many pages, or why that claim
+    /// is wrong.
+    pub fn settle<'p>(
+        &'p self,
         idx: usize,
         ordered: bool,
-        owed: impl Fn(&Peer, u32, u64) -> Result<u64, String>,
+        facts: impl Fn(&'p P) -> Facts<'p>,
+        owed: impl Fn(&P, u32, u64) -> Result<u64, String>,
     ) -> Settle {
         let peer = &self.peers[idx];
-        let n_aux = peer.aux_count.get().copied().unwrap_or(0) as u64;
-        let any_aux = self
-            .peers
-            .iter()
-            .any(|p| p.aux_count.get().copied().unwrap_or(0) > 0);
+        let Facts { name, aux_count } = facts(peer);
+        let n_aux = aux_count as u64;
+        let any_aux = self.peers.iter().any(|p| facts(p).aux_count > 0);
         let mut st = self.inner.lock();
         let pr = st.progress[idx];
         let Some((pages_sent, aux_sent)) = pr.claim else {
@@ -346,7 +384,7 @@ impl DecodeRoom {
         let want_rows = if want_aux { n_aux } else { 0 };
         let want_bytes = match owed(peer, pages_sent, want_pages) {
             Ok(b) => b,
-            Err(why) => return Settle::Fail(format!("{} {why}", peer.name)),
+            Err(why) => return Settle::Fail(format!("{name} {why}")),
         };
         if want_aux && !any_aux {
             Settle::Fail(
@@ -354,18 +392,18 @@ impl DecodeRoom {
                     .to_string(),
             )
         } else if want_aux && n_aux > 0 && !aux_sent {
-            Settle::Fail(format!("{} did not send the aux rows", peer.name))
+            Settle::Fail(format!("{name} did not send the aux rows"))
         } else if pr.kv_bytes > want_bytes || pr.aux_rows > want_rows {
             Settle::Fail(format!(
-                "{} wrote {} KV bytes and {} aux rows for {want_bytes} and {want_rows}",
-                peer.name, pr.kv_bytes, pr.aux_rows
+                "{name} wrote {} KV bytes and {} aux rows for {want_bytes} and {want_rows}",
+                pr.kv_bytes, pr.aux_rows
             ))
         } else if pr.kv_bytes < want_bytes || pr.aux_rows < want_rows {
             if ordered {
                 Settle::Fail(format!(
-                    "{} reported done after {} of {want_bytes} KV bytes and {} of \
+                    "{name} reported done after {} of {want_bytes} KV bytes and {} of \
                      {want_rows} aux rows",
-                    peer.name, pr.kv_bytes, pr.aux_rows
+                    pr.kv_bytes, pr.aux_rows
                 ))
             } else {
                 Settle::Wait
@@ -389,8 +427,8 @@ impl DecodeRoom {
     }
 
     /// For a transfer timeout's message: the peers whose Done arrived while frames it
-    /// counts never did.
-    pub fn missing(&self) -> Option<String> {
+    /// counts never did (named by `facts`).
+    pub fn missing<'p>(&'p self, facts: impl Fn(&'p P) -> Facts<'p>) -> Option<String> {
         let st = self.inner.lock();
         let missing: Vec<String> = self
             .peers
@@ -400,7 +438,9 @@ impl DecodeRoom {
             .map(|(p, pr)| {
                 format!(
                     "{} reported done but only {} KV bytes and {} aux rows arrived",
-                    p.name, pr.kv_bytes, pr.aux_rows
+                    facts(p).name,
+                    pr.kv_bytes,
+                    pr.aux_rows
                 )
             })
             .collect();
@@ -415,7 +455,7 @@ impl DecodeRoom {
     }
 
     /// `peer` can no longer write into the room.
-    pub fn peer_quiet(&self, peer: &Arc<Peer>) {
+    pub fn peer_quiet(&self, peer: &P) {
         if let Some(i) = self.index_of(peer) {
             self.inner.lock().quiet[i] = true;
         }
@@ -423,7 +463,7 @@ impl DecodeRoom {
 
     /// The peers not yet quiet once `now` passed the room's drain deadline (armed at
     /// `now + drain_ms` the first time this is asked).
-    pub fn silent_past_drain(&self, now: u64, drain_ms: u64) -> Vec<Arc<Peer>> {
+    pub fn silent_past_drain(&self, now: u64, drain_ms: u64) -> Vec<P> {
         let mut st = self.inner.lock();
         let deadline = *st
             .drain_deadline_ms
@@ -441,45 +481,4 @@ impl DecodeRoom {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::Taken;
-
-    #[test]
-    fn whole_pages_are_taken_once() {
-        let mut t = Taken::default();
-        t.whole(0, 0, 3).unwrap();
-        t.whole(1, 0, 3).unwrap(); // another buffer
-        t.whole(0, 70, 2).unwrap(); // past the first word
-        assert_eq!(t.whole(0, 2, 2).unwrap_err(), "position 2");
-        assert_eq!(t.whole(0, 71, 1).unwrap_err(), "position 71");
-        t.whole(0, 3, 1).unwrap();
-    }
-
-    #[test]
-    fn parts_of_a_page_are_disjoint_and_merge_when_adjacent() {
-        let mut t = Taken::default();
-        t.part(0, 5, 100, 50).unwrap();
-        t.part(0, 5, 0, 50).unwrap();
-        t.part(0, 5, 50, 50).unwrap(); // joins both neighbours
-        assert_eq!(t.parts[&(0, 5)], vec![(0, 150)]);
-        assert!(t.part(0, 5, 149, 2).is_err());
-        assert!(t.part(0, 5, 0, 1).is_err());
-        t.part(0, 5, 200, 10).unwrap();
-        t.part(0, 5, 150, 10).unwrap(); // joins the first only
-        assert_eq!(t.parts[&(0, 5)], vec![(0, 160), (200, 210)]);
-        assert!(t.part(0, 5, 190, 20).is_err());
-        t.part(0, 5, 190, 10).unwrap();
-        assert_eq!(t.parts[&(0, 5)], vec![(0, 160), (190, 210)]);
-        t.part(0, 6, 0, 10).unwrap(); // another position
-    }
-
-    #[test]
-    fn a_whole_page_and_a_part_of_it_exclude_each_other() {
-        let mut t = Taken::default();
-        t.whole(0, 1, 1).unwrap();
-        assert!(t.part(0, 1, 0, 8).is_err());
-        t.part(0, 2, 0, 8).unwrap();
-        assert!(t.whole(0, 2, 1).is_err());
-        assert!(t.whole(0, 0, 3).is_err());
-    }
-}
+mod tests;

@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::holding::PeerRef;
 use super::PrefillRoom;
 use crate::control::Peer;
 use crate::engine::core::Core;
+use crate::engine::peer_ref::PeerRef;
 use crate::proto::Message;
 use crate::room::Room;
 
@@ -105,7 +105,7 @@ impl Acks {
 #[cfg(test)]
 mod tests {
     use super::AckTable;
-    use crate::engine::prefill::holding::PeerRef;
+    use crate::engine::peer_ref::PeerRef;
 
     #[derive(Clone, Debug, PartialEq)]
     struct P(u32);

@@ -10,8 +10,8 @@
 
 use std::sync::Arc;
 
-use super::holding::PeerRef;
 use crate::engine::bugs::{self, Bug};
+use crate::engine::peer_ref::PeerRef;
 
 /// Where one decode engine wants the room's pages.
 #[derive(Clone)]

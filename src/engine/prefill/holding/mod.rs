@@ -25,17 +25,8 @@
 use std::collections::HashMap;
 
 use crate::engine::bugs::{self, Bug};
-
-/// How a peer is known to the store: compared by identity (the engine's `Arc<Peer>`).
-pub(crate) trait PeerRef: Clone {
-    fn same(&self, other: &Self) -> bool;
-}
-
-impl PeerRef for std::sync::Arc<crate::control::Peer> {
-    fn same(&self, other: &Self) -> bool {
-        std::sync::Arc::ptr_eq(self, other)
-    }
-}
+// How a peer is known to the store: compared by identity (the engine's `Arc<Peer>`).
+use crate::engine::peer_ref::PeerRef;
 
 /// The store's bounds.
 #[derive(Debug, Clone, Copy)]
