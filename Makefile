@@ -6,6 +6,7 @@
 #   make demo    install to build/demo-prefix, build examples/ against it, run the demo
 #   make test-rdma  the Rust and gtest suites over real verbs in a soft-RoCE QEMU guest
 #   make test-vllm  opt-in: a vLLM prefill/decode pair on KvxferConnector (Makefile.vllm)
+#   make sim-soak  the cluster simulator's seeds for SIM_SECS seconds (default 60)
 #   make header  regenerate include/kvxfer.h from src/ffi/ (after changing the C ABI)
 #   make gpu-bundle  a stripped release libkvxfer.so and ipc_check in build/gpu/ for scripts/gpu-check.sh
 #   make clean   remove build/, build-asan/ and cargo's target/
@@ -30,7 +31,7 @@ CMAKE_CONFIGURE := cmake -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
 DEMO_PREFIX := $(CURDIR)/build/demo-prefix
 
 .PHONY: deps build test demo header clean rust-checks ctest asan install-test bench-smoke \
-  gpu-bundle gpu-skipped
+  gpu-bundle gpu-skipped sim-soak
 
 deps:
 	@scripts/apt-install.sh $(DEBS)
@@ -60,6 +61,13 @@ rust-checks: deps
 	# processes; any pairing that cannot take it fails its rooms).
 	KVXFER_TEST_SAME_HOST=require cargo test --locked --features test-hooks --test transfer \
 	  --test hetero --test layerwise --test layers --test layout --test two_process
+
+# The deterministic cluster simulator (src/engine/sim/), seed after seed for SIM_SECS
+# seconds (default 60) from SIM_SEED (default: from the clock): seeds per second, the
+# invariants checked, and the first failure shrunk to its schedule. make test runs its
+# 2,000 seeds and the bugs it must find in the library's unit tests.
+sim-soak:
+	cargo test --locked --release --lib engine::sim::tests::soak -- --ignored --nocapture
 
 ctest: build
 	ctest --test-dir build --output-on-failure -j $(NPROC)

@@ -21,13 +21,17 @@ pub(crate) enum Bug {
     /// A tombstone (an abort held before its room) is adopted by whichever use of the
     /// id is created next, whatever its generation (invariants review 2026-12 F3).
     TombstoneAnyGeneration,
-    /// Late messages for a cleared use of an id are not told apart from a new use: a
-    /// late destination attaches to the new use (invariants review 2026-12 F3).
-    NoCleared,
-    /// The holding area keeps a lost engine's held destinations, so that a room created
-    /// later waits for the bootstrap deadline instead of failing at once
-    /// (invariants review 2026-12 F5).
-    HeldOfLostPeer,
+    /// A decode room's destination goes out although the room failed first, so the
+    /// room drains at once ("never sent") while the prefill is about to write into its
+    /// pages (invariants review 2026-12 F1).
+    DestinationAfterFailure,
+    /// A decode room takes a run into pages it already took, so its completion counts
+    /// bytes, not pages: a page sent twice stands in for one never sent (invariants
+    /// review 2026-12-05 F8).
+    CountsBytes,
+    /// Any prefill engine's Abort fails a decode room, not only its own engines'
+    /// (invariants review 2026-12-05 F3).
+    AnyPrefillAborts,
 }
 
 #[cfg(test)]
@@ -76,11 +80,11 @@ mod tests {
 
     #[test]
     fn a_switch_is_on_only_inside_with_and_only_for_its_bug() {
-        assert!(!on(Bug::NoCleared));
-        with(Some(Bug::NoCleared), || {
-            assert!(on(Bug::NoCleared));
+        assert!(!on(Bug::CountsBytes));
+        with(Some(Bug::CountsBytes), || {
+            assert!(on(Bug::CountsBytes));
             assert!(!on(Bug::AckTheOrigin));
         });
-        assert!(!on(Bug::NoCleared));
+        assert!(!on(Bug::CountsBytes));
     }
 }

@@ -12,6 +12,8 @@ mod decode;
 mod lifecycle;
 mod peer_ref;
 mod prefill;
+#[cfg(test)]
+mod sim;
 mod watchdog;
 
 use std::net::TcpListener;

@@ -5,7 +5,7 @@
 
 mod layers;
 mod receive;
-mod room;
+pub(crate) mod room;
 mod verify;
 
 use std::net::TcpStream;
@@ -394,14 +394,15 @@ impl Events for DecodeEngine {
     /// Only an engine the room pulls from may abort it; any other Abort naming the room
     /// is counted and changes nothing (a member must not cancel other engines' rooms).
     fn abort(&self, peer: &Arc<Peer>, id: u64, generation: u64, reason: String) {
-        if let Some((room, _)) = self.room_of(peer, id, generation) {
-            lifecycle::fail(
-                self,
-                &room,
-                FailureReason::peer(Cause::Aborted, reason),
-                Some(peer),
-            );
+        let Some(room) = self.core.rooms.get_generation(id, generation) else {
+            return self.core.unknown_room();
+        };
+        if !room.ext.abort_from(peer) {
+            // A room of ours that does not pull from this engine: counted, not silent.
+            return self.core.unknown_room();
         }
+        let reason = FailureReason::peer(Cause::Aborted, reason);
+        lifecycle::fail(self, &room, reason, Some(peer));
     }
 
     /// The prefill engine's writes into the room have all completed.

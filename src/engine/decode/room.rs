@@ -15,6 +15,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::control::Peer;
+use crate::engine::bugs::{self, Bug};
 use crate::engine::peer_ref::PeerRef;
 use crate::proto::{DataHeader, Message, Target};
 
@@ -74,9 +75,9 @@ impl Taken {
             bits.resize(words, 0);
         }
         let taken = |i: u32| bits[(i / 64) as usize] & (1 << (i % 64)) != 0;
-        if let Some(i) = (pos..end).find(|&i| {
-            taken(i) || (!self.parts.is_empty() && self.parts.contains_key(&(buffer, i)))
-        }) {
+        let again =
+            |i: u32| taken(i) || (!self.parts.is_empty() && self.parts.contains_key(&(buffer, i)));
+        if let Some(i) = (pos..end).find(|&i| again(i) && !bugs::on(Bug::CountsBytes)) {
             return Err(format!("position {i}"));
         }
         for i in pos..end {
@@ -199,6 +200,12 @@ impl<P: PeerRef> DecodeRoom<P> {
         self.peers.iter().position(|p| p.same(peer))
     }
 
+    /// Whether an Abort from `peer` applies to the room: only from an engine the room
+    /// pulls from (another member of the cluster must not cancel its rooms).
+    pub fn abort_from(&self, peer: &P) -> bool {
+        self.index_of(peer).is_some() || bugs::on(Bug::AnyPrefillAborts)
+    }
+
     /// Records the destination; false if the room already has one.
     pub fn set_destination(&self, pages: &[u32], aux: Option<u32>) -> bool {
         let mut st = self.inner.lock();
@@ -236,7 +243,7 @@ impl<P: PeerRef> DecodeRoom<P> {
         mut send: impl FnMut(&P, &Message),
     ) -> bool {
         let mut st = self.inner.lock();
-        if st.sent || !live() {
+        if st.sent || (!live() && !bugs::on(Bug::DestinationAfterFailure)) {
             return false;
         }
         let Some(dest) = st.dest.as_ref() else {

@@ -113,16 +113,16 @@ impl<P: PeerRef> Ledger<P> {
             .collect()
     }
 
-    /// The parties a failure tells (an Abort, and over RDMA an acknowledgement once our
-    /// writes into its pages are done): every destination but `origin`'s. `origin` told
-    /// us: a lost engine needs nothing, and an engine's abort is acknowledged where it
-    /// arrives, once.
-    pub fn told(&self, origin: Option<&P>) -> Vec<(P, u64)> {
-        let skip = |p: &P| origin.is_some_and(|o| o.same(p)) && !bugs::on(Bug::AckTheOrigin);
+    /// The parties a failure tells, each with whether it gets an Abort: every
+    /// destination but `origin`'s. Each party, over RDMA, also gets its acknowledgement
+    /// once our writes into its pages are done. `origin` told us: a lost engine needs
+    /// nothing, and an engine's abort is acknowledged where it arrives, once.
+    pub fn told(&self, origin: Option<&P>) -> Vec<(P, u64, bool)> {
+        let is_origin = |p: &P| origin.is_some_and(|o| o.same(p));
         self.dests
             .iter()
-            .filter(|d| !skip(&d.peer))
-            .map(|d| (d.peer.clone(), d.generation))
+            .filter(|d| !is_origin(&d.peer) || bugs::on(Bug::AckTheOrigin))
+            .map(|d| (d.peer.clone(), d.generation, !is_origin(&d.peer)))
             .collect()
     }
 
@@ -291,8 +291,8 @@ mod tests {
         let mut l = Ledger::new(2, None);
         l.destination(None, Standing::Live, dest(1, 7), "d1", 5);
         l.destination(None, Standing::Live, dest(2, 9), "d2", 5);
-        assert_eq!(l.told(None), vec![(P(1), 7), (P(2), 9)]);
-        assert_eq!(l.told(Some(&P(1))), vec![(P(2), 9)]);
+        assert_eq!(l.told(None), vec![(P(1), 7, true), (P(2), 9, true)]);
+        assert_eq!(l.told(Some(&P(1))), vec![(P(2), 9, true)]);
         assert_eq!(l.told(Some(&P(3))).len(), 2);
     }
 

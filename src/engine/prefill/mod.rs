@@ -3,11 +3,11 @@
 //! queues and the workers that write pages to the decode engines ([`sender`]), and the
 //! acknowledgements of aborts over RDMA ([`acks`]).
 
-mod acks;
+pub(crate) mod acks;
 mod arrivals;
 pub(crate) mod holding;
 mod layers;
-mod ledger;
+pub(crate) mod ledger;
 mod outbox;
 mod plan;
 mod send;
@@ -363,8 +363,10 @@ impl Side for PrefillEngine {
     fn tell_failed(&self, room: &PRoom, msg: &str, origin: Option<&Arc<Peer>>) {
         let node = &self.core.node;
         let told = ext(room).lock().ledger.told(origin);
-        for (peer, generation) in told {
-            peer.send(&Message::abort(room.id(), generation, msg, &node.limits));
+        for (peer, generation, abort) in told {
+            if abort {
+                peer.send(&Message::abort(room.id(), generation, msg, &node.limits));
+            }
             if node.rdma.is_some() {
                 self.acks.queue(&self.core, room, peer, generation);
             }

@@ -17,7 +17,10 @@
 //! side (and its last message sent) before the next use of the id is created there. So
 //! a message from an engine supersedes that engine's records for the id with a lower
 //! generation: a destination makes an older tombstone stale, an abort an older held
-//! destination.
+//! destination. An engine is known by its engine id where the peer gave one
+//! ([`PeerRef::same_engine`]), so this holds across a lost connection and the new one:
+//! its generations go on where they stopped (found by the simulator, issue 37: an old
+//! connection's tombstone failed the next use of the id).
 //!
 //! Overflow is refused, never silent: each `hold`, `abort_early` and `clear_use` says
 //! whether the record was kept, and the engine counts and answers what was not.
@@ -159,7 +162,7 @@ impl<P: PeerRef> Holding<P> {
         };
         let (mut n, mut pages) = (0, 0);
         list.retain(|d| {
-            let stale = d.peer.same(peer) && d.generation <= upto;
+            let stale = d.peer.same_engine(peer) && d.generation <= upto;
             if stale {
                 n += 1;
                 pages += d.pages.len();
@@ -179,7 +182,7 @@ impl<P: PeerRef> Holding<P> {
             return;
         };
         let before = list.len();
-        list.retain(|t| !(t.peer.same(peer) && t.generation < below));
+        list.retain(|t| !(t.peer.same_engine(peer) && t.generation < below));
         self.n_tombs -= before - list.len();
         if list.is_empty() {
             self.tombs.remove(&id);
@@ -242,8 +245,9 @@ impl<P: PeerRef> Holding<P> {
         expires_ms: u64,
     ) -> Result<(), Full> {
         let list = self.tombs.entry(id).or_default();
-        if let Some(t) = list.iter_mut().find(|t| t.peer.same(peer)) {
+        if let Some(t) = list.iter_mut().find(|t| t.peer.same_engine(peer)) {
             if t.generation <= generation {
+                t.peer = peer.clone();
                 t.generation = generation;
                 t.grave = grave;
                 t.expires_ms = expires_ms;
@@ -271,9 +275,6 @@ impl<P: PeerRef> Holding<P> {
     /// the loss) instead of waiting for its bootstrap deadline. Returns how many held
     /// destinations found no place as a tombstone.
     pub fn peer_lost(&mut self, peer: &P, why: &str, expires_ms: u64) -> usize {
-        if bugs::on(Bug::HeldOfLostPeer) {
-            return 0;
-        }
         let mut lost = Vec::new();
         for (&id, list) in self.dests.iter() {
             for d in list.iter().filter(|d| d.peer.same(peer)) {
@@ -340,11 +341,8 @@ impl<P: PeerRef> Holding<P> {
     /// belongs to an earlier, cleared use of the id (see [`Cleared`]); if so, with that
     /// use's failure reason.
     pub fn earlier_use(&mut self, peer: &P, id: u64, generation: u64) -> Option<Option<String>> {
-        if bugs::on(Bug::NoCleared) {
-            return None;
-        }
         let c = self.cleared.get_mut(&id)?;
-        if let Some((_, g)) = c.gens.iter().find(|(p, _)| p.same(peer)) {
+        if let Some((_, g)) = c.gens.iter().find(|(p, _)| p.same_engine(peer)) {
             return (generation <= *g).then(|| c.reason.clone());
         }
         if c.complete {

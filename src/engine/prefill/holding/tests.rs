@@ -11,6 +11,42 @@ impl PeerRef for P {
     }
 }
 
+/// One engine (`.0`) over a connection (`.1`): a new connection is a new handle.
+#[derive(Clone, Debug, PartialEq)]
+struct C(u64, u32);
+
+impl PeerRef for C {
+    fn same(&self, other: &Self) -> bool {
+        self == other
+    }
+
+    fn engine(&self) -> Option<u64> {
+        Some(self.0)
+    }
+}
+
+#[test]
+fn an_engine_s_new_connection_supersedes_its_old_connection_s_records() {
+    let mut h: Holding<C> = Holding::default();
+    h.abort_early(&C(7, 1), 5, 3, "use 3 cancelled".into(), 100)
+        .unwrap();
+    // The same engine, reconnected, sends the next use's destination: the tombstone is
+    // stale, and the room created next adopts only the destination.
+    h.hold(&C(7, 2), 5, 4, vec![1], None, 100).unwrap();
+    let (tombs, held) = h.adopt(5);
+    assert!(tombs.is_empty());
+    assert_eq!(held.len(), 1);
+    // Another engine's tombstone is not touched by it.
+    h.abort_early(&C(8, 1), 6, 3, "x".into(), 100).unwrap();
+    h.hold(&C(7, 2), 6, 4, vec![1], None, 100).unwrap();
+    assert_eq!(h.adopt(6).0.len(), 1);
+    // A cleared use's record knows the engine across its connections too.
+    h.clear_use(9, None, vec![(C(7, 1), 4)], true, 100).unwrap();
+    assert_eq!(h.earlier_use(&C(7, 2), 9, 4), Some(None));
+    assert_eq!(h.earlier_use(&C(7, 2), 9, 5), None);
+    h.check();
+}
+
 fn small() -> Holding<P> {
     Holding::new(Limits {
         dests: 4,

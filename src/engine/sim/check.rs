@@ -1,0 +1,269 @@
+//! The invariants (DESIGN §1), checked against what the simulator knows for certain:
+//! the requests of the workload, the owner of every decode page, and every message.
+
+use super::{SimPeer, World, DRAIN_US, TICK_US};
+use crate::room::state::transition;
+use crate::room::{Event, State};
+
+/// What must always hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Invariant {
+    /// §1.1: every room reaches SUCCESS or FAILED by its deadline (and the watchdog's
+    /// period); nothing is left at the end.
+    Terminal,
+    /// §1.2: a terminal state is never left.
+    Sticky,
+    /// §1.3: a failure says why.
+    Reason,
+    /// §1.6: no byte lands in a decode page once its room gave it back (nor in a page
+    /// granted to another room since).
+    GivenBack,
+    /// §1.5, §1.8: bytes land only in pages granted to their own request.
+    ForeignBytes,
+    /// §1.10: SUCCESS means every page of the destination arrived, from each prefill
+    /// engine of the room, exactly once.
+    TrueSuccess,
+    /// §1.5: a late message about an earlier use of an id does not touch a later one.
+    LateMessage,
+    /// §1.9: a room is aborted only by its own engines.
+    Stranger,
+    /// RDMA: a destination's abort is acknowledged once.
+    OneAck,
+    /// §1.1, §1.6: a failed decode room drains (its pages can be given back) within its
+    /// drain deadline.
+    Drains,
+    /// §1.5: the holding areas and acknowledgement tables stay bounded, and are empty at
+    /// the end.
+    Bounded,
+}
+
+/// An invariant broken: which, how, and when (virtual µs).
+#[derive(Debug, Clone)]
+pub(crate) struct Violation {
+    pub invariant: Invariant,
+    pub detail: String,
+    pub at: u64,
+}
+
+/// The state rule applied to `from`: the new state if it applied, and what is wrong if
+/// it left a terminal state.
+pub(crate) fn transit(from: State, event: Event) -> (Option<State>, Option<String>) {
+    match transition(from, event) {
+        Ok(to) if from.is_terminal() && to != from => (
+            Some(to),
+            Some(format!("{event:?} moved it from {from} to {to}")),
+        ),
+        Ok(to) => (Some(to), None),
+        Err(_) => (None, None),
+    }
+}
+
+pub(crate) fn reason(w: &mut World, reason: &super::Reason) {
+    w.checking(Invariant::Reason);
+    if reason.1.trim().is_empty() {
+        w.broke(
+            Invariant::Reason,
+            format!("a {:?} failure with no reason", reason.0),
+        );
+    }
+}
+
+/// An abort from prefill `p` failed decode room `id` (use `dgen`): `p` must be one of
+/// the request's prefill engines.
+pub(crate) fn party(w: &mut World, d: usize, id: u64, dgen: u64, p: usize) {
+    w.checking(Invariant::Stranger);
+    let req = w.decodes[d].rooms[&id].req;
+    if !w.requests[req].prefills.contains(&p) {
+        w.broke(
+            Invariant::Stranger,
+            format!("p{p}, no engine of request {req}, aborted d{d}'s room {id} (use {dgen})"),
+        );
+    }
+}
+
+/// A write of request `write.0` for room `write.1` (use `write.2`) lands in page `page`
+/// of decode `d`, granted now to `owner`.
+pub(crate) fn landing(
+    w: &mut World,
+    d: usize,
+    page: u32,
+    owner: Option<(usize, u64, u64)>,
+    write: (usize, u64, u64),
+) {
+    w.checking(Invariant::GivenBack);
+    w.checking(Invariant::ForeignBytes);
+    let (req, id, dgen) = write;
+    match owner {
+        None => w.broke(
+            Invariant::GivenBack,
+            format!("a write of room {id} (use {dgen}) landed in d{d}'s page {page}, given back"),
+        ),
+        Some((_, oid, ogen)) if (oid, ogen) != (id, dgen) => w.broke(
+            Invariant::GivenBack,
+            format!(
+                "a write of room {id} (use {dgen}) landed in d{d}'s page {page}, given back \
+                 and granted to room {oid} (use {ogen}) since"
+            ),
+        ),
+        Some((oreq, _, _)) if oreq != req => w.broke(
+            Invariant::ForeignBytes,
+            format!(
+                "request {req}'s bytes landed in d{d}'s page {page}, granted to request {oreq} \
+                 (room {id}, use {dgen})"
+            ),
+        ),
+        Some(_) => {}
+    }
+}
+
+/// Decode room `id` just succeeded: every page must have landed once from each of its
+/// prefill engines.
+pub(crate) fn success(w: &mut World, d: usize, id: u64) {
+    w.checking(Invariant::TrueSuccess);
+    let room = &w.decodes[d].rooms[&id];
+    let n = room.core.peers.len();
+    let missing = (0..n)
+        .flat_map(|i| room.pages.iter().map(move |&pg| (i, pg)))
+        .find(|k| room.landed_count(k) != 1);
+    if let Some((i, pg)) = missing {
+        let got = room.landed_count(&(i, pg));
+        let detail = format!(
+            "d{d} room {id} succeeded with page {pg} from its prefill engine {i} landed {got} \
+             time(s)"
+        );
+        w.broke(Invariant::TrueSuccess, detail);
+    }
+}
+
+/// An abort of decode use `dgen` may fail room `id` only if the engine has heard of no
+/// later use of the id from that decode engine: a later one supersedes it (the two
+/// cannot be live together on the decode side, and the link keeps their order).
+///
+/// Generation 0 is no use's: a stranger's abort, not a late message (what a stranger
+/// may do is [`bound`]'s).
+pub(crate) fn not_superseded(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64) {
+    w.checking(Invariant::LateMessage);
+    if dgen == 0 {
+        return;
+    }
+    let newer = w.prefills[p].heard.get(&(peer.node, id)).copied();
+    if let Some(newer) = newer.filter(|&g| g > dgen) {
+        w.broke(
+            Invariant::LateMessage,
+            format!(
+                "p{p} room {id} failed by d{}'s abort of use {dgen} after it heard of use \
+                 {newer}",
+                peer.node
+            ),
+        );
+    }
+}
+
+/// A room bound to its request's decode engines fails by no other engine's abort.
+pub(crate) fn bound(w: &mut World, p: usize, peer: SimPeer, id: u64) {
+    w.checking(Invariant::Stranger);
+    let req = w.prefills[p].rooms[&id].req;
+    let r = &w.requests[req];
+    if r.bound && !r.decodes.contains(&peer.node) {
+        let detail = format!(
+            "d{}, not bound to p{p}'s room {id} (req {req}), aborted it",
+            peer.node
+        );
+        w.broke(Invariant::Stranger, detail);
+    }
+}
+
+/// After every step: deadlines, drains and bounds.
+pub(crate) fn after_step(w: &mut World) {
+    let now = w.now;
+    let slack = 2 * TICK_US;
+    w.checking(Invariant::Terminal);
+    let mut broken = None;
+    for (p, e) in w.prefills.iter().enumerate() {
+        for (id, r) in &e.rooms {
+            if !r.state.is_terminal() && now > r.deadline + slack {
+                broken = Some(format!(
+                    "p{p} room {id} still {} past its deadline",
+                    r.state
+                ));
+            }
+        }
+    }
+    for (d, e) in w.decodes.iter().enumerate() {
+        for (id, r) in &e.rooms {
+            if !r.state.is_terminal() && now > r.deadline + slack {
+                broken = Some(format!(
+                    "d{d} room {id} still {} past its deadline",
+                    r.state
+                ));
+            }
+        }
+    }
+    if let Some(b) = broken {
+        w.broke(Invariant::Terminal, b);
+    }
+    w.checking(Invariant::Drains);
+    let mut stuck = None;
+    for (d, e) in w.decodes.iter().enumerate() {
+        for (id, r) in &e.rooms {
+            let late = r
+                .failed_at
+                .is_some_and(|t| now > t + DRAIN_US + 4 * TICK_US);
+            if late && !e.drained_now(r) {
+                stuck = Some(format!(
+                    "d{d} room {id} failed and not drained past its drain deadline"
+                ));
+            }
+        }
+    }
+    if let Some(s) = stuck {
+        w.broke(Invariant::Drains, s);
+    }
+    w.checking(Invariant::Bounded);
+    // The holding area's bounds (8 destinations, 8 tombstones, 8 cleared-use records),
+    // and an acknowledgement per destination of each room of the cluster.
+    let over = w.prefills.iter().enumerate().find_map(|(p, e)| {
+        let (held, acks) = e.tables();
+        (held > 24 || acks > 256)
+            .then(|| format!("p{p} holds {held} records and {acks} acknowledgements"))
+    });
+    if let Some(detail) = over {
+        w.broke(Invariant::Bounded, detail);
+    }
+}
+
+/// At the end of a run: every room gone, every page back, every table empty.
+pub(crate) fn at_end(w: &mut World) {
+    w.checking(Invariant::Terminal);
+    let mut left = None;
+    for (p, e) in w.prefills.iter().enumerate() {
+        if let Some((id, r)) = e.rooms.iter().next() {
+            let detail = format!(
+                "p{p} room {id} (req {}) still {} at the end",
+                r.req, r.state
+            );
+            left = Some((Invariant::Terminal, detail));
+        } else if !e.idle() {
+            let (held, acks) = e.tables();
+            let detail = format!("p{p} still holds {held} records, {acks} acknowledgements");
+            left = Some((Invariant::Bounded, detail));
+        }
+    }
+    for (d, e) in w.decodes.iter().enumerate() {
+        if let Some((id, r)) = e.rooms.iter().next() {
+            let detail = format!(
+                "d{d} room {id} (req {}) still {} (its pages not given back) at the end",
+                r.req, r.state
+            );
+            let inv = if r.state.is_terminal() {
+                Invariant::Drains
+            } else {
+                Invariant::Terminal
+            };
+            left = Some((inv, detail));
+        }
+    }
+    if let Some((inv, detail)) = left {
+        w.broke(inv, detail);
+    }
+}

@@ -1,0 +1,593 @@
+//! A simulated prefill engine: the library's pure cores ([`Ledger`], [`Holding`],
+//! [`AckTable`], the state rule) under a single-threaded shell that applies their
+//! outcomes as `src/engine/prefill/arrivals.rs` and `mod.rs` do, with the sender's
+//! writes one page at a time.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+use super::check::{self, Invariant};
+use super::net::Msg;
+use super::{Ev, Host, Reason, SimPeer, World, BOOTSTRAP_US, TICK_US, TRANSFER_US, WAITING_US};
+use crate::engine::prefill::acks::AckTable;
+use crate::engine::prefill::holding::{Grave, Holding, Limits};
+use crate::engine::prefill::ledger::{Dest, Ledger, OnAbort, OnDestination, Standing};
+use crate::room::{Cause, Event, State};
+
+impl SimPeer {
+    /// The engine id a decode engine authenticates with (what a room is bound to).
+    fn engine_id(&self) -> Option<u64> {
+        Some(self.node as u64 + 1)
+    }
+}
+
+pub(crate) struct PRoom {
+    pub req: usize,
+    pub rgen: u64,
+    pub state: State,
+    pub reason: Option<Reason>,
+    pub ledger: Ledger<SimPeer>,
+    pub deadline: u64,
+    /// The host enqueued the room's (one, last) chunk.
+    enqueued: bool,
+    /// Writes not made yet: (destination, its generation, page).
+    todo: VecDeque<(SimPeer, u64, u32)>,
+    /// The sender planned the chunk (`todo` holds every write left).
+    planned: bool,
+    /// Writes made and not completed.
+    pub io: u32,
+}
+
+pub(crate) struct PEngine {
+    rdma: bool,
+    pub rooms: BTreeMap<u64, PRoom>,
+    /// Cleared rooms with writes still in flight.
+    draining: Vec<(u64, PRoom)>,
+    holding: Holding<SimPeer>,
+    acks: AckTable<SimPeer>,
+    next_gen: u64,
+    /// Peers whose loss this engine noticed (`Peer::is_lost`).
+    lost: HashSet<SimPeer>,
+    /// The highest decode generation heard from each engine for each id.
+    pub heard: HashMap<(usize, u64), u64>,
+    /// Host retries of a create, per request.
+    retries: HashMap<usize, u32>,
+}
+
+impl PEngine {
+    pub fn new(rdma: bool) -> PEngine {
+        PEngine {
+            rdma,
+            rooms: BTreeMap::new(),
+            draining: Vec::new(),
+            // Small bounds, so that overflow is exercised.
+            holding: Holding::new(Limits {
+                dests: 8,
+                pages: 24,
+                tombstones: 8,
+                cleared: 8,
+            }),
+            acks: AckTable::default(),
+            next_gen: 1,
+            lost: HashSet::new(),
+            heard: HashMap::new(),
+            retries: HashMap::new(),
+        }
+    }
+
+    /// No room, no drain, no acknowledgement waits, nothing held.
+    pub fn idle(&self) -> bool {
+        self.rooms.is_empty()
+            && self.draining.is_empty()
+            && self.acks.len() == 0
+            && self.holding.is_empty()
+    }
+
+    /// What the engine's tables hold: held records and waiting acknowledgements.
+    pub fn tables(&self) -> (usize, usize) {
+        (self.holding.len(), self.acks.len())
+    }
+}
+
+/// What a room in `state` is, for the ledger; `failure`: its reason, if it failed.
+fn standing(state: State, failure: Option<&str>) -> Standing<'_> {
+    match state {
+        State::Success => Standing::Succeeded,
+        State::Failed => Standing::Failed(failure.unwrap_or("")),
+        _ => Standing::Live,
+    }
+}
+
+/// A message from decode engine `d` over link incarnation `inc`.
+pub(crate) fn on_message(w: &mut World, p: usize, d: usize, inc: u32, msg: Msg) {
+    let peer = SimPeer { node: d, inc };
+    w.note(|| format!("p{p} <- d{d}: {msg:?}"));
+    match msg {
+        Msg::Dest { id, dgen, pages } => {
+            heard(w, p, d, id, dgen);
+            on_destination(w, p, peer, id, dgen, pages);
+        }
+        Msg::Abort { id, dgen, reason } => {
+            on_abort(w, p, peer, id, dgen, reason);
+            heard(w, p, d, id, dgen);
+            if w.prefills[p].rdma {
+                ack_abort(w, p, peer, id, dgen);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn heard(w: &mut World, p: usize, d: usize, id: u64, dgen: u64) {
+    let h = w.prefills[p].heard.entry((d, id)).or_default();
+    *h = (*h).max(dgen);
+}
+
+fn on_destination(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64, pages: Vec<u32>) {
+    let e = &mut w.prefills[p];
+    if let Some(old) = e.holding.earlier_use(&peer, id, dgen) {
+        let why = format!("prefill room {id} is a cleared use: {old:?}");
+        return refuse(w, p, peer, id, dgen, why);
+    }
+    if e.rooms.contains_key(&id) {
+        return attach(w, p, id, peer, dgen, pages);
+    }
+    let expires = w.now + BOOTSTRAP_US;
+    if e.holding
+        .hold(&peer, id, dgen, pages, None, expires)
+        .is_err()
+    {
+        return refuse(
+            w,
+            p,
+            peer,
+            id,
+            dgen,
+            format!("holding area full for room {id}"),
+        );
+    }
+    for (h, reason) in e.holding.take_cleared_dests(id) {
+        let why = format!("prefill room {id} is a cleared use: {reason:?}");
+        refuse(w, p, h.peer, id, h.generation, why);
+    }
+}
+
+fn attach(w: &mut World, p: usize, id: u64, peer: SimPeer, dgen: u64, pages: Vec<u32>) {
+    let e = &mut w.prefills[p];
+    let lost = e.lost.contains(&peer);
+    let room = e.rooms.get_mut(&id).expect("attach to a room");
+    let failure = room.reason.as_ref().map(|r| r.1.clone());
+    let standing = standing(room.state, failure.as_deref());
+    let dest = Dest {
+        peer,
+        generation: dgen,
+        pages: pages.into(),
+        aux: None,
+    };
+    let name = format!("d{}", peer.node);
+    let outcome = room
+        .ledger
+        .destination(peer.engine_id(), standing, dest, &name, id);
+    let complete = match outcome {
+        OnDestination::Attached { complete } => complete,
+        OnDestination::NotBound => {
+            return refuse(w, p, peer, id, dgen, format!("room {id} is bound"));
+        }
+        OnDestination::Ended(why) => return refuse(w, p, peer, id, dgen, why),
+        OnDestination::Second { why, known } => {
+            if !known {
+                refuse(w, p, peer, id, dgen, why.clone());
+            }
+            return fail(w, p, id, (Cause::Protocol, why), None);
+        }
+    };
+    if lost {
+        let why = format!("lost d{} (inc {})", peer.node, peer.inc);
+        return fail(w, p, id, (Cause::PeerLost, why), None);
+    }
+    if complete {
+        ready(w, p, id);
+    }
+}
+
+/// Every destination arrived: the room is ready, and sends once its chunk is enqueued.
+fn ready(w: &mut World, p: usize, id: u64) {
+    if !transit(w, p, id, Event::Ready) {
+        return;
+    }
+    let room = w.prefills[p].rooms.get_mut(&id).expect("ready room");
+    room.deadline = w.now + WAITING_US;
+    if room.enqueued {
+        start(w, p, id);
+    }
+}
+
+/// Plans the room's writes (every page of every destination) and starts its sender.
+fn start(w: &mut World, p: usize, id: u64) {
+    if !transit(w, p, id, Event::Start) {
+        return;
+    }
+    let room = w.prefills[p].rooms.get_mut(&id).expect("started room");
+    room.deadline = w.now + TRANSFER_US;
+    for dest in room.ledger.dests() {
+        for &page in dest.pages.iter() {
+            room.todo.push_back((dest.peer, dest.generation, page));
+        }
+    }
+    // Now and then over TCP (whose receiver checks each run; over RDMA without
+    // integrity a wrong write is the sender's to prevent), a faulty sender: the last
+    // page of one destination is written in place of its first one instead.
+    let n = room.todo.len();
+    if !w.net.rdma && n >= 2 && w.rng.chance(3) {
+        let first = room.todo[0];
+        room.todo[n - 1] = first;
+    }
+    room.planned = true;
+    let rgen = room.rgen;
+    let after = w.rng.range(20, 300);
+    w.at(after, Ev::SendStep { p, id, rgen });
+}
+
+/// Applies `event` to room `id` through the state rule; whether it applied.
+fn transit(w: &mut World, p: usize, id: u64, event: Event) -> bool {
+    let Some(room) = w.prefills[p].rooms.get_mut(&id) else {
+        return false;
+    };
+    let (from, req) = (room.state, room.req);
+    let (to, broken) = check::transit(from, event);
+    if let Some(to) = to {
+        room.state = to;
+    }
+    w.checking(Invariant::Sticky);
+    if let Some(b) = broken {
+        w.broke(
+            Invariant::Sticky,
+            format!("p{p} room {id} (req {req}): {b}"),
+        );
+    }
+    to.is_some()
+}
+
+/// The sender's next write of room `id`: the room must still be this use and live (the
+/// real sender skips a terminal room's work; its failure told the decode side).
+pub(crate) fn send_step(w: &mut World, p: usize, id: u64, rgen: u64) {
+    let this = w.prefills[p].rooms.get(&id).is_some_and(|r| r.rgen == rgen);
+    if !this || !transit(w, p, id, Event::Start) {
+        return;
+    }
+    let room = w.prefills[p].rooms.get_mut(&id).expect("this use");
+    let Some((peer, dgen, page)) = room.todo.pop_front() else {
+        return;
+    };
+    let (req, rgen) = (room.req, room.rgen);
+    if !w.net.alive(p, peer.node, peer.inc) {
+        let why = format!("the link to d{} broke", peer.node);
+        return fail(w, p, id, (Cause::Transfer, why), None);
+    }
+    room.io += 1;
+    let more = !room.todo.is_empty();
+    w.note(|| format!("p{p} writes page {page} of room {id} to d{}", peer.node));
+    let write = Msg::Write {
+        id,
+        dgen,
+        page,
+        req,
+        rgen,
+    };
+    w.send_to_decode(p, peer.node, peer.inc, write);
+    if !w.net.rdma {
+        // Over TCP a write is done once the bytes are in the socket.
+        w.at(1, Ev::WriteDone { p, id, rgen });
+    }
+    if more {
+        let after = w.rng.range(20, 300);
+        w.at(after, Ev::SendStep { p, id, rgen });
+    }
+}
+
+/// A write of room `id` (use `rgen`) completed.
+pub(crate) fn write_done(w: &mut World, p: usize, id: u64, rgen: u64) {
+    let e = &mut w.prefills[p];
+    if let Some(i) = e
+        .draining
+        .iter()
+        .position(|(i, r)| *i == id && r.rgen == rgen)
+    {
+        e.draining[i].1.io -= 1;
+        if e.draining[i].1.io == 0 {
+            e.draining.remove(i);
+        }
+        return send_due(w, p);
+    }
+    let Some(room) = e.rooms.get_mut(&id).filter(|r| r.rgen == rgen) else {
+        return;
+    };
+    room.io -= 1;
+    let finished = room.planned && room.todo.is_empty() && room.io == 0;
+    if finished && !room.state.is_terminal() && transit(w, p, id, Event::Complete) {
+        let dests: Vec<(SimPeer, u64, u32)> = w.prefills[p].rooms[&id]
+            .ledger
+            .dests()
+            .iter()
+            .map(|d| (d.peer, d.generation, d.pages.len() as u32))
+            .collect();
+        w.note(|| format!("p{p} room {id} sent"));
+        for (peer, dgen, pages) in dests {
+            w.send_to_decode(p, peer.node, peer.inc, Msg::Done { id, dgen, pages });
+        }
+    }
+    send_due(w, p);
+}
+
+/// Fails room `id` unless it is terminal; the winner tells the parties the ledger names
+/// (and over RDMA queues their acknowledgements), as `lifecycle::fail` and
+/// `tell_failed` do.
+pub(crate) fn fail(w: &mut World, p: usize, id: u64, reason: Reason, origin: Option<SimPeer>) {
+    if !transit(w, p, id, Event::Fail) {
+        return;
+    }
+    check::reason(w, &reason);
+    let rdma = w.prefills[p].rdma;
+    let room = w.prefills[p].rooms.get_mut(&id).expect("failed room");
+    room.todo.clear();
+    let (req, rgen) = (room.req, room.rgen);
+    let told = room.ledger.told(origin.as_ref());
+    room.reason = Some(reason.clone());
+    w.note(|| format!("p{p} room {id} (req {req}) failed: {reason:?}"));
+    for (peer, dgen, abort) in told {
+        if abort {
+            let msg = Msg::Abort {
+                id,
+                dgen,
+                reason: reason.1.clone(),
+            };
+            w.send_to_decode(p, peer.node, peer.inc, msg);
+        }
+        if rdma {
+            w.prefills[p].acks.queue(id, rgen, peer, dgen);
+        }
+    }
+    send_due(w, p);
+}
+
+/// Sends the acknowledgements whose rooms have no write in flight.
+fn send_due(w: &mut World, p: usize) {
+    let e = &mut w.prefills[p];
+    let (rooms, draining) = (&e.rooms, &e.draining);
+    let busy = |id: u64, rgen: u64| {
+        rooms.get(&id).is_some_and(|r| r.rgen == rgen && r.io > 0)
+            || draining
+                .iter()
+                .any(|(i, r)| *i == id && r.rgen == rgen && r.io > 0)
+    };
+    let mut due = e.acks.due(busy);
+    // The table's order is a hash map's: sorted, so that a seed replays.
+    due.sort_by_key(|&(peer, id, dgen)| (id, dgen, peer.node, peer.inc));
+    for (peer, id, dgen) in due {
+        w.note(|| format!("p{p} acknowledges d{}'s abort of room {id}", peer.node));
+        w.send_to_decode(p, peer.node, peer.inc, Msg::AbortAck { id, dgen });
+    }
+}
+
+/// A destination that will never be written to: an Abort, and over RDMA its
+/// acknowledgement at once.
+fn refuse(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64, why: String) {
+    w.note(|| format!("p{p} refuses d{}'s room {id}: {why}", peer.node));
+    let abort = Msg::Abort {
+        id,
+        dgen,
+        reason: why,
+    };
+    w.send_to_decode(p, peer.node, peer.inc, abort);
+    if w.prefills[p].rdma {
+        w.send_to_decode(p, peer.node, peer.inc, Msg::AbortAck { id, dgen });
+    }
+}
+
+fn on_abort(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64, reason: String) {
+    let e = &mut w.prefills[p];
+    if e.holding.earlier_use(&peer, id, dgen).is_some() {
+        return;
+    }
+    if let Some(room) = e.rooms.get_mut(&id) {
+        let failure = room.reason.as_ref().map(|r| r.1.clone());
+        let standing = standing(room.state, failure.as_deref());
+        match room.ledger.abort(peer.engine_id(), standing, &peer, dgen) {
+            OnAbort::NotBound | OnAbort::Stale => {}
+            OnAbort::Fails => {
+                check::not_superseded(w, p, peer, id, dgen);
+                check::bound(w, p, peer, id);
+                fail(w, p, id, (Cause::Aborted, reason), Some(peer));
+            }
+        }
+        return;
+    }
+    let expires = w.now + BOOTSTRAP_US;
+    let _ = e.holding.abort_early(&peer, id, dgen, reason, expires);
+}
+
+/// Over RDMA: acknowledges an abort once no write into that destination is in flight.
+fn ack_abort(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64) {
+    let e = &mut w.prefills[p];
+    let live = e
+        .rooms
+        .get(&id)
+        .filter(|r| r.ledger.holds(&peer, dgen))
+        .map(|r| r.rgen);
+    let holder = live.or_else(|| {
+        e.draining
+            .iter()
+            .find(|(i, r)| *i == id && r.ledger.holds(&peer, dgen))
+            .map(|(_, r)| r.rgen)
+    });
+    match holder {
+        Some(rgen) => {
+            e.acks.queue(id, rgen, peer, dgen);
+            send_due(w, p);
+        }
+        None => w.send_to_decode(p, peer.node, peer.inc, Msg::AbortAck { id, dgen }),
+    }
+}
+
+/// The host creates the request's room (retrying while an earlier use of the id is not
+/// cleared yet), which adopts what waited for it.
+pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
+    let r = w.requests[req].clone();
+    let e = &mut w.prefills[p];
+    if e.rooms.contains_key(&r.id) {
+        let n = e.retries.entry(req).or_default();
+        *n += 1;
+        if *n < 100 {
+            w.at(TICK_US, Ev::Host(Host::PrefillCreate { req, p }));
+        } else {
+            w.room_done(req);
+        }
+        return;
+    }
+    let bound = r
+        .bound
+        .then(|| r.decodes.iter().map(|&d| d as u64 + 1).collect());
+    let rgen = e.next_gen;
+    e.next_gen += 1;
+    e.rooms.insert(
+        r.id,
+        PRoom {
+            req,
+            rgen,
+            state: State::Bootstrapping,
+            reason: None,
+            ledger: Ledger::new(r.decodes.len(), bound),
+            deadline: w.now + BOOTSTRAP_US,
+            enqueued: false,
+            todo: VecDeque::new(),
+            planned: false,
+            io: 0,
+        },
+    );
+    w.note(|| format!("p{p} creates room {} (req {req}, use {rgen})", r.id));
+    let (tombs, held) = w.prefills[p].holding.adopt(r.id);
+    for t in tombs {
+        let room = w.prefills[p].rooms.get_mut(&r.id).expect("created");
+        if !room.ledger.admits(t.peer.engine_id()) {
+            continue;
+        }
+        let reason = match t.grave {
+            Grave::Aborted(why) => {
+                room.ledger.remember(&t.peer, t.generation);
+                check::not_superseded(w, p, t.peer, r.id, t.generation);
+                (Cause::Aborted, why)
+            }
+            Grave::Lost(why) => (Cause::PeerLost, why),
+        };
+        fail(w, p, r.id, reason, Some(t.peer));
+    }
+    for h in held {
+        attach(w, p, r.id, h.peer, h.generation, h.pages);
+    }
+    let after = w.rng.range(0, 3_000);
+    w.at(after, Ev::Host(Host::PrefillEnqueue { req, p }));
+    w.at(TICK_US, Ev::Host(Host::PrefillPoll { req, p }));
+}
+
+/// The request's room of this engine, if it is the current use of its id.
+fn room_of(w: &World, req: usize, p: usize) -> Option<u64> {
+    let id = w.requests[req].id;
+    w.prefills[p]
+        .rooms
+        .get(&id)
+        .filter(|r| r.req == req)
+        .map(|_| id)
+}
+
+pub(crate) fn host_enqueue(w: &mut World, req: usize, p: usize) {
+    let Some(id) = room_of(w, req, p) else {
+        return;
+    };
+    let room = w.prefills[p].rooms.get_mut(&id).expect("room");
+    if room.state.is_terminal() {
+        return;
+    }
+    room.enqueued = true;
+    if room.state == State::WaitingForInput {
+        start(w, p, id);
+    }
+}
+
+pub(crate) fn host_abort(w: &mut World, req: usize, p: usize) {
+    if let Some(id) = room_of(w, req, p) {
+        let why = format!("prefill host p{p} cancelled [req {req}]");
+        fail(w, p, id, (Cause::Aborted, why), None);
+    }
+}
+
+/// The host polls its room and clears it once terminal; a cleared room leaves its
+/// record, and drains its writes in flight.
+pub(crate) fn host_poll(w: &mut World, req: usize, p: usize) {
+    let Some(id) = room_of(w, req, p) else {
+        return;
+    };
+    if !w.prefills[p].rooms[&id].state.is_terminal() {
+        return w.at(TICK_US, Ev::Host(Host::PrefillPoll { req, p }));
+    }
+    let e = &mut w.prefills[p];
+    let room = e.rooms.remove(&id).expect("room");
+    let reason = room.reason.as_ref().map(|r| r.1.clone());
+    let expires = w.now + BOOTSTRAP_US + WAITING_US;
+    let gens = room.ledger.generations();
+    let _ = e
+        .holding
+        .clear_use(id, reason, gens, room.ledger.complete(), expires);
+    if room.io > 0 {
+        e.draining.push((id, room));
+    }
+    w.note(|| format!("p{p} clears room {id} (req {req})"));
+    w.room_done(req);
+    for (h, reason) in w.prefills[p].holding.take_cleared_dests(id) {
+        let why = format!("prefill room {id} is a cleared use: {reason:?}");
+        refuse(w, p, h.peer, id, h.generation, why);
+    }
+}
+
+/// The watchdog: deadlines, expired held destinations, acknowledgements due.
+pub(crate) fn tick(w: &mut World, p: usize) {
+    let now = w.now;
+    let late: Vec<(u64, State)> = w.prefills[p]
+        .rooms
+        .iter()
+        .filter(|(_, r)| !r.state.is_terminal() && r.deadline <= now)
+        .map(|(&id, r)| (id, r.state))
+        .collect();
+    for (id, state) in late {
+        let cause = match state {
+            State::Bootstrapping => Cause::BootstrapTimeout,
+            State::WaitingForInput => Cause::WaitingTimeout,
+            _ => Cause::TransferTimeout,
+        };
+        fail(w, p, id, (cause, format!("deadline while {state}")), None);
+    }
+    let mut expired = w.prefills[p].holding.expire(now);
+    expired.sort_by_key(|(id, h)| (*id, h.generation, h.peer.node, h.peer.inc));
+    for (id, h) in expired {
+        let why = format!("prefill created no room {id} in time");
+        refuse(w, p, h.peer, id, h.generation, why);
+    }
+    send_due(w, p);
+}
+
+/// The engine noticed that its link (incarnation `inc`) to decode `d` broke.
+pub(crate) fn lost(w: &mut World, p: usize, d: usize, inc: u32) {
+    let peer = SimPeer { node: d, inc };
+    let why = format!("lost d{d} (inc {inc})");
+    w.note(|| format!("p{p} notices {why}"));
+    let e = &mut w.prefills[p];
+    e.lost.insert(peer);
+    let _ = e.holding.peer_lost(&peer, &why, w.now + BOOTSTRAP_US);
+    let rooms: Vec<u64> = e
+        .rooms
+        .iter()
+        .filter(|(_, r)| r.ledger.parties().iter().any(|(q, _)| *q == peer))
+        .map(|(&id, _)| id)
+        .collect();
+    for id in rooms {
+        fail(w, p, id, (Cause::PeerLost, why.clone()), Some(peer));
+    }
+}
