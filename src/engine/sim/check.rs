@@ -2,6 +2,7 @@
 //! the requests of the workload, the owner of every decode page, and every message.
 
 use super::{SimPeer, World, DRAIN_US, TICK_US};
+use crate::engine::peer_ref::PeerRef;
 use crate::room::state::transition;
 use crate::room::{Event, State};
 
@@ -146,7 +147,8 @@ pub(crate) fn not_superseded(w: &mut World, p: usize, peer: SimPeer, id: u64, dg
     if dgen == 0 {
         return;
     }
-    let newer = w.prefills[p].heard.get(&(peer.node, id)).copied();
+    let engine = peer.engine().expect("sim peers know their engine");
+    let newer = w.prefills[p].heard.get(&(engine, id)).copied();
     if let Some(newer) = newer.filter(|&g| g > dgen) {
         w.broke(
             Invariant::LateMessage,

@@ -12,6 +12,7 @@ use super::check::{self, Invariant};
 use super::net::Msg;
 use super::{Ev, Host, Reason, SimPeer, World, DRAIN_US, TICK_US, WAITING_US};
 use crate::engine::decode::room::{DecodeRoom, Facts, Settle};
+use crate::engine::peer_ref::PeerRef;
 use crate::proto::{DataHeader, Message, Target};
 use crate::room::{Cause, Event, State};
 
@@ -46,10 +47,13 @@ pub(crate) struct DEngine {
     rdma: bool,
     pub rooms: BTreeMap<u64, DRoom>,
     next_gen: u64,
+    /// Its incarnation: how often it crashed and started again.
+    pub epoch: u32,
     free: Vec<u32>,
     /// Which use of which room each page is granted to now: (request, id, generation).
     owner: Vec<Option<(usize, u64, u64)>>,
-    lost: HashSet<SimPeer>,
+    /// Links whose loss this engine noticed: (prefill engine, link incarnation).
+    lost: HashSet<(usize, u32)>,
     /// Acknowledgements heard, and Aborts sent or heard, per (room, generation, prefill
     /// engine and link).
     acked: HashMap<(u64, u64, SimPeer), u32>,
@@ -60,11 +64,12 @@ pub(crate) struct DEngine {
 }
 
 impl DEngine {
-    pub fn new(rdma: bool) -> DEngine {
+    pub fn new(rdma: bool, epoch: u32) -> DEngine {
         DEngine {
             rdma,
             rooms: BTreeMap::new(),
             next_gen: 1,
+            epoch,
             free: (0..PAGES).rev().collect(),
             owner: vec![None; PAGES as usize],
             lost: HashSet::new(),
@@ -99,7 +104,12 @@ fn this(w: &mut World, d: usize, id: u64, dgen: u64) -> Option<&mut DRoom> {
 }
 
 pub(crate) fn on_message(w: &mut World, d: usize, p: usize, inc: u32, msg: Msg) {
-    let peer = SimPeer { node: p, inc };
+    let epoch = w.prefills[p].epoch;
+    let peer = SimPeer {
+        node: p,
+        inc,
+        epoch,
+    };
     w.note(|| format!("d{d} <- p{p}: {msg:?}"));
     match msg {
         Msg::Write {
@@ -165,20 +175,23 @@ fn write(w: &mut World, d: usize, peer: SimPeer, id: u64, dgen: u64, page: u32, 
     if room.state.is_terminal() {
         return;
     }
+    // With several prefill engines each sends its heads: its part of every page.
+    let n = room.core.peers.len() as u32;
+    let part = PAGE as u32 / n;
     let header = DataHeader {
         room: id,
         generation: dgen,
         target: Target::Kv,
-        buffer: idx as u32,
+        buffer: 0,
         first_page: page,
         n_pages: 1,
-        byte_len: PAGE as u32,
-        page_off: 0,
+        byte_len: part,
+        page_off: idx as u32 * part,
         digest: 0,
     };
     if let Err(why) = room
         .core
-        .take_grants(idx, std::iter::once((header, idx as u32, false)))
+        .take_grants(idx, std::iter::once((header, 0, n > 1)))
     {
         return fail(w, d, id, (Cause::Protocol, why), None);
     }
@@ -196,7 +209,8 @@ fn land(w: &mut World, d: usize, peer: SimPeer, id: u64, dgen: u64, page: u32, r
         return;
     };
     *room.landed.entry((idx, page)).or_default() += 1;
-    let waiting = room.core.count(idx, &[(idx as u32, PAGE)], 0);
+    let part = PAGE / room.core.peers.len() as u64;
+    let waiting = room.core.count(idx, &[(0, part)], 0);
     if room.state == State::WaitingForInput {
         transit(w, d, id, Event::Start);
     }
@@ -227,9 +241,10 @@ fn settle(w: &mut World, d: usize, id: u64, idx: usize) {
         name: if p.node == 0 { "p0" } else { "p1" },
         aux_count: 0,
     };
+    let part = PAGE / room.core.peers.len() as u64;
     let owed = |_: &SimPeer, sent: u32, want: u64| {
         if u64::from(sent) == want {
-            Ok(want * PAGE)
+            Ok(want * part)
         } else {
             Err(format!("claims {sent} pages of {want}"))
         }
@@ -280,7 +295,7 @@ pub(crate) fn fail(w: &mut World, d: usize, id: u64, reason: Reason, origin: Opt
         room.core
             .peers
             .iter()
-            .filter(|p| origin != Some(**p))
+            .filter(|p| !origin.is_some_and(|o| o.same(p)))
             .copied()
             .collect()
     } else {
@@ -308,8 +323,13 @@ pub(crate) fn host_create(w: &mut World, req: usize, d: usize) {
         .iter()
         .map(|&p| {
             let inc = w.net.up(p, d)?;
-            let peer = SimPeer { node: p, inc };
-            (!e.lost.contains(&peer)).then_some(peer)
+            let epoch = w.prefills[p].epoch;
+            let peer = SimPeer {
+                node: p,
+                inc,
+                epoch,
+            };
+            (!e.lost.contains(&(p, inc))).then_some(peer)
         })
         .collect();
     let ready = peers.filter(|_| !e.rooms.contains_key(&r.id) && e.free.len() >= r.pages);
@@ -473,8 +493,13 @@ pub(crate) fn tick(w: &mut World, d: usize) {
 /// The engine lost its link (incarnation `inc`) to prefill `p`: its rooms fail, and no
 /// write of that link can land any more.
 pub(crate) fn lost(w: &mut World, d: usize, p: usize, inc: u32) {
-    let peer = SimPeer { node: p, inc };
-    if !w.decodes[d].lost.insert(peer) {
+    let epoch = w.prefills[p].epoch;
+    let peer = SimPeer {
+        node: p,
+        inc,
+        epoch,
+    };
+    if !w.decodes[d].lost.insert((p, inc)) {
         return;
     }
     w.note(|| format!("d{d} notices the loss of p{p} (inc {inc})"));

@@ -67,22 +67,29 @@ impl Rng {
 }
 
 /// An engine of the other role as one engine knows it: by index and link incarnation
-/// (a link made again is a new peer, as a new `Arc<Peer>` is in the engine).
+/// (a link made again is a new peer, as a new `Arc<Peer>` is in the engine), and the
+/// other engine's own incarnation (`epoch`: it crashed and started again that often).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct SimPeer {
     pub node: usize,
     pub inc: u32,
+    pub epoch: u32,
 }
 
 impl PeerRef for SimPeer {
     fn same(&self, other: &Self) -> bool {
-        self == other
+        (self.node, self.inc) == (other.node, other.inc)
     }
 
-    /// The engine id it says in its `Hello` (a decode engine's, to a prefill engine).
+    /// The engine id it says in its `Hello`: new at every start of the engine.
     fn engine(&self) -> Option<u64> {
-        Some(self.node as u64 + 1)
+        Some(engine_id(self.node, self.epoch))
     }
+}
+
+/// The engine id of engine `node` in its incarnation `epoch`.
+pub(crate) fn engine_id(node: usize, epoch: u32) -> u64 {
+    ((node as u64 + 1) << 32) | u64::from(epoch)
 }
 
 /// The deadlines of the simulated engines (µs of virtual time).
@@ -149,6 +156,9 @@ pub(crate) enum Ev {
         p: usize,
         d: usize,
     },
+    /// The engine's process dies (every link breaks, its rooms and memory are gone) and
+    /// starts again at once as a new incarnation, with a new engine id.
+    Crash(Node),
     Host(Host),
 }
 
@@ -165,6 +175,9 @@ pub(crate) struct World {
     /// The first invariant broken.
     pub violation: Option<Violation>,
     pub steps: u64,
+    /// The next prefill room generation (one counter for every incarnation of every
+    /// prefill engine, so that a crashed engine's leftover events match no new room).
+    pub next_rgen: u64,
     /// Which invariant checks ran, and how often.
     pub checked: HashMap<Invariant, u64>,
     /// Virtual time when the workload's last request started.
@@ -203,21 +216,26 @@ impl World {
                 prefills,
                 decodes,
                 pages: rng.range(1, 4) as usize,
+                chunks: 0,
                 bound: rng.chance(30),
                 prefill_skips: rng.chance(5),
             });
         }
+        for r in &mut requests {
+            r.chunks = rng.range(1, r.pages.min(3) as u64) as u32;
+        }
         World {
             now: 0,
             net: Net::new(n_p, n_d, rdma),
-            prefills: (0..n_p).map(|_| PEngine::new(rdma)).collect(),
-            decodes: (0..n_d).map(|_| DEngine::new(rdma)).collect(),
+            prefills: (0..n_p).map(|_| PEngine::new(rdma, 0)).collect(),
+            decodes: (0..n_d).map(|_| DEngine::new(rdma, 0)).collect(),
             rng,
             requests,
             trace: trace.then(Vec::new),
             violation: None,
             steps: 0,
             checked: HashMap::new(),
+            next_rgen: 1,
             last_start: 0,
             started: 0,
             ids,
@@ -254,10 +272,12 @@ impl World {
         *self.checked.entry(inv).or_default() += 1;
     }
 
-    /// Whether anything is left to do: the workload is over and every room of every
-    /// engine is gone.
+    /// Whether anything is left to do: every request started and is over (no host will
+    /// create a room any more), no message is on its way, and every engine is idle.
     fn settled(&self) -> bool {
         self.started == self.requests.len()
+            && self.in_use.is_empty()
+            && self.net.queue.in_flight == 0
             && self.now > self.last_start + 10_000
             && self.prefills.iter().all(PEngine::idle)
             && self.decodes.iter().all(DEngine::idle)
@@ -287,9 +307,7 @@ impl World {
                     Node::Prefill(p) => prefill::tick(self, p),
                     Node::Decode(d) => decode::tick(self, d),
                 }
-                if !self.settled() {
-                    self.at(TICK_US, Ev::Tick(node));
-                }
+                self.at(TICK_US, Ev::Tick(node));
             }
             Ev::Cut { p, d } => self.cut(p, d),
             Ev::Noticed { node, other, inc } => match node {
@@ -301,6 +319,7 @@ impl World {
                 self.note(|| format!("link p{p}-d{d} up again (inc {inc})"));
             }
             Ev::Host(h) => self.host(h),
+            Ev::Crash(node) => self.crash(node),
         }
     }
 
@@ -332,6 +351,29 @@ impl World {
         );
         let back = 5_000 + self.rng.range(1_000, 15_000);
         self.at(back, Ev::Reconnect { p, d });
+    }
+
+    /// `node` crashes and starts again: its links break, its rooms are gone (their
+    /// hosts with them).
+    fn crash(&mut self, node: Node) {
+        self.note(|| format!("{node:?} crashes and starts again"));
+        let rooms: Vec<usize> = match node {
+            Node::Prefill(p) => {
+                (0..self.decodes.len()).for_each(|d| self.cut(p, d));
+                let fresh = PEngine::new(self.net.rdma, self.prefills[p].epoch + 1);
+                let old = std::mem::replace(&mut self.prefills[p], fresh);
+                old.rooms.values().map(|r| r.req).collect()
+            }
+            Node::Decode(d) => {
+                (0..self.prefills.len()).for_each(|p| self.cut(p, d));
+                let fresh = DEngine::new(self.net.rdma, self.decodes[d].epoch + 1);
+                let old = std::mem::replace(&mut self.decodes[d], fresh);
+                old.rooms.values().map(|r| r.req).collect()
+            }
+        };
+        for req in rooms {
+            self.room_done(req);
+        }
     }
 
     /// Sends `msg` from decode `d` to prefill `p` over the link of incarnation `inc`
@@ -372,7 +414,7 @@ pub(crate) fn run(config: Config, trace: bool) -> Run {
             w.steps += 1;
             w.step(ev);
             check::after_step(&mut w);
-            if w.violation.is_some() {
+            if w.violation.is_some() || w.settled() {
                 break;
             }
         }

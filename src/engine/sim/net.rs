@@ -55,18 +55,23 @@ pub(crate) struct Queue {
     heap: BinaryHeap<Reverse<(u64, u64)>>,
     events: std::collections::HashMap<u64, Ev>,
     seq: u64,
+    /// Messages on their way.
+    pub in_flight: usize,
 }
 
 impl Queue {
     pub fn push(&mut self, at: u64, ev: Ev) {
         self.seq += 1;
+        self.in_flight += usize::from(matches!(ev, Ev::Deliver { .. }));
         self.heap.push(Reverse((at, self.seq)));
         self.events.insert(self.seq, ev);
     }
 
     pub fn pop(&mut self) -> Option<(u64, Ev)> {
         let Reverse((at, seq)) = self.heap.pop()?;
-        Some((at, self.events.remove(&seq).expect("scheduled")))
+        let ev = self.events.remove(&seq).expect("scheduled");
+        self.in_flight -= usize::from(matches!(ev, Ev::Deliver { .. }));
+        Some((at, ev))
     }
 }
 

@@ -7,18 +7,14 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use super::check::{self, Invariant};
 use super::net::Msg;
-use super::{Ev, Host, Reason, SimPeer, World, BOOTSTRAP_US, TICK_US, TRANSFER_US, WAITING_US};
+use super::{
+    engine_id, Ev, Host, Reason, SimPeer, World, BOOTSTRAP_US, TICK_US, TRANSFER_US, WAITING_US,
+};
+use crate::engine::peer_ref::PeerRef;
 use crate::engine::prefill::acks::AckTable;
 use crate::engine::prefill::holding::{Grave, Holding, Limits};
 use crate::engine::prefill::ledger::{Dest, Ledger, OnAbort, OnDestination, Standing};
 use crate::room::{Cause, Event, State};
-
-impl SimPeer {
-    /// The engine id a decode engine authenticates with (what a room is bound to).
-    fn engine_id(&self) -> Option<u64> {
-        Some(self.node as u64 + 1)
-    }
-}
 
 pub(crate) struct PRoom {
     pub req: usize,
@@ -27,12 +23,15 @@ pub(crate) struct PRoom {
     pub reason: Option<Reason>,
     pub ledger: Ledger<SimPeer>,
     pub deadline: u64,
-    /// The host enqueued the room's (one, last) chunk.
-    enqueued: bool,
+    /// Chunks the room has, and those the host enqueued so far.
+    chunks: u32,
+    enqueued: u32,
     /// Writes not made yet: (destination, its generation, page).
     todo: VecDeque<(SimPeer, u64, u32)>,
-    /// The sender planned the chunk (`todo` holds every write left).
-    planned: bool,
+    /// Chunks the sender planned (`todo` holds every write of theirs left).
+    planned: u32,
+    /// A sender step is scheduled.
+    stepping: bool,
     /// Writes made and not completed.
     pub io: u32,
 }
@@ -44,17 +43,19 @@ pub(crate) struct PEngine {
     draining: Vec<(u64, PRoom)>,
     holding: Holding<SimPeer>,
     acks: AckTable<SimPeer>,
-    next_gen: u64,
-    /// Peers whose loss this engine noticed (`Peer::is_lost`).
-    lost: HashSet<SimPeer>,
-    /// The highest decode generation heard from each engine for each id.
-    pub heard: HashMap<(usize, u64), u64>,
+    /// Its incarnation: how often it crashed and started again.
+    pub epoch: u32,
+    /// Links whose loss this engine noticed (`Peer::is_lost`): (decode engine, link
+    /// incarnation).
+    lost: HashSet<(usize, u32)>,
+    /// The highest decode generation heard from each engine (by engine id) for each id.
+    pub heard: HashMap<(u64, u64), u64>,
     /// Host retries of a create, per request.
     retries: HashMap<usize, u32>,
 }
 
 impl PEngine {
-    pub fn new(rdma: bool) -> PEngine {
+    pub fn new(rdma: bool, epoch: u32) -> PEngine {
         PEngine {
             rdma,
             rooms: BTreeMap::new(),
@@ -67,7 +68,7 @@ impl PEngine {
                 cleared: 8,
             }),
             acks: AckTable::default(),
-            next_gen: 1,
+            epoch,
             lost: HashSet::new(),
             heard: HashMap::new(),
             retries: HashMap::new(),
@@ -99,16 +100,21 @@ fn standing(state: State, failure: Option<&str>) -> Standing<'_> {
 
 /// A message from decode engine `d` over link incarnation `inc`.
 pub(crate) fn on_message(w: &mut World, p: usize, d: usize, inc: u32, msg: Msg) {
-    let peer = SimPeer { node: d, inc };
+    let epoch = w.decodes[d].epoch;
+    let peer = SimPeer {
+        node: d,
+        inc,
+        epoch,
+    };
     w.note(|| format!("p{p} <- d{d}: {msg:?}"));
     match msg {
         Msg::Dest { id, dgen, pages } => {
-            heard(w, p, d, id, dgen);
+            heard(w, p, peer, id, dgen);
             on_destination(w, p, peer, id, dgen, pages);
         }
         Msg::Abort { id, dgen, reason } => {
             on_abort(w, p, peer, id, dgen, reason);
-            heard(w, p, d, id, dgen);
+            heard(w, p, peer, id, dgen);
             if w.prefills[p].rdma {
                 ack_abort(w, p, peer, id, dgen);
             }
@@ -117,8 +123,9 @@ pub(crate) fn on_message(w: &mut World, p: usize, d: usize, inc: u32, msg: Msg) 
     }
 }
 
-fn heard(w: &mut World, p: usize, d: usize, id: u64, dgen: u64) {
-    let h = w.prefills[p].heard.entry((d, id)).or_default();
+fn heard(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64) {
+    let key = (peer.engine().expect("sim peers know their engine"), id);
+    let h = w.prefills[p].heard.entry(key).or_default();
     *h = (*h).max(dgen);
 }
 
@@ -153,7 +160,7 @@ fn on_destination(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64, pa
 
 fn attach(w: &mut World, p: usize, id: u64, peer: SimPeer, dgen: u64, pages: Vec<u32>) {
     let e = &mut w.prefills[p];
-    let lost = e.lost.contains(&peer);
+    let lost = e.lost.contains(&(peer.node, peer.inc));
     let room = e.rooms.get_mut(&id).expect("attach to a room");
     let failure = room.reason.as_ref().map(|r| r.1.clone());
     let standing = standing(room.state, failure.as_deref());
@@ -166,7 +173,7 @@ fn attach(w: &mut World, p: usize, id: u64, peer: SimPeer, dgen: u64, pages: Vec
     let name = format!("d{}", peer.node);
     let outcome = room
         .ledger
-        .destination(peer.engine_id(), standing, dest, &name, id);
+        .destination(peer.engine(), standing, dest, &name, id);
     let complete = match outcome {
         OnDestination::Attached { complete } => complete,
         OnDestination::NotBound => {
@@ -189,42 +196,51 @@ fn attach(w: &mut World, p: usize, id: u64, peer: SimPeer, dgen: u64, pages: Vec
     }
 }
 
-/// Every destination arrived: the room is ready, and sends once its chunk is enqueued.
+/// Every destination arrived: the room is ready, and sends the chunks enqueued.
 fn ready(w: &mut World, p: usize, id: u64) {
     if !transit(w, p, id, Event::Ready) {
         return;
     }
     let room = w.prefills[p].rooms.get_mut(&id).expect("ready room");
     room.deadline = w.now + WAITING_US;
-    if room.enqueued {
-        start(w, p, id);
+    if room.enqueued > 0 {
+        plan(w, p, id);
     }
 }
 
-/// Plans the room's writes (every page of every destination) and starts its sender.
-fn start(w: &mut World, p: usize, id: u64) {
+/// Plans the chunks enqueued and not planned yet: chunk `k` of `c` writes positions
+/// `k*n/c..(k+1)*n/c` of every destination's `n` pages; the sender goes on.
+fn plan(w: &mut World, p: usize, id: u64) {
     if !transit(w, p, id, Event::Start) {
         return;
     }
+    let rdma = w.net.rdma;
     let room = w.prefills[p].rooms.get_mut(&id).expect("started room");
     room.deadline = w.now + TRANSFER_US;
-    for dest in room.ledger.dests() {
-        for &page in dest.pages.iter() {
-            room.todo.push_back((dest.peer, dest.generation, page));
+    let c = room.chunks as usize;
+    for k in room.planned as usize..room.enqueued as usize {
+        for dest in room.ledger.dests() {
+            let n = dest.pages.len();
+            for &page in &dest.pages[k * n / c..(k + 1) * n / c] {
+                room.todo.push_back((dest.peer, dest.generation, page));
+            }
         }
     }
+    room.planned = room.enqueued;
     // Now and then over TCP (whose receiver checks each run; over RDMA without
-    // integrity a wrong write is the sender's to prevent), a faulty sender: the last
-    // page of one destination is written in place of its first one instead.
+    // integrity a wrong write is the sender's to prevent), a faulty sender: a page is
+    // written in place of the last one of the last chunk.
     let n = room.todo.len();
-    if !w.net.rdma && n >= 2 && w.rng.chance(3) {
+    if !rdma && room.planned == room.chunks && n >= 2 && w.rng.chance(3) {
         let first = room.todo[0];
         room.todo[n - 1] = first;
     }
-    room.planned = true;
-    let rgen = room.rgen;
-    let after = w.rng.range(20, 300);
-    w.at(after, Ev::SendStep { p, id, rgen });
+    if !room.stepping && !room.todo.is_empty() {
+        room.stepping = true;
+        let rgen = room.rgen;
+        let after = w.rng.range(20, 300);
+        w.at(after, Ev::SendStep { p, id, rgen });
+    }
 }
 
 /// Applies `event` to room `id` through the state rule; whether it applied.
@@ -265,6 +281,7 @@ pub(crate) fn send_step(w: &mut World, p: usize, id: u64, rgen: u64) {
     }
     room.io += 1;
     let more = !room.todo.is_empty();
+    room.stepping = more;
     w.note(|| format!("p{p} writes page {page} of room {id} to d{}", peer.node));
     let write = Msg::Write {
         id,
@@ -302,7 +319,7 @@ pub(crate) fn write_done(w: &mut World, p: usize, id: u64, rgen: u64) {
         return;
     };
     room.io -= 1;
-    let finished = room.planned && room.todo.is_empty() && room.io == 0;
+    let finished = room.planned == room.chunks && room.todo.is_empty() && room.io == 0;
     if finished && !room.state.is_terminal() && transit(w, p, id, Event::Complete) {
         let dests: Vec<(SimPeer, u64, u32)> = w.prefills[p].rooms[&id]
             .ledger
@@ -391,7 +408,7 @@ fn on_abort(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64, reason: 
     if let Some(room) = e.rooms.get_mut(&id) {
         let failure = room.reason.as_ref().map(|r| r.1.clone());
         let standing = standing(room.state, failure.as_deref());
-        match room.ledger.abort(peer.engine_id(), standing, &peer, dgen) {
+        match room.ledger.abort(peer.engine(), standing, &peer, dgen) {
             OnAbort::NotBound | OnAbort::Stale => {}
             OnAbort::Fails => {
                 check::not_superseded(w, p, peer, id, dgen);
@@ -443,11 +460,12 @@ pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
         }
         return;
     }
-    let bound = r
-        .bound
-        .then(|| r.decodes.iter().map(|&d| d as u64 + 1).collect());
-    let rgen = e.next_gen;
-    e.next_gen += 1;
+    let bound = r.bound.then(|| {
+        let epoch = |d: usize| w.decodes[d].epoch;
+        r.decodes.iter().map(|&d| engine_id(d, epoch(d))).collect()
+    });
+    let rgen = w.next_rgen;
+    w.next_rgen += 1;
     e.rooms.insert(
         r.id,
         PRoom {
@@ -457,9 +475,11 @@ pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
             reason: None,
             ledger: Ledger::new(r.decodes.len(), bound),
             deadline: w.now + BOOTSTRAP_US,
-            enqueued: false,
+            chunks: r.chunks,
+            enqueued: 0,
             todo: VecDeque::new(),
-            planned: false,
+            planned: 0,
+            stepping: false,
             io: 0,
         },
     );
@@ -467,7 +487,7 @@ pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
     let (tombs, held) = w.prefills[p].holding.adopt(r.id);
     for t in tombs {
         let room = w.prefills[p].rooms.get_mut(&r.id).expect("created");
-        if !room.ledger.admits(t.peer.engine_id()) {
+        if !room.ledger.admits(t.peer.engine()) {
             continue;
         }
         let reason = match t.grave {
@@ -483,8 +503,11 @@ pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
     for h in held {
         attach(w, p, r.id, h.peer, h.generation, h.pages);
     }
-    let after = w.rng.range(0, 3_000);
-    w.at(after, Ev::Host(Host::PrefillEnqueue { req, p }));
+    let mut after = 0;
+    for _ in 0..r.chunks {
+        after += w.rng.range(0, 2_000);
+        w.at(after, Ev::Host(Host::PrefillEnqueue { req, p }));
+    }
     w.at(TICK_US, Ev::Host(Host::PrefillPoll { req, p }));
 }
 
@@ -506,9 +529,9 @@ pub(crate) fn host_enqueue(w: &mut World, req: usize, p: usize) {
     if room.state.is_terminal() {
         return;
     }
-    room.enqueued = true;
-    if room.state == State::WaitingForInput {
-        start(w, p, id);
+    room.enqueued += 1;
+    if matches!(room.state, State::WaitingForInput | State::Transferring) {
+        plan(w, p, id);
     }
 }
 
@@ -575,16 +598,21 @@ pub(crate) fn tick(w: &mut World, p: usize) {
 
 /// The engine noticed that its link (incarnation `inc`) to decode `d` broke.
 pub(crate) fn lost(w: &mut World, p: usize, d: usize, inc: u32) {
-    let peer = SimPeer { node: d, inc };
+    let epoch = w.decodes[d].epoch;
+    let peer = SimPeer {
+        node: d,
+        inc,
+        epoch,
+    };
     let why = format!("lost d{d} (inc {inc})");
     w.note(|| format!("p{p} notices {why}"));
     let e = &mut w.prefills[p];
-    e.lost.insert(peer);
+    e.lost.insert((d, inc));
     let _ = e.holding.peer_lost(&peer, &why, w.now + BOOTSTRAP_US);
     let rooms: Vec<u64> = e
         .rooms
         .iter()
-        .filter(|(_, r)| r.ledger.parties().iter().any(|(q, _)| *q == peer))
+        .filter(|(_, r)| r.ledger.parties().iter().any(|(q, _)| q.same(&peer)))
         .map(|(&id, _)| id)
         .collect();
     for id in rooms {

@@ -123,3 +123,27 @@ fn soak() {
         println!("  {inv:?}: checked {n} times");
     }
 }
+
+/// `SIM_REPLAY=seed[,requests]`: prints that run's schedule (a debugging aid).
+#[test]
+#[ignore = "prints one run; SIM_REPLAY=seed,requests"]
+fn replay() {
+    let spec = std::env::var("SIM_REPLAY").unwrap_or_default();
+    let mut it = spec
+        .split(',')
+        .map(|v| v.trim().parse::<u64>().unwrap_or(0));
+    let seed = it.next().unwrap_or(0);
+    let requests = it.next().filter(|&n| n > 0).unwrap_or(24) as usize;
+    let r = run(
+        Config {
+            seed,
+            requests,
+            bug: None,
+        },
+        true,
+    );
+    match r.violation {
+        Some(_) => println!("{}", report(&r)),
+        None => println!("seed {seed}: no invariant broken\n{}", r.trace.join("\n")),
+    }
+}

@@ -14,6 +14,8 @@ pub(crate) struct Request {
     pub decodes: Vec<usize>,
     /// Pages each decode engine grants.
     pub pages: usize,
+    /// Chunks the prefill hosts enqueue (the last closes the room).
+    pub chunks: u32,
     /// The prefill rooms are bound to the decode engines.
     pub bound: bool,
     /// The prefill hosts never create their rooms (the request was cancelled before
@@ -156,6 +158,15 @@ impl World {
             let t = self.rng.range(0, 6_000);
             self.at(t, Ev::Cut { p, d });
         }
+        if self.rng.chance(2) {
+            let node = if self.rng.chance(50) {
+                Node::Prefill(self.rng.range(0, self.prefills.len() as u64 - 1) as usize)
+            } else {
+                Node::Decode(self.rng.range(0, self.decodes.len() as u64 - 1) as usize)
+            };
+            let t = self.rng.range(0, 8_000);
+            self.at(t, Ev::Crash(node));
+        }
     }
 
     /// One engine is done with request `req`'s room (cleared it, or gave up creating
@@ -193,7 +204,13 @@ impl World {
                 self.note(|| format!("d{d} sends p{p} a stranger's abort of room {id}"));
                 // A generation no use of the id has (decode generations start at 1).
                 if let Some(inc) = self.net.up(p, d) {
-                    self.decodes[d].stranger_abort(id, SimPeer { node: p, inc });
+                    let epoch = self.prefills[p].epoch;
+                    let peer = SimPeer {
+                        node: p,
+                        inc,
+                        epoch,
+                    };
+                    self.decodes[d].stranger_abort(id, peer);
                     self.send_to_prefill(
                         d,
                         p,
