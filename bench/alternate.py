@@ -7,6 +7,9 @@ and single-page rooms/s, alternating, in one run.
   (`ratio_vs_memcpy_pages`).
 - `--compare integrity` (issue 36): `--integrity verify` against `--integrity off`, over
   TCP, with each side's CPU seconds per GB.
+- `--compare builds --bench-b OTHER`: this build's kvxfer-bench (`--bench`) against
+  another build's (`--bench-b`, say a commit before a change, built in a worktree), with
+  the same options, over TCP: whether a change costs anything (issue 37).
 
 Each cell (page size x requests in flight, the work of bench/peers/peers.py) runs
 --alternations times; within an alternation kvxfer-bench runs once with each setting,
@@ -14,6 +17,7 @@ in an order rotated each time. Then the single-page preset's rooms/s, alternatin
 same way. Ratios are taken inside each alternation and summarised as median [min-max].
 
     python3 bench/alternate.py --compare same-host|integrity [--alternations 3]
+    python3 bench/alternate.py --compare builds --bench-b /path/to/other/kvxfer-bench
 
 Run through `make bench-same-host` and `make bench-integrity`.
 """
@@ -56,6 +60,7 @@ COMPARES = {
     # option: (setting A, setting B, names of A and B, extra options of every run)
     "same-host": ("require", "off", ("same-host", "TCP path"), []),
     "integrity": ("verify", "off", ("verify", "off"), ["--same-host", "off"]),
+    "builds": ("this", "other", ("this build", "other build"), ["--same-host", "off"]),
 }
 
 
@@ -70,16 +75,29 @@ def main():
     ap.add_argument("--bench", default="target/release/kvxfer-bench")
     ap.add_argument("--compare", choices=sorted(COMPARES), default="same-host")
     ap.add_argument("--alternations", type=int, default=3)
+    ap.add_argument("--bench-b", help="with --compare builds: the other build's kvxfer-bench")
     a = ap.parse_args()
     va, vb, (na, nb), extra = COMPARES[a.compare]
     flag = "--" + a.compare
-    print(f"{flag} {va} against {flag} {vb}; load average before: {loadavg()}")
+    if a.compare == "builds":
+        if not a.bench_b:
+            sys.exit("--compare builds needs --bench-b")
+        print(f"{a.bench} against {a.bench_b}; load average before: {loadavg()}")
+    else:
+        print(f"{flag} {va} against {flag} {vb}; load average before: {loadavg()}")
+
+    def go(m, args):
+        """One run with setting `m`: its build, or its value of the option."""
+        if a.compare == "builds":
+            return run(a.bench if m == va else a.bench_b, args + extra)
+        return run(a.bench, args + extra + [flag, m])
+
     rows = []
     for page, conc, rooms in [(32 << 10, 1, 200), (32 << 10, 4, 400), (1 << 20, 1, 12), (1 << 20, 4, 24)]:
         ga, gb, ratio, vs_mem, vs_stream, cpu = [], [], [], [], [], []
         for i in range(a.alternations):
             order = [va, vb] if i % 2 == 0 else [vb, va]
-            got = {m: run(a.bench, cell_args(page, conc, rooms) + extra + [flag, m]) for m in order}
+            got = {m: go(m, cell_args(page, conc, rooms)) for m in order}
             ja, jb = got[va], got[vb]
             ga.append(ja["gbps"])
             gb.append(jb["gbps"])
@@ -99,8 +117,7 @@ def main():
     rps_a, rps_b, rps = [], [], []
     for i in range(a.alternations):
         order = [va, vb] if i % 2 == 0 else [vb, va]
-        got = {m: run(a.bench, ["--preset", "single-page", "--repeat", "1"] + extra + [flag, m])
-               for m in order}
+        got = {m: go(m, ["--preset", "single-page", "--repeat", "1"]) for m in order}
         ra = got[va]["kvxfer_runs_rooms_per_sec"][0]
         rb = got[vb]["kvxfer_runs_rooms_per_sec"][0]
         rps_a.append(ra)

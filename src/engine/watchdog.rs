@@ -45,6 +45,38 @@ fn run<S: Side>(side: &S) {
     }
 }
 
+/// The deadline rule: whether a room in `state` whose deadline is `deadline` (engine
+/// clock, ms) is overdue at `now`; if so, the cause it fails with and the setting it
+/// exceeded (its name and value). Terminal states have none.
+pub(crate) fn overdue(
+    state: State,
+    deadline: u64,
+    now: u64,
+    c: &Config,
+) -> Option<(Cause, &'static str, u64)> {
+    if deadline == NO_DEADLINE || deadline > now {
+        return None;
+    }
+    Some(match state {
+        State::Bootstrapping => (
+            Cause::BootstrapTimeout,
+            "bootstrap_timeout_ms",
+            c.bootstrap_timeout_ms,
+        ),
+        State::WaitingForInput => (
+            Cause::WaitingTimeout,
+            "waiting_timeout_ms",
+            c.waiting_timeout_ms,
+        ),
+        State::Transferring => (
+            Cause::TransferTimeout,
+            "transfer_timeout_ms",
+            c.transfer_timeout_ms,
+        ),
+        State::Success | State::Failed => return None,
+    })
+}
+
 fn scan<S: Side>(side: &S, now: u64) {
     let c = &side.core().node.config;
     for room in side.core().rooms.snapshot() {
@@ -55,27 +87,8 @@ fn scan<S: Side>(side: &S, now: u64) {
         let state = room.state();
         #[cfg(feature = "test-hooks")]
         crate::testing::pause_point("watchdog.scan", room.id());
-        let deadline = room.deadline_ms();
-        if deadline == NO_DEADLINE || deadline > now {
+        let Some((cause, what, ms)) = overdue(state, room.deadline_ms(), now, c) else {
             continue;
-        }
-        let (cause, what, ms) = match state {
-            State::Bootstrapping => (
-                Cause::BootstrapTimeout,
-                "bootstrap_timeout_ms",
-                c.bootstrap_timeout_ms,
-            ),
-            State::WaitingForInput => (
-                Cause::WaitingTimeout,
-                "waiting_timeout_ms",
-                c.waiting_timeout_ms,
-            ),
-            State::Transferring => (
-                Cause::TransferTimeout,
-                "transfer_timeout_ms",
-                c.transfer_timeout_ms,
-            ),
-            State::Success | State::Failed => continue,
         };
         let mut message = format!(
             "room {} exceeded its deadline {what}={ms} in state {state}",
@@ -85,5 +98,39 @@ fn scan<S: Side>(side: &S, now: u64) {
             message.push_str(&note);
         }
         lifecycle::fail_in(side, &room, state, FailureReason::local(cause, message));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_live_room_is_overdue_only_past_its_deadline_and_names_its_state_s_setting() {
+        let c = Config::default();
+        assert_eq!(overdue(State::Bootstrapping, 10, 9, &c), None);
+        assert_eq!(
+            overdue(State::Bootstrapping, NO_DEADLINE, u64::MAX - 1, &c),
+            None
+        );
+        let (cause, what, ms) = overdue(State::Bootstrapping, 10, 10, &c).unwrap();
+        assert_eq!(
+            (cause, what, ms),
+            (
+                Cause::BootstrapTimeout,
+                "bootstrap_timeout_ms",
+                c.bootstrap_timeout_ms
+            )
+        );
+        assert_eq!(
+            overdue(State::WaitingForInput, 1, 5, &c).unwrap().0,
+            Cause::WaitingTimeout
+        );
+        assert_eq!(
+            overdue(State::Transferring, 1, 5, &c).unwrap().0,
+            Cause::TransferTimeout
+        );
+        assert_eq!(overdue(State::Failed, 1, 5, &c), None);
+        assert_eq!(overdue(State::Success, 1, 5, &c), None);
     }
 }

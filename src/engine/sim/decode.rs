@@ -456,14 +456,13 @@ pub(crate) fn host_poll(w: &mut World, req: usize, d: usize) {
 /// acknowledge within the drain deadline are cut off.
 pub(crate) fn tick(w: &mut World, d: usize) {
     let now = w.now;
-    let late: Vec<u64> = w.decodes[d]
+    let late: Vec<(u64, Reason)> = w.decodes[d]
         .rooms
         .iter()
-        .filter(|(_, r)| !r.state.is_terminal() && r.deadline <= now)
-        .map(|(&id, _)| id)
+        .filter_map(|(&id, r)| super::overdue(r.state, r.deadline, now).map(|why| (id, why)))
         .collect();
-    for id in late {
-        fail(w, d, id, (Cause::TransferTimeout, "deadline".into()), None);
+    for (id, why) in late {
+        fail(w, d, id, why, None);
     }
     if !w.decodes[d].rdma {
         return;

@@ -30,6 +30,7 @@ use std::collections::HashMap;
 
 use crate::engine::bugs::{self, Bug};
 use crate::engine::peer_ref::PeerRef;
+use crate::engine::watchdog;
 use crate::room::Cause;
 use check::{Invariant, Violation};
 use decode::DEngine;
@@ -466,3 +467,20 @@ pub(crate) fn report(r: &Run) -> String {
 
 /// A failure recorded by a simulated engine: its cause and message.
 pub(crate) type Reason = (Cause, String);
+
+/// The engine's deadline rule ([`watchdog::overdue`]) on the simulated clock: the
+/// failure of a room in `state` past `deadline` at `now`, if it is overdue.
+pub(crate) fn overdue(state: crate::room::State, deadline: u64, now: u64) -> Option<Reason> {
+    // The settings in the simulator's unit (µs), for the reason's text.
+    let config = crate::config::Config {
+        bootstrap_timeout_ms: BOOTSTRAP_US,
+        waiting_timeout_ms: WAITING_US,
+        transfer_timeout_ms: TRANSFER_US,
+        ..Default::default()
+    };
+    let (cause, what, n) = watchdog::overdue(state, deadline, now, &config)?;
+    Some((
+        cause,
+        format!("deadline {what}={n} (µs here) in state {state}"),
+    ))
+}

@@ -452,19 +452,13 @@ fn ack_abort(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64) {
 /// The watchdog: deadlines, expired held destinations, acknowledgements due.
 pub(crate) fn tick(w: &mut World, p: usize) {
     let now = w.now;
-    let late: Vec<(u64, State)> = w.prefills[p]
+    let late: Vec<(u64, Reason)> = w.prefills[p]
         .rooms
         .iter()
-        .filter(|(_, r)| !r.state.is_terminal() && r.deadline <= now)
-        .map(|(&id, r)| (id, r.state))
+        .filter_map(|(&id, r)| super::overdue(r.state, r.deadline, now).map(|why| (id, why)))
         .collect();
-    for (id, state) in late {
-        let cause = match state {
-            State::Bootstrapping => Cause::BootstrapTimeout,
-            State::WaitingForInput => Cause::WaitingTimeout,
-            _ => Cause::TransferTimeout,
-        };
-        fail(w, p, id, (cause, format!("deadline while {state}")), None);
+    for (id, why) in late {
+        fail(w, p, id, why, None);
     }
     let mut expired = w.prefills[p].holding.expire(now);
     expired.sort_by_key(|(id, h)| (*id, h.generation, h.peer.node, h.peer.inc));
