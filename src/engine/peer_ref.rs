@@ -36,3 +36,15 @@ impl PeerRef for Arc<Peer> {
         self.engine_id
     }
 }
+
+/// A peer for unit tests: compared by its number.
+#[cfg(test)]
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct TestPeer(pub u32);
+
+#[cfg(test)]
+impl PeerRef for TestPeer {
+    fn same(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}

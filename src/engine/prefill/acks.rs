@@ -105,16 +105,7 @@ impl Acks {
 #[cfg(test)]
 mod tests {
     use super::AckTable;
-    use crate::engine::peer_ref::PeerRef;
-
-    #[derive(Clone, Debug, PartialEq)]
-    struct P(u32);
-
-    impl PeerRef for P {
-        fn same(&self, other: &Self) -> bool {
-            self.0 == other.0
-        }
-    }
+    use crate::engine::peer_ref::TestPeer as P;
 
     #[test]
     fn an_acknowledgement_waits_for_its_room_s_writes_and_goes_once() {

@@ -222,16 +222,7 @@ impl<P: PeerRef> Ledger<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A peer known by a number, as the simulator's are.
-    #[derive(Clone, Debug, PartialEq)]
-    struct P(u32);
-
-    impl PeerRef for P {
-        fn same(&self, other: &Self) -> bool {
-            self.0 == other.0
-        }
-    }
+    use crate::engine::peer_ref::TestPeer as P;
 
     fn dest(peer: u32, generation: u64) -> Dest<P> {
         Dest {

@@ -59,6 +59,22 @@ pub(crate) fn transit(from: State, event: Event) -> (Option<State>, Option<Strin
     }
 }
 
+/// Applies `event` to the room's `state` through the state rule (the room named `what`
+/// for the report); whether it applied. Leaving a terminal state breaks `Sticky`.
+pub(crate) fn apply(
+    w: &mut World,
+    state: State,
+    event: Event,
+    what: impl FnOnce() -> String,
+) -> Option<State> {
+    let (to, broken) = transit(state, event);
+    w.checking(Invariant::Sticky);
+    if let Some(b) = broken {
+        w.broke(Invariant::Sticky, format!("{}: {b}", what()));
+    }
+    to
+}
+
 pub(crate) fn reason(w: &mut World, reason: &super::Reason) {
     w.checking(Invariant::Reason);
     if reason.1.trim().is_empty() {

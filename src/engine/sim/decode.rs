@@ -103,6 +103,19 @@ fn this(w: &mut World, d: usize, id: u64, dgen: u64) -> Option<&mut DRoom> {
     w.decodes[d].rooms.get_mut(&id).filter(|r| r.dgen == dgen)
 }
 
+/// Room `id` if it is use `dgen`, live, and pulls from `peer`; with `peer`'s place in it.
+fn live_party(
+    w: &mut World,
+    d: usize,
+    peer: SimPeer,
+    id: u64,
+    dgen: u64,
+) -> Option<(&mut DRoom, usize)> {
+    let room = this(w, d, id, dgen).filter(|r| !r.state.is_terminal())?;
+    let idx = room.core.index_of(&peer)?;
+    Some((room, idx))
+}
+
 pub(crate) fn on_message(w: &mut World, d: usize, p: usize, inc: u32, msg: Msg) {
     let epoch = w.prefills[p].epoch;
     let peer = SimPeer {
@@ -166,15 +179,9 @@ fn write(w: &mut World, d: usize, peer: SimPeer, id: u64, dgen: u64, page: u32, 
     if w.net.rdma {
         return land(w, d, peer, id, dgen, page, req);
     }
-    let Some(room) = this(w, d, id, dgen) else {
+    let Some((room, idx)) = live_party(w, d, peer, id, dgen) else {
         return;
     };
-    let Some(idx) = room.core.index_of(&peer) else {
-        return;
-    };
-    if room.state.is_terminal() {
-        return;
-    }
     // With several prefill engines each sends its heads: its part of every page.
     let n = room.core.peers.len() as u32;
     let part = PAGE as u32 / n;
@@ -220,15 +227,9 @@ fn land(w: &mut World, d: usize, peer: SimPeer, id: u64, dgen: u64, page: u32, r
 }
 
 fn done(w: &mut World, d: usize, peer: SimPeer, id: u64, dgen: u64, pages: u32) {
-    let Some(room) = this(w, d, id, dgen) else {
+    let Some((room, idx)) = live_party(w, d, peer, id, dgen) else {
         return;
     };
-    let Some(idx) = room.core.index_of(&peer) else {
-        return;
-    };
-    if room.state.is_terminal() {
-        return;
-    }
     room.core.claim(idx, pages, false);
     settle(w, d, id, idx);
 }
@@ -261,22 +262,16 @@ fn settle(w: &mut World, d: usize, id: u64, idx: usize) {
 }
 
 fn transit(w: &mut World, d: usize, id: u64, event: Event) -> bool {
-    let Some(room) = w.decodes[d].rooms.get_mut(&id) else {
+    let Some(room) = w.decodes[d].rooms.get(&id) else {
         return false;
     };
-    let (from, req) = (room.state, room.req);
-    let (to, broken) = check::transit(from, event);
-    if let Some(to) = to {
-        room.state = to;
-    }
-    w.checking(Invariant::Sticky);
-    if let Some(b) = broken {
-        w.broke(
-            Invariant::Sticky,
-            format!("d{d} room {id} (req {req}): {b}"),
-        );
-    }
-    to.is_some()
+    let (state, req) = (room.state, room.req);
+    let what = || format!("d{d} room {id} (req {req})");
+    let Some(to) = check::apply(w, state, event, what) else {
+        return false;
+    };
+    w.decodes[d].rooms.get_mut(&id).expect("room").state = to;
+    true
 }
 
 /// Fails room `id` unless terminal; the winner tells the peers its destination went to

@@ -1,15 +1,6 @@
 //! Unit tests of the holding area: its bounds, generations, expiry and counts.
 use super::*;
-
-/// A peer for the store's tests: compared by its number.
-#[derive(Clone, Debug, PartialEq)]
-struct P(u32);
-
-impl PeerRef for P {
-    fn same(&self, other: &Self) -> bool {
-        self.0 == other.0
-    }
-}
+use crate::engine::peer_ref::TestPeer as P;
 
 /// One engine (`.0`) over a connection (`.1`): a new connection is a new handle.
 #[derive(Clone, Debug, PartialEq)]

@@ -7,7 +7,7 @@ mod host;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
-use super::check::{self, Invariant};
+use super::check;
 use super::net::Msg;
 use super::{
     engine_id, Ev, Host, Reason, SimPeer, World, BOOTSTRAP_US, TICK_US, TRANSFER_US, WAITING_US,
@@ -249,22 +249,16 @@ fn plan(w: &mut World, p: usize, id: u64) {
 
 /// Applies `event` to room `id` through the state rule; whether it applied.
 fn transit(w: &mut World, p: usize, id: u64, event: Event) -> bool {
-    let Some(room) = w.prefills[p].rooms.get_mut(&id) else {
+    let Some(room) = w.prefills[p].rooms.get(&id) else {
         return false;
     };
-    let (from, req) = (room.state, room.req);
-    let (to, broken) = check::transit(from, event);
-    if let Some(to) = to {
-        room.state = to;
-    }
-    w.checking(Invariant::Sticky);
-    if let Some(b) = broken {
-        w.broke(
-            Invariant::Sticky,
-            format!("p{p} room {id} (req {req}): {b}"),
-        );
-    }
-    to.is_some()
+    let (state, req) = (room.state, room.req);
+    let what = || format!("p{p} room {id} (req {req})");
+    let Some(to) = check::apply(w, state, event, what) else {
+        return false;
+    };
+    w.prefills[p].rooms.get_mut(&id).expect("room").state = to;
+    true
 }
 
 /// The sender's next write of room `id`: the room must still be this use and live (the
