@@ -6,7 +6,7 @@
 pub(crate) mod acks;
 mod arrivals;
 pub(crate) mod holding;
-mod layers;
+pub(crate) mod layers;
 pub(crate) mod ledger;
 mod outbox;
 mod plan;

@@ -140,13 +140,14 @@ pub(crate) fn success(w: &mut World, d: usize, id: u64) {
     let room = &w.decodes[d].rooms[&id];
     let n = room.core.peers.len();
     let missing = (0..n)
-        .flat_map(|i| room.pages.iter().map(move |&pg| (i, pg)))
+        .flat_map(|i| (0..room.layers).map(move |b| (i, b)))
+        .flat_map(|(i, b)| room.pages.iter().map(move |&pg| (i, b, pg)))
         .find(|k| room.landed_count(k) != 1);
-    if let Some((i, pg)) = missing {
-        let got = room.landed_count(&(i, pg));
+    if let Some((i, b, pg)) = missing {
+        let got = room.landed_count(&(i, b, pg));
         let detail = format!(
-            "d{d} room {id} succeeded with page {pg} from its prefill engine {i} landed {got} \
-             time(s)"
+            "d{d} room {id} succeeded with page {pg} of kv buffer {b} from its prefill engine \
+             {i} landed {got} time(s)"
         );
         w.broke(Invariant::TrueSuccess, detail);
     }

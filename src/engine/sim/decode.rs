@@ -32,13 +32,17 @@ pub(crate) struct DRoom {
     pub pages: Vec<u32>,
     pub deadline: u64,
     pub failed_at: Option<u64>,
-    /// What landed, as the memory saw it: (prefill engine's place in the room, page).
-    landed: HashMap<(usize, u32), u32>,
+    /// The model's layers (kv buffers).
+    pub layers: u32,
+    /// What landed, as the memory saw it: (prefill engine's place in the room, kv
+    /// buffer, page).
+    landed: HashMap<(usize, u32, u32), u32>,
 }
 
 impl DRoom {
-    /// How often page `k.1` landed from the room's prefill engine `k.0`.
-    pub fn landed_count(&self, k: &(usize, u32)) -> u32 {
+    /// How often page `k.2` of kv buffer `k.1` landed from the room's prefill engine
+    /// `k.0`.
+    pub fn landed_count(&self, k: &(usize, u32, u32)) -> u32 {
         self.landed.get(k).copied().unwrap_or(0)
     }
 }
@@ -129,10 +133,18 @@ pub(crate) fn on_message(w: &mut World, d: usize, p: usize, inc: u32, msg: Msg) 
             id,
             dgen,
             page,
+            buffer,
             req,
             rgen,
         } => {
-            write(w, d, peer, id, dgen, page, req);
+            let run = Run {
+                id,
+                dgen,
+                page,
+                buffer,
+                req,
+            };
+            write(w, d, peer, run);
             if w.net.rdma {
                 // The prefill's completion: the bytes are in the page.
                 let after = w.rng.range(1, 50);
@@ -173,40 +185,56 @@ pub(crate) fn on_message(w: &mut World, d: usize, p: usize, inc: u32, msg: Msg) 
     }
 }
 
-/// A write of one page landing: over RDMA whatever the room is; over TCP only once the
-/// receiver checked it (the room live, the page granted, not taken before).
-fn write(w: &mut World, d: usize, peer: SimPeer, id: u64, dgen: u64, page: u32, req: usize) {
+/// One write: page `page` of kv buffer `buffer` of room `id` (use `dgen`), for request
+/// `req`.
+#[derive(Clone, Copy)]
+struct Run {
+    id: u64,
+    dgen: u64,
+    page: u32,
+    buffer: u32,
+    req: usize,
+}
+
+/// A write landing: over RDMA whatever the room is; over TCP only once the receiver
+/// checked it (the room live, the page granted, its bytes not taken before).
+fn write(w: &mut World, d: usize, peer: SimPeer, run: Run) {
     if w.net.rdma {
-        return land(w, d, peer, id, dgen, page, req);
+        return land(w, d, peer, run);
     }
-    let Some((room, idx)) = live_party(w, d, peer, id, dgen) else {
+    let Some((room, idx)) = live_party(w, d, peer, run.id, run.dgen) else {
         return;
     };
     // With several prefill engines each sends its heads: its part of every page.
     let n = room.core.peers.len() as u32;
     let part = PAGE as u32 / n;
     let header = DataHeader {
-        room: id,
-        generation: dgen,
+        room: run.id,
+        generation: run.dgen,
         target: Target::Kv,
-        buffer: 0,
-        first_page: page,
+        buffer: run.buffer,
+        first_page: run.page,
         n_pages: 1,
         byte_len: part,
         page_off: idx as u32 * part,
         digest: 0,
     };
-    if let Err(why) = room
-        .core
-        .take_grants(idx, std::iter::once((header, 0, n > 1)))
-    {
-        return fail(w, d, id, (Cause::Protocol, why), None);
+    let runs = std::iter::once((header, run.buffer, n > 1));
+    if let Err(why) = room.core.take_grants(idx, runs) {
+        return fail(w, d, run.id, (Cause::Protocol, why), None);
     }
-    land(w, d, peer, id, dgen, page, req);
+    land(w, d, peer, run);
 }
 
 /// The bytes are in the page: the memory checks whose page it is; the room counts them.
-fn land(w: &mut World, d: usize, peer: SimPeer, id: u64, dgen: u64, page: u32, req: usize) {
+fn land(w: &mut World, d: usize, peer: SimPeer, run: Run) {
+    let Run {
+        id,
+        dgen,
+        page,
+        buffer,
+        req,
+    } = run;
     let owner = w.decodes[d].owner.get(page as usize).copied().flatten();
     check::landing(w, d, page, owner, (req, id, dgen));
     let Some(room) = this(w, d, id, dgen) else {
@@ -215,9 +243,9 @@ fn land(w: &mut World, d: usize, peer: SimPeer, id: u64, dgen: u64, page: u32, r
     let Some(idx) = room.core.index_of(&peer) else {
         return;
     };
-    *room.landed.entry((idx, page)).or_default() += 1;
+    *room.landed.entry((idx, buffer, page)).or_default() += 1;
     let part = PAGE / room.core.peers.len() as u64;
-    let waiting = room.core.count(idx, &[(0, part)], 0);
+    let waiting = room.core.count(idx, &[(buffer, part)], 0);
     if room.state == State::WaitingForInput {
         transit(w, d, id, Event::Start);
     }
@@ -242,7 +270,8 @@ fn settle(w: &mut World, d: usize, id: u64, idx: usize) {
         name: if p.node == 0 { "p0" } else { "p1" },
         aux_count: 0,
     };
-    let part = PAGE / room.core.peers.len() as u64;
+    // Each of the room's prefill engines owes its part of every page of every layer.
+    let part = PAGE / room.core.peers.len() as u64 * u64::from(room.layers);
     let owed = |_: &SimPeer, sent: u32, want: u64| {
         if u64::from(sent) == want {
             Ok(want * part)
@@ -360,6 +389,7 @@ pub(crate) fn host_create(w: &mut World, req: usize, d: usize) {
             pages: pages.clone(),
             deadline: w.now + WAITING_US,
             failed_at: None,
+            layers: r.layers,
             landed: HashMap::new(),
         },
     );

@@ -218,12 +218,14 @@ impl World {
                 decodes,
                 pages: rng.range(1, 4) as usize,
                 chunks: 0,
+                layers: 0,
                 bound: rng.chance(30),
                 prefill_skips: rng.chance(5),
             });
         }
         for r in &mut requests {
             r.chunks = rng.range(1, r.pages.min(3) as u64) as u32;
+            r.layers = rng.range(1, 2) as u32;
         }
         World {
             now: 0,

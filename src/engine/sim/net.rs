@@ -39,11 +39,13 @@ pub(crate) enum Msg {
         dgen: u64,
         pages: u32,
     },
-    /// One destination page written for request `req` by the prefill room's use `rgen`.
+    /// One destination page of kv buffer `buffer` written for request `req` by the
+    /// prefill room's use `rgen`.
     Write {
         id: u64,
         dgen: u64,
         page: u32,
+        buffer: u32,
         req: usize,
         rgen: u64,
     },

@@ -147,3 +147,28 @@ fn replay() {
         None => println!("seed {seed}: no invariant broken\n{}", r.trace.join("\n")),
     }
 }
+
+/// `SIM_FIND=text`: prints the first seed below 5,000 whose schedule says `text`, and
+/// its schedule (a debugging aid: how does the simulator reach such a step?).
+#[test]
+#[ignore = "a debugging aid; SIM_FIND=text"]
+fn find_text() {
+    let text = std::env::var("SIM_FIND").unwrap_or_default();
+    for seed in 0..5_000 {
+        let r = run(
+            Config {
+                seed,
+                requests: 24,
+                bug: None,
+            },
+            true,
+        );
+        if r.trace.iter().any(|l| l.contains(&text)) {
+            println!("seed {seed}");
+            for l in &r.trace {
+                println!("{l}");
+            }
+            return;
+        }
+    }
+}

@@ -16,6 +16,9 @@ pub(crate) struct Request {
     pub pages: usize,
     /// Chunks the prefill hosts enqueue (the last closes the room).
     pub chunks: u32,
+    /// Layers (kv buffers) of the model; with more than one, a host enqueues each
+    /// chunk layer by layer (`kvxfer_enqueue_layers`).
+    pub layers: u32,
     /// The prefill rooms are bound to the decode engines.
     pub bound: bool,
     /// The prefill hosts never create their rooms (the request was cancelled before

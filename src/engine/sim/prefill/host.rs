@@ -4,6 +4,7 @@
 use std::collections::VecDeque;
 
 use super::*;
+use crate::engine::sim::Request;
 
 /// The host creates the request's room (retrying while an earlier use of the id is not
 /// cleared yet), which adopts what waited for it.
@@ -35,10 +36,11 @@ pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
             reason: None,
             ledger: Ledger::new(r.decodes.len(), bound),
             deadline: w.now + BOOTSTRAP_US,
-            chunks: r.chunks,
-            enqueued: 0,
+            calls: calls(&r),
+            admitted: Chunks::default(),
+            waiting: VecDeque::new(),
+            closed: false,
             todo: VecDeque::new(),
-            planned: 0,
             stepping: false,
             io: 0,
         },
@@ -64,8 +66,8 @@ pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
         attach(w, p, r.id, h.peer, h.generation, h.pages);
     }
     let mut after = 0;
-    for _ in 0..r.chunks {
-        after += w.rng.range(0, 2_000);
+    for _ in 0..r.chunks * r.layers {
+        after += w.rng.range(0, 1_000);
         w.at(after, Ev::Host(Host::PrefillEnqueue { req, p }));
     }
     w.at(TICK_US, Ev::Host(Host::PrefillPoll { req, p }));
@@ -81,15 +83,59 @@ fn room_of(w: &World, req: usize, p: usize) -> Option<u64> {
         .map(|_| id)
 }
 
+/// The calls a host makes for request `r`: each chunk whole, or layer by layer (the
+/// layers of one chunk in a random order is not modelled: in order).
+fn calls(r: &Request) -> VecDeque<(u32, Option<u32>)> {
+    let layered = r.layers > 1;
+    (0..r.chunks)
+        .flat_map(|k| (0..r.layers).map(move |l| (k, layered.then_some(l))))
+        .collect()
+}
+
+/// The host's next call for its room: admitted by the library's `Chunks` (a call it
+/// refuses fails the room, as `enqueue` does), then planned once the room is ready.
 pub(crate) fn host_enqueue(w: &mut World, req: usize, p: usize) {
     let Some(id) = room_of(w, req, p) else {
         return;
     };
+    let r = w.requests[req].clone();
+    // Now and then a faulty host repeats a layer it enqueued (layer by layer only: a
+    // whole chunk again is a new chunk).
+    let repeat = r.layers > 1 && w.rng.chance(1);
+    if repeat {
+        // The same call comes again next: one more call than planned.
+        let after = w.rng.range(0, 1_000);
+        w.at(after, Ev::Host(Host::PrefillEnqueue { req, p }));
+    }
     let room = w.prefills[p].rooms.get_mut(&id).expect("room");
     if room.state.is_terminal() {
         return;
     }
-    room.enqueued += 1;
+    let Some(&(k, layer)) = room.calls.front() else {
+        return;
+    };
+    if !repeat {
+        room.calls.pop_front();
+    }
+    let (c, n) = (r.chunks as usize, r.pages);
+    let (first, end) = (k as usize * n / c, (k as usize + 1) * n / c);
+    // Source pages: any numbers, one list per chunk.
+    let pages: Vec<u32> = (first..end).map(|i| 1_000 + i as u32).collect();
+    let mask: Option<Vec<bool>> = layer.map(|l| (0..r.layers).map(|b| b == l).collect());
+    let is_last = room.calls.is_empty() && !repeat;
+    let admitted = room
+        .admitted
+        .admit(&pages, mask.as_deref(), is_last, |b| b as u32);
+    let placed = match admitted {
+        Ok(placed) => placed,
+        Err(why) => return fail(w, p, id, (Cause::Mismatch, why), None),
+    };
+    let buffers = match layer {
+        Some(l) => vec![l],
+        None => (0..r.layers).collect(),
+    };
+    room.waiting.push_back((placed.start, pages.len(), buffers));
+    room.closed |= is_last;
     if matches!(room.state, State::WaitingForInput | State::Transferring) {
         plan(w, p, id);
     }

@@ -15,6 +15,7 @@ use super::{
 use crate::engine::peer_ref::PeerRef;
 use crate::engine::prefill::acks::AckTable;
 use crate::engine::prefill::holding::{Grave, Holding, Limits};
+use crate::engine::prefill::layers::Chunks;
 use crate::engine::prefill::ledger::{Dest, Ledger, OnAbort, OnDestination, Standing};
 use crate::room::{Cause, Event, State};
 
@@ -27,13 +28,16 @@ pub(crate) struct PRoom {
     pub reason: Option<Reason>,
     pub ledger: Ledger<SimPeer>,
     pub deadline: u64,
-    /// Chunks the room has, and those the host enqueued so far.
-    chunks: u32,
-    enqueued: u32,
-    /// Writes not made yet: (destination, its generation, page).
-    todo: VecDeque<(SimPeer, u64, u32)>,
-    /// Chunks the sender planned (`todo` holds every write of theirs left).
-    planned: u32,
+    /// The host's calls still to make: (chunk, layer; none for a whole chunk).
+    calls: VecDeque<(u32, Option<u32>)>,
+    /// The room's chunks as the library admits them (`layers::Chunks`).
+    admitted: Chunks,
+    /// Calls admitted and not planned yet: (first position, pages, kv buffers).
+    waiting: VecDeque<(usize, usize, Vec<u32>)>,
+    /// The last call was admitted.
+    closed: bool,
+    /// Writes not made yet: (destination, its generation, page, kv buffer).
+    todo: VecDeque<(SimPeer, u64, u32, u32)>,
     /// A sender step is scheduled.
     stepping: bool,
     /// Writes made and not completed.
@@ -207,13 +211,13 @@ fn ready(w: &mut World, p: usize, id: u64) {
     }
     let room = w.prefills[p].rooms.get_mut(&id).expect("ready room");
     room.deadline = w.now + WAITING_US;
-    if room.enqueued > 0 {
+    if !room.waiting.is_empty() {
         plan(w, p, id);
     }
 }
 
-/// Plans the chunks enqueued and not planned yet: chunk `k` of `c` writes positions
-/// `k*n/c..(k+1)*n/c` of every destination's `n` pages; the sender goes on.
+/// Plans the calls admitted and not planned yet: each writes its positions of every
+/// destination's pages, in its buffers; the sender goes on.
 fn plan(w: &mut World, p: usize, id: u64) {
     if !transit(w, p, id, Event::Start) {
         return;
@@ -221,21 +225,34 @@ fn plan(w: &mut World, p: usize, id: u64) {
     let rdma = w.net.rdma;
     let room = w.prefills[p].rooms.get_mut(&id).expect("started room");
     room.deadline = w.now + TRANSFER_US;
-    let c = room.chunks as usize;
-    for k in room.planned as usize..room.enqueued as usize {
+    // As the planner does: a chunk must fit every destination, and the last one fill it.
+    let filled = room.waiting.back().map(|&(start, n, _)| start + n);
+    let bad = room.ledger.dests().iter().find(|d| {
+        let len = d.pages.len();
+        filled.is_some_and(|f| f > len) || (room.closed && filled.is_some_and(|f| f != len))
+    });
+    if let Some(dest) = bad {
+        let why = format!(
+            "room {id}: the chunks do not fit the destination of {} pages from d{}",
+            dest.pages.len(),
+            dest.peer.node
+        );
+        return fail(w, p, id, (Cause::Mismatch, why), None);
+    }
+    while let Some((start, n, buffers)) = room.waiting.pop_front() {
         for dest in room.ledger.dests() {
-            let n = dest.pages.len();
-            for &page in &dest.pages[k * n / c..(k + 1) * n / c] {
-                room.todo.push_back((dest.peer, dest.generation, page));
+            for &page in &dest.pages[start..start + n] {
+                for &b in &buffers {
+                    room.todo.push_back((dest.peer, dest.generation, page, b));
+                }
             }
         }
     }
-    room.planned = room.enqueued;
     // Now and then over TCP (whose receiver checks each run; over RDMA without
     // integrity a wrong write is the sender's to prevent), a faulty sender: a page is
     // written in place of the last one of the last chunk.
     let n = room.todo.len();
-    if !rdma && room.planned == room.chunks && n >= 2 && w.rng.chance(3) {
+    if !rdma && room.closed && n >= 2 && w.rng.chance(3) {
         let first = room.todo[0];
         room.todo[n - 1] = first;
     }
@@ -269,7 +286,7 @@ pub(crate) fn send_step(w: &mut World, p: usize, id: u64, rgen: u64) {
         return;
     }
     let room = w.prefills[p].rooms.get_mut(&id).expect("this use");
-    let Some((peer, dgen, page)) = room.todo.pop_front() else {
+    let Some((peer, dgen, page, buffer)) = room.todo.pop_front() else {
         return;
     };
     let (req, rgen) = (room.req, room.rgen);
@@ -285,6 +302,7 @@ pub(crate) fn send_step(w: &mut World, p: usize, id: u64, rgen: u64) {
         id,
         dgen,
         page,
+        buffer,
         req,
         rgen,
     };
@@ -317,7 +335,7 @@ pub(crate) fn write_done(w: &mut World, p: usize, id: u64, rgen: u64) {
         return;
     };
     room.io -= 1;
-    let finished = room.planned == room.chunks && room.todo.is_empty() && room.io == 0;
+    let finished = room.closed && room.waiting.is_empty() && room.todo.is_empty() && room.io == 0;
     if finished && !room.state.is_terminal() && transit(w, p, id, Event::Complete) {
         let dests: Vec<(SimPeer, u64, u32)> = w.prefills[p].rooms[&id]
             .ledger
