@@ -5,6 +5,7 @@
 
 pub(crate) mod acks;
 mod arrivals;
+pub(crate) mod completion;
 pub(crate) mod holding;
 pub(crate) mod layers;
 pub(crate) mod ledger;
@@ -33,6 +34,7 @@ use crate::proto::Message;
 use crate::room::{Cause, FailureReason, Room, State};
 use crate::transport::DataLink;
 use acks::Acks;
+use completion::Completion;
 use holding::Holding;
 use layers::Chunks;
 use ledger::Ledger;
@@ -81,13 +83,8 @@ pub(crate) struct PrefillRoom {
     closed: bool,
     /// The chunks enqueued so far, and those still missing layers.
     chunks: Chunks,
-    /// Batches planned and not yet ended (written, skipped or failed), all chunks.
-    outstanding: usize,
-    /// The last chunk was planned: the room completes when `outstanding` reaches 0.
-    sealed: bool,
-    /// The Done frame for each destination, sent by whoever completes the room (taken
-    /// then, so that only one does).
-    finishes: Vec<(Arc<Peer>, Vec<u8>)>,
+    /// Its batches planned and ended, and the Done frame of each destination.
+    completion: Completion<(Arc<Peer>, Vec<u8>)>,
 }
 
 impl PrefillRoom {
@@ -101,9 +98,7 @@ impl PrefillRoom {
             held: VecDeque::new(),
             closed: false,
             chunks: Chunks::default(),
-            outstanding: 0,
-            sealed: false,
-            finishes: Vec::new(),
+            completion: Completion::default(),
         }
     }
 

@@ -298,7 +298,7 @@ impl PrefillEngine {
         }
         {
             let mut p = ext(&batch.room).lock();
-            p.outstanding -= 1;
+            p.completion.ended();
             if link.is_none() {
                 // Dropped from its outbox, never taken.
                 p.queued -= 1;
@@ -325,10 +325,10 @@ impl PrefillEngine {
     ) {
         let finishes = {
             let mut p = ext(room).lock();
-            if !p.sealed || p.outstanding > 0 || p.finishes.is_empty() {
+            let Some(finishes) = p.completion.due() else {
                 return;
-            }
-            std::mem::take(&mut p.finishes)
+            };
+            finishes
         };
         if room.state().is_terminal() {
             return; // a batch did not go out: the room failed, and no Done goes out

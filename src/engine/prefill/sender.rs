@@ -334,12 +334,9 @@ impl PrefillEngine {
         let ticket = Ticket::new(batches_planned);
         {
             let mut p = ext(room).lock();
-            p.outstanding += batches_planned;
+            let last = chunk.is_last.then_some(finishes);
+            p.completion.planned(batches_planned, last);
             p.queued += batches_planned;
-            if chunk.is_last {
-                p.sealed = true;
-                p.finishes = finishes;
-            }
         }
         if batches_planned == 0 {
             self.chunk_sent();

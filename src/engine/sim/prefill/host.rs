@@ -43,6 +43,7 @@ pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
             todo: VecDeque::new(),
             stepping: false,
             io: 0,
+            completion: Completion::default(),
         },
     );
     w.note(|| format!("p{p} creates room {} (req {req}, use {rgen})", r.id));

@@ -14,6 +14,7 @@ use super::{
 };
 use crate::engine::peer_ref::PeerRef;
 use crate::engine::prefill::acks::AckTable;
+use crate::engine::prefill::completion::Completion;
 use crate::engine::prefill::holding::{Grave, Holding, Limits};
 use crate::engine::prefill::layers::Chunks;
 use crate::engine::prefill::ledger::{Dest, Ledger, OnAbort, OnDestination, Standing};
@@ -42,6 +43,8 @@ pub(crate) struct PRoom {
     stepping: bool,
     /// Writes made and not completed.
     pub io: u32,
+    /// The library's rule for when the room is complete, with each destination's Done.
+    completion: Completion<(SimPeer, u64, u32)>,
 }
 
 pub(crate) struct PEngine {
@@ -239,6 +242,7 @@ fn plan(w: &mut World, p: usize, id: u64) {
         );
         return fail(w, p, id, (Cause::Mismatch, why), None);
     }
+    let before = room.todo.len();
     while let Some((start, n, buffers)) = room.waiting.pop_front() {
         for dest in room.ledger.dests() {
             for &page in &dest.pages[start..start + n] {
@@ -251,6 +255,14 @@ fn plan(w: &mut World, p: usize, id: u64) {
     // Now and then over TCP (whose receiver checks each run; over RDMA without
     // integrity a wrong write is the sender's to prevent), a faulty sender: a page is
     // written in place of the last one of the last chunk.
+    // Each write a batch; with the room closed, this was its last chunk.
+    let last = room.closed.then(|| {
+        let dests = room.ledger.dests().iter();
+        dests
+            .map(|d| (d.peer, d.generation, d.pages.len() as u32))
+            .collect()
+    });
+    room.completion.planned(room.todo.len() - before, last);
     let n = room.todo.len();
     if !rdma && room.closed && n >= 2 && w.rng.chance(3) {
         let first = room.todo[0];
@@ -335,14 +347,11 @@ pub(crate) fn write_done(w: &mut World, p: usize, id: u64, rgen: u64) {
         return;
     };
     room.io -= 1;
-    let finished = room.closed && room.waiting.is_empty() && room.todo.is_empty() && room.io == 0;
-    if finished && !room.state.is_terminal() && transit(w, p, id, Event::Complete) {
-        let dests: Vec<(SimPeer, u64, u32)> = w.prefills[p].rooms[&id]
-            .ledger
-            .dests()
-            .iter()
-            .map(|d| (d.peer, d.generation, d.pages.len() as u32))
-            .collect();
+    room.completion.ended();
+    // As the sender does: the Dones are taken by whoever ends the last batch, and go
+    // only if the room can still claim SUCCESS.
+    let due = room.completion.due();
+    if let Some(dests) = due.filter(|_| transit(w, p, id, Event::Complete)) {
         w.note(|| format!("p{p} room {id} sent"));
         for (peer, dgen, pages) in dests {
             w.send_to_decode(p, peer.node, peer.inc, Msg::Done { id, dgen, pages });
