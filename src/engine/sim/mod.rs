@@ -157,6 +157,13 @@ pub(crate) enum Ev {
         p: usize,
         d: usize,
     },
+    /// The link between `p` and `d` stalls for `us` µs: messages sent meanwhile wait
+    /// (those already on their way arrive as scheduled).
+    Stall {
+        p: usize,
+        d: usize,
+        us: u64,
+    },
     /// The engine's process dies (every link breaks, its rooms and memory are gone) and
     /// starts again at once as a new incarnation, with a new engine id.
     Crash(Node),
@@ -323,6 +330,10 @@ impl World {
             }
             Ev::Host(h) => self.host(h),
             Ev::Crash(node) => self.crash(node),
+            Ev::Stall { p, d, us } => {
+                self.note(|| format!("link p{p}-d{d} stalls for {us} µs"));
+                self.net.stall(p, d, self.now + us);
+            }
         }
     }
 

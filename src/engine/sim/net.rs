@@ -85,6 +85,8 @@ struct Link {
     /// the data writes to the decode (their own connection or queue pair, in no order
     /// with the control messages).
     last: [u64; 3],
+    /// Nothing is delivered before this time (a stalled link, a slow reader).
+    stalled_until: u64,
 }
 
 pub(crate) struct Net {
@@ -101,6 +103,7 @@ impl Net {
             inc: 1,
             up: true,
             last: [0, 0, 0],
+            stalled_until: 0,
         };
         Net {
             queue: Queue::default(),
@@ -132,10 +135,16 @@ impl Net {
             (Node::Decode(_), Msg::Write { .. }) => 2,
             (Node::Decode(_), _) => 1,
         };
-        let at = (now + delay).max(l.last[dir]);
+        let at = (now + delay).max(l.last[dir]).max(l.stalled_until);
         l.last[dir] = at;
         let inc = l.inc;
         self.queue.push(at, Ev::Deliver { p, d, inc, to, msg });
+    }
+
+    /// The link delivers nothing before `until` (what it carries waits, in order).
+    pub fn stall(&mut self, p: usize, d: usize, until: u64) {
+        let l = &mut self.links[p][d];
+        l.stalled_until = l.stalled_until.max(until);
     }
 
     /// Breaks the link: what it carries is lost. Returns the incarnation broken, if it

@@ -161,6 +161,13 @@ impl World {
             let t = self.rng.range(0, 6_000);
             self.at(t, Ev::Cut { p, d });
         }
+        if self.rng.chance(6) {
+            // A stall long enough to meet the deadlines now and then.
+            let d = self.rng.range(0, self.decodes.len() as u64 - 1) as usize;
+            let p = self.rng.range(0, self.prefills.len() as u64 - 1) as usize;
+            let (t, us) = (self.rng.range(0, 6_000), self.rng.range(1_000, 40_000));
+            self.at(t, Ev::Stall { p, d, us });
+        }
         if self.rng.chance(2) {
             let node = if self.rng.chance(50) {
                 Node::Prefill(self.rng.range(0, self.prefills.len() as u64 - 1) as usize)
