@@ -110,6 +110,11 @@ struct Checkers<'scope> {
     jobs: Option<mpsc::Sender<Job>>,
     done: mpsc::Receiver<Checked>,
     threads: Vec<ScopedJoinHandle<'scope, Usage>>,
+    /// The threads' kernel ids, to change their scheduling from the loop.
+    tids: Vec<i32>,
+    /// Under `--verify-priority idle`: the threads run as every other thread for now,
+    /// the loop waiting for a check ([`Checkers::urgent`]).
+    boosted: bool,
     /// Rooms handed to the checkers and not back yet.
     checking: usize,
 }
@@ -123,18 +128,46 @@ impl<'scope> Checkers<'scope> {
         let (job_tx, job_rx) = mpsc::channel::<Job>();
         let (done_tx, done) = mpsc::channel::<Checked>();
         let job_rx = Arc::new(Mutex::new(job_rx));
+        let (tid_tx, tid_rx) = mpsc::channel::<i32>();
         let threads = (0..p.verify_threads)
             .map(|_| {
-                let (rx, tx) = (job_rx.clone(), done_tx.clone());
-                scope.spawn(move || check_loop(p, ranks, &rx, &tx))
+                let (rx, tx, tid) = (job_rx.clone(), done_tx.clone(), tid_tx.clone());
+                scope.spawn(move || {
+                    if p.verify_priority == VerifyPriority::Idle {
+                        crate::sys::sched_idle();
+                    }
+                    // Known to the loop only once idle, so that a boost is never undone.
+                    let _ = tid.send(crate::sys::thread_id());
+                    drop(tid);
+                    check_loop(p, ranks, &rx, &tx)
+                })
             })
             .collect();
+        drop(tid_tx);
         Checkers {
             jobs: Some(job_tx),
             done,
             threads,
+            tids: tid_rx.iter().collect(),
+            boosted: false,
             checking: 0,
         }
+    }
+
+    /// Whether the loop waits for a check: a room may be created and no slot is free
+    /// until a checker gives one back. Under `--verify-priority idle` the checkers then
+    /// run as every other thread until it need not, so that how many rooms are in
+    /// flight is never set by how much idle CPU the host has left (on a busy host an
+    /// idle checker starved for hundreds of ms, and a phase ran one room at a time
+    /// where its pair ran four).
+    fn urgent(&mut self, p: &Params, waits: bool) {
+        if p.verify_priority != VerifyPriority::Idle || self.boosted == waits {
+            return;
+        }
+        for &tid in &self.tids {
+            crate::sys::set_idle(tid, !waits);
+        }
+        self.boosted = waits;
     }
 
     fn check(&mut self, job: Job) -> Result<(), String> {
@@ -163,9 +196,6 @@ fn check_loop(
     jobs: &Mutex<mpsc::Receiver<Job>>,
     done: &mpsc::Sender<Checked>,
 ) -> Usage {
-    if p.verify_priority == VerifyPriority::Idle {
-        crate::sys::sched_idle();
-    }
     let u0 = Usage::thread();
     loop {
         let job = match jobs.lock().expect("job queue").recv() {
@@ -334,6 +364,11 @@ impl<'a, 'scope> Driver<'a, 'scope> {
         if creating {
             progress |= self.admit();
         }
+        let waits = creating
+            && self.free.is_empty()
+            && self.live.len() < self.p.concurrency
+            && self.checkers.checking > 0;
+        self.checkers.urgent(self.p, waits);
         self.announce(ctl, creating)?;
         progress |= self.poll_live()?;
         progress |= self.drain();
