@@ -120,6 +120,19 @@ impl KvResult {
     pub fn gbps(&self) -> f64 {
         self.bytes as f64 / self.secs / 1e9
     }
+
+    /// Cores of this host busy with other work than the run's two processes while the
+    /// phase ran: the host's busy CPUs less both processes' CPU, per wall second (never
+    /// below 0; it counts the kernel's threads' share of the run's own traffic too,
+    /// `ksoftirqd`, a few % of a core on loopback). Another build or test on a two-core
+    /// host takes the link's CPU: a phase with a core of other work ran on half the
+    /// host. `None` where the host does not say; meaningful only when both sides share
+    /// the host.
+    pub fn others_cores(&self) -> Option<f64> {
+        let host = self.host.cores()?;
+        let own = (self.decode.secs() + self.prefill.secs()) / self.secs;
+        Some((host - own).max(0.0))
+    }
     pub fn rooms_per_sec(&self) -> f64 {
         self.ok as f64 / self.secs
     }

@@ -53,6 +53,11 @@ pub struct SweepPoint {
     whole_chunk_gbps: f64,
     gbps_ratio: f64,
     gbps_ratio_per_pair: Vec<f64>,
+    /// Pair by pair, the cores of this host busy with other work than the run during
+    /// the layer-wise and the whole-chunk phase ([`KvResult::others_cores`]): a pair
+    /// whose two phases differ by a core compared a link on the whole host with one on
+    /// half of it.
+    others_cores_per_pair: Vec<[Option<f64>; 2]>,
     /// Where a room's time goes past its compute: TTFT = compute + the scheduler's late
     /// wake after the last layer + the rest (the last enqueue's transfer, whatever earlier
     /// layers still had to move, SUCCESS reaching the decode poll); ms, median and p99
@@ -179,6 +184,10 @@ fn point(r: &Report, us: u64) -> SweepPoint {
         whole_chunk_gbps: wc.gbps(),
         gbps_ratio: lw.gbps() / wc.gbps(),
         gbps_ratio_per_pair: per_pair(&|l, c| l.gbps() / c.gbps()),
+        others_cores_per_pair: pairs
+            .iter()
+            .map(|(l, c)| [l.others_cores(), c.others_cores()])
+            .collect(),
         layerwise_last_wake_ms: p50_p99(&lw_wake),
         layerwise_after_last_enqueue_ms: p50_p99(&lw_rest),
         whole_chunk_last_wake_ms: p50_p99(&wc_wake),
@@ -285,6 +294,12 @@ pub fn rows(p: &Params, l: &LayerwiseSplit) -> String {
             part(s.whole_chunk_last_wake_ms),
             part(s.whole_chunk_after_last_enqueue_ms)
         );
+        let _ = writeln!(
+            o,
+            "  {:>17}   other work on this host, cores during LW / WC, pair by pair: {}",
+            "",
+            others(&s.others_cores_per_pair)
+        );
     }
     let c = &l.compute_late_us;
     let _ = writeln!(
@@ -294,6 +309,16 @@ pub fn rows(p: &Params, l: &LayerwiseSplit) -> String {
         c.p50, c.p99, c.max, c.n
     );
     o
+}
+
+/// Each pair's other work on the host, `LW/WC` cores (`-` where the host did not say).
+fn others(pairs: &[[Option<f64>; 2]]) -> String {
+    let c = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
+    let v: Vec<String> = pairs
+        .iter()
+        .map(|[l, w]| format!("{}/{}", c(*l), c(*w)))
+        .collect();
+    v.join(", ")
 }
 
 fn part(x: [f64; 2]) -> String {

@@ -739,6 +739,9 @@ fn account(
     out.prefill = usage;
     out.prefill_driver = driver;
     out.runs = runs;
+    if let Some(path) = &p.room_log {
+        log_rooms(path, phase, &prooms, recs)?;
+    }
     for (idx, (pr, rec)) in prooms.iter().zip(recs).enumerate() {
         if let Some(c) = &pr.compute {
             out.late.extend(&c.late_ns);
@@ -753,6 +756,41 @@ fn account(
         outcome(out, idx, pr, rec, phase.same_host);
     }
     Ok(())
+}
+
+/// `--room-log`: one JSON line per room of the phase appended to `path`, its times on
+/// both sides (CLOCK_MONOTONIC ns, comparable on one host; 0: did not happen, and
+/// SUCCESS only for a room whose pages checked).
+fn log_rooms(
+    path: &str,
+    phase: &Phase<'_>,
+    prooms: &[PrefillRoom],
+    recs: &[Rec],
+) -> Result<(), String> {
+    use std::io::Write as _;
+    let mut text = String::new();
+    for (idx, (pr, rec)) in prooms.iter().zip(recs).enumerate() {
+        let c = pr.compute.clone().unwrap_or_default();
+        let line = serde_json::json!({
+            "room": phase.start + idx as u64,
+            "layerwise": phase.feed.simulate.then_some(phase.feed.by_layer),
+            "compute_us_per_layer": phase.feed.compute_us_per_layer,
+            "decode_dest_ns": rec.t_dest,
+            "prefill_first_enqueue_ns": pr.t_enq,
+            "compute_start_ns": c.start,
+            "compute_end_ns": c.end,
+            "decode_transferring_ns": rec.t_first,
+            "decode_success_ns": if rec.ok { rec.t_done } else { 0 },
+        });
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(|e| format!("--room-log {path}: {e}"))
 }
 
 /// Room `idx`'s outcome on both sides: the latencies of a room both took, the split
