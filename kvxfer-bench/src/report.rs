@@ -215,8 +215,6 @@ fn derive(r: &Report) -> Derived {
         .iter()
         .enumerate()
         .filter_map(|(i, k)| {
-            // A --layerwise pair of phases shares the baselines around it.
-            let i = if k.feed.simulate { i / 2 } else { i };
             let (a, b) = (r.tcp.get(i)?, r.tcp.get(i + 1)?);
             Some(k.gbps() / ((a.gbps() + b.gbps()) / 2.0))
         })

@@ -61,6 +61,12 @@ pub struct KvResult {
     /// The rooms of `ttft`: how late the scheduler woke after the last layer's end, so
     /// that TTFT = compute + this + what came after the last enqueue.
     pub last_late: Vec<u64>,
+    /// Nanoseconds, successful rooms, one host only: the time the link gave each room,
+    /// rooms taken in the order they reached SUCCESS: from the previous room's SUCCESS
+    /// (or the room's first enqueue, if later) to its own. With every layer enqueued at
+    /// once (no compute) it is a room's transfer whatever the number of rooms in flight
+    /// queued before it, where TTFT is that number times it.
+    pub room_link: Vec<u64>,
     /// Data runs the prefill engines wrote (`data_runs_sent`: TCP frames, RDMA writes).
     pub runs: u64,
     /// Pages of one buffer at the prefill's page size (every head of `page_tokens`
@@ -153,6 +159,7 @@ impl KvResult {
         self.auth |= o.auth;
         self.tp |= o.tp;
         self.ttft.extend(&o.ttft);
+        self.room_link.extend(&o.room_link);
         self.compute.extend(&o.compute);
         self.late.extend(&o.late);
         self.last_late.extend(&o.last_late);

@@ -186,10 +186,10 @@ fn a_tp_run_alternates_with_equal_tp_and_counts_the_runs_it_needed() {
     assert!(table.contains("kvxfer, TP 2->1 / 1->1"), "{table}");
 }
 
-/// The two phases of a pair run back to back, the baselines around the pair; each phase
-/// says how much other work the host had, each pair both of its phases'.
+/// Each phase says how much other work the host had, each pair both of its phases', and
+/// --room-log has every room's times.
 #[test]
-fn a_layerwise_runs_baselines_go_around_each_pair_and_its_phases_show_the_hosts_other_work() {
+fn a_layerwise_runs_phases_show_the_hosts_other_work_and_the_room_log_every_room() {
     let log = std::env::temp_dir().join(format!("kvxfer-bench-rooms-{}.jsonl", std::process::id()));
     let _ = std::fs::remove_file(&log);
     let (table, j) = run(&[
@@ -220,8 +220,8 @@ fn a_layerwise_runs_baselines_go_around_each_pair_and_its_phases_show_the_hosts_
     }
     let phases = j["phases"].as_array().unwrap();
     assert_eq!(phases.len(), 4);
-    // tcp | LW WC | tcp | LW WC | tcp
-    assert_eq!(j["baseline_tcp_runs"].as_array().unwrap().len(), 3, "{j}");
+    // tcp | LW | tcp | WC | tcp | LW | tcp | WC | tcp
+    assert_eq!(j["baseline_tcp_runs"].as_array().unwrap().len(), 5, "{j}");
     assert_eq!(j["ratio_vs_tcp_per_phase"].as_array().unwrap().len(), 4);
     for p in phases {
         assert!(f(&p["others_cores"]) >= 0.0, "{p}");
@@ -230,6 +230,8 @@ fn a_layerwise_runs_baselines_go_around_each_pair_and_its_phases_show_the_hosts_
         let pairs = s["others_cores_per_pair"].as_array().unwrap();
         assert_eq!(pairs.len(), 1, "{s}");
         assert!(pairs[0].as_array().unwrap().iter().all(|c| f(c) >= 0.0));
+        assert!(f(&s["room_link_ratio_median"]) > 0.0, "{s}");
+        assert!(f(&s["layerwise_room_link_ms"]) > 0.0, "{s}");
     }
     assert!(
         table.contains("other work on this host, cores during LW / WC"),

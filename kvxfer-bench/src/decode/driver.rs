@@ -755,7 +755,24 @@ fn account(
         }
         outcome(out, idx, pr, rec, phase.same_host);
     }
+    if phase.same_host {
+        out.room_link = room_link(&prooms, recs);
+    }
     Ok(())
+}
+
+/// Each successful room's time on the link ([`KvResult::room_link`]), ns.
+fn room_link(prooms: &[PrefillRoom], recs: &[Rec]) -> Vec<u64> {
+    let mut ends: Vec<(u64, u64)> = prooms
+        .iter()
+        .zip(recs)
+        .filter(|(pr, rec)| rec.ok && pr.outcome == Outcome::Ok)
+        .map(|(pr, rec)| (rec.t_done, pr.t_enq))
+        .collect();
+    ends.sort_unstable();
+    ends.windows(2)
+        .map(|w| w[1].0.saturating_sub(w[0].0.max(w[1].1)))
+        .collect()
 }
 
 /// `--room-log`: one JSON line per room of the phase appended to `path`, its times on
@@ -871,5 +888,35 @@ mod tests {
         assert_eq!(ttft(&prefill_room(None), &rec, true), None);
         // A SUCCESS stamped before the compute began (it cannot be) is not negative.
         assert_eq!(computed.ttft_ns(500), 0);
+    }
+
+    /// Rooms queued behind each other each count from the previous one's SUCCESS; a
+    /// room enqueued after the link went idle, from its enqueue; a failed room not at
+    /// all, and rooms are taken in the order they succeeded.
+    #[test]
+    fn a_rooms_time_on_the_link_starts_at_the_previous_success_or_its_own_enqueue() {
+        let room = |t_enq: u64, t_done: u64, ok: bool| {
+            let pr = PrefillRoom {
+                t_enq,
+                ..prefill_room(None)
+            };
+            let rec = Rec {
+                t_done,
+                ok,
+                ..Default::default()
+            };
+            (pr, rec)
+        };
+        let (prooms, recs): (Vec<_>, Vec<_>) = [
+            room(0, 100, true),
+            room(0, 300, true),
+            room(0, 250, false),
+            room(500, 560, true),
+            room(0, 170, true),
+        ]
+        .into_iter()
+        .unzip();
+        // In order of SUCCESS: 100, 170 (70 after 100), 300 (130), 560 (enqueued at 500).
+        assert_eq!(room_link(&prooms, &recs), vec![70, 130, 60]);
     }
 }

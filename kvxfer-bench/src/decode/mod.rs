@@ -244,10 +244,10 @@ impl Run<'_> {
     /// long with --duration), adjacent to it on both sides. With --auth both, the pairs
     /// take turns, --repeat phases of each, in the order off on, on off, off on, ...;
     /// between layouts, the TP ranks and the equal-TP comparison the same way; with
-    /// --layerwise, the ways of feeding the rooms (see Params::phase_plan), and the
-    /// baselines go around each pair, not between its two phases: the pair compares
-    /// the two ways, and on a shared host the other work that halves the link comes and
-    /// goes in seconds, so its phases run back to back.
+    /// --layerwise, the ways of feeding the rooms (see Params::phase_plan). Every phase
+    /// follows a round of baselines: a phase that followed another phase directly ran
+    /// its link a few % faster than one that followed the baselines (issue 38), which
+    /// would favour the second way of a pair.
     fn phases(&self, ctl: &mut Ctl, report: &mut Report) -> Result<(), String> {
         let p = self.p;
         let volume: u64 = (0..p.rooms)
@@ -258,7 +258,7 @@ impl Run<'_> {
         let mut start = 0u64;
         let steps = plan.iter().copied().map(Some).chain([None]);
         for (i, step) in steps.enumerate() {
-            if p.baselines && (!p.layerwise || i % 2 == 0) {
+            if p.baselines {
                 progress_note(p, "baseline tcp");
                 let (m, send) = tcp_baseline(ctl, self.base_addr, p, volume, secs)?;
                 report.tcp.push(m);
