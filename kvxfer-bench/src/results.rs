@@ -65,7 +65,8 @@ pub struct KvResult {
     /// rooms taken in the order they reached SUCCESS: from the previous room's SUCCESS
     /// (or the room's first enqueue, if later) to its own. With every layer enqueued at
     /// once (no compute) it is a room's transfer whatever the number of rooms in flight
-    /// queued before it, where TTFT is that number times it.
+    /// queued before it, where TTFT is that number times it. The first room of a phase
+    /// to succeed has none.
     pub room_link: Vec<u64>,
     /// Data runs the prefill engines wrote (`data_runs_sent`: TCP frames, RDMA writes).
     pub runs: u64,
