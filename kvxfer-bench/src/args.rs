@@ -248,6 +248,10 @@ struct Measurement {
     /// The last line printed is one JSON object
     #[arg(long)]
     json: bool,
+    /// Append one JSON line per room to FILE: its phase, how it was fed and its times
+    /// on both sides (CLOCK_MONOTONIC ns)
+    #[arg(long, value_name = "FILE")]
+    room_log: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -481,6 +485,7 @@ impl Cli {
         p.tls = self.engine.tls;
         p.baselines = !self.measure.no_baselines;
         p.json = self.measure.json;
+        p.room_log = self.measure.room_log;
         p.validate()?;
         let h = self.hosts;
         let mode = match (h.role, h.prefill_addr, h.listen, h.control) {

@@ -67,6 +67,9 @@ pub struct Params {
     pub max_mem_gib: f64,
     pub quick: bool,
     pub json: bool,
+    /// `--room-log`: where the decode side appends each room's times.
+    #[serde(default)]
+    pub room_log: Option<String>,
     /// Prefill and decode ranks (`--prefill-tp`, `--decode-tp`).
     pub prefill_tp: usize,
     pub decode_tp: usize,

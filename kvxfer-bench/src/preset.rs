@@ -86,6 +86,7 @@ impl Preset {
             max_mem_gib: 16.0,
             quick,
             json: false,
+            room_log: None,
             prefill_tp: 1,
             decode_tp: 1,
             page_order: Order::Hnd,

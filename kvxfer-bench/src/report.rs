@@ -421,6 +421,9 @@ pub struct PhaseRow {
     pub gbps: f64,
     pub rooms_per_sec: f64,
     pub first_byte_ms: Latency,
+    /// Cores busy with other work than the run on this host during the phase (both
+    /// sides on one host; null otherwise, or where the host does not say).
+    pub others_cores: Option<f64>,
     pub decode: Process,
     pub prefill: Process,
 }
@@ -452,7 +455,7 @@ pub struct RunConfig {
     pub quick: bool,
 }
 
-fn phase_row(i: usize, k: &KvResult) -> PhaseRow {
+fn phase_row(i: usize, k: &KvResult, one_host: bool) -> PhaseRow {
     let gb = k.gb();
     PhaseRow {
         phase: i + 1,
@@ -466,6 +469,7 @@ fn phase_row(i: usize, k: &KvResult) -> PhaseRow {
         gbps: k.gbps(),
         rooms_per_sec: k.rooms_per_sec(),
         first_byte_ms: Latency::of(&k.lat_first),
+        others_cores: k.others_cores().filter(|_| one_host),
         decode: Process {
             all: PerGb::of(k.decode, gb),
             bench_threads: PerGb::of(k.decode_bench(), gb),
@@ -620,7 +624,7 @@ impl Model {
                 .phases
                 .iter()
                 .enumerate()
-                .map(|(i, k)| phase_row(i, k))
+                .map(|(i, k)| phase_row(i, k, r.same_host))
                 .collect(),
             baseline_tcp_runs: r
                 .tcp

@@ -61,6 +61,13 @@ pub struct KvResult {
     /// The rooms of `ttft`: how late the scheduler woke after the last layer's end, so
     /// that TTFT = compute + this + what came after the last enqueue.
     pub last_late: Vec<u64>,
+    /// Nanoseconds, successful rooms, one host only: the time the link gave each room,
+    /// rooms taken in the order they reached SUCCESS: from the previous room's SUCCESS
+    /// (or the room's first enqueue, if later) to its own. With every layer enqueued at
+    /// once (no compute) it is a room's transfer whatever the number of rooms in flight
+    /// queued before it, where TTFT is that number times it. The first room of a phase
+    /// to succeed has none.
+    pub room_link: Vec<u64>,
     /// Data runs the prefill engines wrote (`data_runs_sent`: TCP frames, RDMA writes).
     pub runs: u64,
     /// Pages of one buffer at the prefill's page size (every head of `page_tokens`
@@ -120,6 +127,19 @@ impl KvResult {
     pub fn gbps(&self) -> f64 {
         self.bytes as f64 / self.secs / 1e9
     }
+
+    /// Cores of this host busy with other work than the run's two processes while the
+    /// phase ran: the host's busy CPUs less both processes' CPU, per wall second (never
+    /// below 0; it counts the kernel's threads' share of the run's own traffic too,
+    /// `ksoftirqd`, a few % of a core on loopback). Another build or test on a two-core
+    /// host takes the link's CPU: a phase with a core of other work ran on half the
+    /// host. `None` where the host does not say; meaningful only when both sides share
+    /// the host.
+    pub fn others_cores(&self) -> Option<f64> {
+        let host = self.host.cores()?;
+        let own = (self.decode.secs() + self.prefill.secs()) / self.secs;
+        Some((host - own).max(0.0))
+    }
     pub fn rooms_per_sec(&self) -> f64 {
         self.ok as f64 / self.secs
     }
@@ -140,6 +160,7 @@ impl KvResult {
         self.auth |= o.auth;
         self.tp |= o.tp;
         self.ttft.extend(&o.ttft);
+        self.room_link.extend(&o.room_link);
         self.compute.extend(&o.compute);
         self.late.extend(&o.late);
         self.last_late.extend(&o.last_late);

@@ -53,6 +53,18 @@ pub struct SweepPoint {
     whole_chunk_gbps: f64,
     gbps_ratio: f64,
     gbps_ratio_per_pair: Vec<f64>,
+    /// The median room's time on the link ([`KvResult::room_link`]), ms, of each way,
+    /// and layer-wise over whole-chunk pair by pair and their median: with no compute,
+    /// the bulk comparison that the number of rooms in flight does not move.
+    layerwise_room_link_ms: f64,
+    whole_chunk_room_link_ms: f64,
+    room_link_ratio_per_pair: Vec<f64>,
+    room_link_ratio_median: f64,
+    /// Pair by pair, the cores of this host busy with other work than the run during
+    /// the layer-wise and the whole-chunk phase ([`KvResult::others_cores`]): a pair
+    /// whose two phases differ by a core compared a link on the whole host with one on
+    /// half of it.
+    others_cores_per_pair: Vec<[Option<f64>; 2]>,
     /// Where a room's time goes past its compute: TTFT = compute + the scheduler's late
     /// wake after the last layer + the rest (the last enqueue's transfer, whatever earlier
     /// layers still had to move, SUCCESS reaching the decode poll); ms, median and p99
@@ -154,6 +166,8 @@ fn point(r: &Report, us: u64) -> SweepPoint {
     };
     let r50 = per_pair(&|l, c| q(l, 0.5) / q(c, 0.5));
     let r99 = per_pair(&|l, c| q(l, 0.99) / q(c, 0.99));
+    let link = |k: &KvResult| pct_ms(&sorted(&k.room_link), 0.5);
+    let rl = per_pair(&|l, c| link(l) / link(c));
     let (lw_over, wc_over) = (over_compute(&lw), over_compute(&wc));
     let compute: Vec<u64> = lw.compute.iter().chain(&wc.compute).copied().collect();
     let (lw_wake, lw_rest) = tail(&lw);
@@ -179,6 +193,14 @@ fn point(r: &Report, us: u64) -> SweepPoint {
         whole_chunk_gbps: wc.gbps(),
         gbps_ratio: lw.gbps() / wc.gbps(),
         gbps_ratio_per_pair: per_pair(&|l, c| l.gbps() / c.gbps()),
+        layerwise_room_link_ms: link(&lw),
+        whole_chunk_room_link_ms: link(&wc),
+        room_link_ratio_median: median(&rl),
+        room_link_ratio_per_pair: rl,
+        others_cores_per_pair: pairs
+            .iter()
+            .map(|(l, c)| [l.others_cores(), c.others_cores()])
+            .collect(),
         layerwise_last_wake_ms: p50_p99(&lw_wake),
         layerwise_after_last_enqueue_ms: p50_p99(&lw_rest),
         whole_chunk_last_wake_ms: p50_p99(&wc_wake),
@@ -285,6 +307,16 @@ pub fn rows(p: &Params, l: &LayerwiseSplit) -> String {
             part(s.whole_chunk_last_wake_ms),
             part(s.whole_chunk_after_last_enqueue_ms)
         );
+        let _ = writeln!(
+            o,
+            "  {:>17}   a room on the link, median ms: {:.1} / {:.1}, LW/WC median {:.3}x; \
+             other work on this host, cores during LW / WC, pair by pair: {}",
+            "",
+            s.layerwise_room_link_ms,
+            s.whole_chunk_room_link_ms,
+            s.room_link_ratio_median,
+            others(&s.others_cores_per_pair)
+        );
     }
     let c = &l.compute_late_us;
     let _ = writeln!(
@@ -294,6 +326,16 @@ pub fn rows(p: &Params, l: &LayerwiseSplit) -> String {
         c.p50, c.p99, c.max, c.n
     );
     o
+}
+
+/// Each pair's other work on the host, `LW/WC` cores (`-` where the host did not say).
+fn others(pairs: &[[Option<f64>; 2]]) -> String {
+    let c = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
+    let v: Vec<String> = pairs
+        .iter()
+        .map(|[l, w]| format!("{}/{}", c(*l), c(*w)))
+        .collect();
+    v.join(", ")
 }
 
 fn part(x: [f64; 2]) -> String {

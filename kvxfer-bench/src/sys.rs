@@ -425,9 +425,27 @@ pub fn precise_sleeps() {
 /// thread wants. For the checkers, so that checking never takes a core from the engines.
 /// Whether the kernel took it (it leaves the thread as it was otherwise).
 pub fn sched_idle() -> bool {
+    set_idle(0, true)
+}
+
+/// The calling thread's kernel id, for [`set_idle`] from another thread.
+pub fn thread_id() -> i32 {
+    // SAFETY: gettid takes no argument and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Puts thread `tid` of this process (0: the calling thread) under `SCHED_IDLE`, or
+/// back under the default policy (`idle` false). Whether the kernel took it (it leaves
+/// the thread as it was otherwise).
+pub fn set_idle(tid: i32, idle: bool) -> bool {
     let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: pid 0 is the calling thread; the kernel only reads `param`.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) == 0 }
+    let policy = if idle {
+        libc::SCHED_IDLE
+    } else {
+        libc::SCHED_OTHER
+    };
+    // SAFETY: the kernel only reads `param`; a tid that is gone is an error (ESRCH).
+    unsafe { libc::sched_setscheduler(tid, policy, &param) == 0 }
 }
 
 #[cfg(test)]
@@ -444,6 +462,37 @@ mod tests {
             .unwrap();
         assert_eq!(inside, (true, libc::SCHED_IDLE));
         assert_eq!(policy(), before);
+    }
+
+    /// The loop boosts a checker that went idle, and puts it back, by its id.
+    #[test]
+    fn another_thread_of_the_process_is_put_under_sched_idle_and_back_by_its_id() {
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            assert!(sched_idle());
+            tid_tx.send(thread_id()).unwrap();
+            for () in go_rx {
+                // SAFETY: a query of the calling thread's policy.
+                seen_tx
+                    .send(unsafe { libc::sched_getscheduler(0) })
+                    .unwrap();
+            }
+        });
+        let tid = tid_rx.recv().unwrap();
+        assert_ne!(tid, thread_id());
+        let policy = || {
+            go_tx.send(()).unwrap();
+            seen_rx.recv().unwrap()
+        };
+        assert_eq!(policy(), libc::SCHED_IDLE);
+        assert!(set_idle(tid, false));
+        assert_eq!(policy(), libc::SCHED_OTHER);
+        assert!(set_idle(tid, true));
+        assert_eq!(policy(), libc::SCHED_IDLE);
+        drop(go_tx);
+        t.join().unwrap();
     }
 
     #[test]

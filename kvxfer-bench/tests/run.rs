@@ -186,6 +186,59 @@ fn a_tp_run_alternates_with_equal_tp_and_counts_the_runs_it_needed() {
     assert!(table.contains("kvxfer, TP 2->1 / 1->1"), "{table}");
 }
 
+/// Each phase says how much other work the host had, each pair both of its phases', and
+/// --room-log has every room's times.
+#[test]
+fn a_layerwise_runs_phases_show_the_hosts_other_work_and_the_room_log_every_room() {
+    let log = std::env::temp_dir().join(format!("kvxfer-bench-rooms-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&log);
+    let (table, j) = run(&[
+        "--layerwise",
+        "--compute-us-per-layer",
+        "100",
+        "--repeat",
+        "1",
+        "--room-log",
+        log.to_str().unwrap(),
+    ]);
+    assert_eq!(j["unexpected_failures"], 0, "{j}");
+    // --room-log: every room of every phase, in order, its compute inside its TTFT.
+    let text = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_file(&log);
+    let rooms: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rooms.len(), 4 * 200);
+    for (i, r) in rooms.iter().enumerate() {
+        assert_eq!(r["room"], i as u64, "{r}");
+        let ns = |k: &str| r[k].as_u64().unwrap();
+        if r["compute_us_per_layer"] == 100 && ns("decode_success_ns") > 0 {
+            assert!(ns("compute_start_ns") <= ns("compute_end_ns"), "{r}");
+            assert!(ns("compute_start_ns") < ns("decode_success_ns"), "{r}");
+        }
+    }
+    let phases = j["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 4);
+    // tcp | LW | tcp | WC | tcp | LW | tcp | WC | tcp
+    assert_eq!(j["baseline_tcp_runs"].as_array().unwrap().len(), 5, "{j}");
+    assert_eq!(j["ratio_vs_tcp_per_phase"].as_array().unwrap().len(), 4);
+    for p in phases {
+        assert!(f(&p["others_cores"]) >= 0.0, "{p}");
+    }
+    for s in j["layerwise"]["sweep"].as_array().unwrap() {
+        let pairs = s["others_cores_per_pair"].as_array().unwrap();
+        assert_eq!(pairs.len(), 1, "{s}");
+        assert!(pairs[0].as_array().unwrap().iter().all(|c| f(c) >= 0.0));
+        assert!(f(&s["room_link_ratio_median"]) > 0.0, "{s}");
+        assert!(f(&s["layerwise_room_link_ms"]) > 0.0, "{s}");
+    }
+    assert!(
+        table.contains("other work on this host, cores during LW / WC"),
+        "{table}"
+    );
+}
+
 #[test]
 fn a_layerwise_run_alternates_both_ways_of_sending_with_and_without_compute() {
     // single-page: 2 layers, K and V, one page a room; 100 us of compute per layer.

@@ -110,6 +110,11 @@ struct Checkers<'scope> {
     jobs: Option<mpsc::Sender<Job>>,
     done: mpsc::Receiver<Checked>,
     threads: Vec<ScopedJoinHandle<'scope, Usage>>,
+    /// The threads' kernel ids, to change their scheduling from the loop.
+    tids: Vec<i32>,
+    /// Under `--verify-priority idle`: the threads run as every other thread for now,
+    /// the loop waiting for a check ([`Checkers::urgent`]).
+    boosted: bool,
     /// Rooms handed to the checkers and not back yet.
     checking: usize,
 }
@@ -123,18 +128,46 @@ impl<'scope> Checkers<'scope> {
         let (job_tx, job_rx) = mpsc::channel::<Job>();
         let (done_tx, done) = mpsc::channel::<Checked>();
         let job_rx = Arc::new(Mutex::new(job_rx));
+        let (tid_tx, tid_rx) = mpsc::channel::<i32>();
         let threads = (0..p.verify_threads)
             .map(|_| {
-                let (rx, tx) = (job_rx.clone(), done_tx.clone());
-                scope.spawn(move || check_loop(p, ranks, &rx, &tx))
+                let (rx, tx, tid) = (job_rx.clone(), done_tx.clone(), tid_tx.clone());
+                scope.spawn(move || {
+                    if p.verify_priority == VerifyPriority::Idle {
+                        crate::sys::sched_idle();
+                    }
+                    // Known to the loop only once idle, so that a boost is never undone.
+                    let _ = tid.send(crate::sys::thread_id());
+                    drop(tid);
+                    check_loop(p, ranks, &rx, &tx)
+                })
             })
             .collect();
+        drop(tid_tx);
         Checkers {
             jobs: Some(job_tx),
             done,
             threads,
+            tids: tid_rx.iter().collect(),
+            boosted: false,
             checking: 0,
         }
+    }
+
+    /// Whether the loop waits for a check: a room may be created and no slot is free
+    /// until a checker gives one back. Under `--verify-priority idle` the checkers then
+    /// run as every other thread until it need not, so that how many rooms are in
+    /// flight is never set by how much idle CPU the host has left (on a busy host an
+    /// idle checker starved for hundreds of ms, and a phase ran one room at a time
+    /// where its pair ran four).
+    fn urgent(&mut self, p: &Params, waits: bool) {
+        if p.verify_priority != VerifyPriority::Idle || self.boosted == waits {
+            return;
+        }
+        for &tid in &self.tids {
+            crate::sys::set_idle(tid, !waits);
+        }
+        self.boosted = waits;
     }
 
     fn check(&mut self, job: Job) -> Result<(), String> {
@@ -163,9 +196,6 @@ fn check_loop(
     jobs: &Mutex<mpsc::Receiver<Job>>,
     done: &mpsc::Sender<Checked>,
 ) -> Usage {
-    if p.verify_priority == VerifyPriority::Idle {
-        crate::sys::sched_idle();
-    }
     let u0 = Usage::thread();
     loop {
         let job = match jobs.lock().expect("job queue").recv() {
@@ -334,6 +364,11 @@ impl<'a, 'scope> Driver<'a, 'scope> {
         if creating {
             progress |= self.admit();
         }
+        let waits = creating
+            && self.free.is_empty()
+            && self.live.len() < self.p.concurrency
+            && self.checkers.checking > 0;
+        self.checkers.urgent(self.p, waits);
         self.announce(ctl, creating)?;
         progress |= self.poll_live()?;
         progress |= self.drain();
@@ -704,6 +739,9 @@ fn account(
     out.prefill = usage;
     out.prefill_driver = driver;
     out.runs = runs;
+    if let Some(path) = &p.room_log {
+        log_rooms(path, phase, &prooms, recs)?;
+    }
     for (idx, (pr, rec)) in prooms.iter().zip(recs).enumerate() {
         if let Some(c) = &pr.compute {
             out.late.extend(&c.late_ns);
@@ -717,7 +755,59 @@ fn account(
         }
         outcome(out, idx, pr, rec, phase.same_host);
     }
+    if phase.same_host {
+        out.room_link = room_link(&prooms, recs);
+    }
     Ok(())
+}
+
+/// Each successful room's time on the link ([`KvResult::room_link`]), ns.
+fn room_link(prooms: &[PrefillRoom], recs: &[Rec]) -> Vec<u64> {
+    let mut ends: Vec<(u64, u64)> = prooms
+        .iter()
+        .zip(recs)
+        .filter(|(pr, rec)| rec.ok && pr.outcome == Outcome::Ok)
+        .map(|(pr, rec)| (rec.t_done, pr.t_enq))
+        .collect();
+    ends.sort_unstable();
+    ends.windows(2)
+        .map(|w| w[1].0.saturating_sub(w[0].0.max(w[1].1)))
+        .collect()
+}
+
+/// `--room-log`: one JSON line per room of the phase appended to `path`, its times on
+/// both sides (CLOCK_MONOTONIC ns, comparable on one host; 0: did not happen, and
+/// SUCCESS only for a room whose pages checked).
+fn log_rooms(
+    path: &str,
+    phase: &Phase<'_>,
+    prooms: &[PrefillRoom],
+    recs: &[Rec],
+) -> Result<(), String> {
+    use std::io::Write as _;
+    let mut text = String::new();
+    for (idx, (pr, rec)) in prooms.iter().zip(recs).enumerate() {
+        let c = pr.compute.clone().unwrap_or_default();
+        let line = serde_json::json!({
+            "room": phase.start + idx as u64,
+            "layerwise": phase.feed.simulate.then_some(phase.feed.by_layer),
+            "compute_us_per_layer": phase.feed.compute_us_per_layer,
+            "decode_dest_ns": rec.t_dest,
+            "prefill_first_enqueue_ns": pr.t_enq,
+            "compute_start_ns": c.start,
+            "compute_end_ns": c.end,
+            "decode_transferring_ns": rec.t_first,
+            "decode_success_ns": if rec.ok { rec.t_done } else { 0 },
+        });
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(|e| format!("--room-log {path}: {e}"))
 }
 
 /// Room `idx`'s outcome on both sides: the latencies of a room both took, the split
@@ -798,5 +888,35 @@ mod tests {
         assert_eq!(ttft(&prefill_room(None), &rec, true), None);
         // A SUCCESS stamped before the compute began (it cannot be) is not negative.
         assert_eq!(computed.ttft_ns(500), 0);
+    }
+
+    /// Rooms queued behind each other each count from the previous one's SUCCESS; a
+    /// room enqueued after the link went idle, from its enqueue; a failed room not at
+    /// all, and rooms are taken in the order they succeeded.
+    #[test]
+    fn a_rooms_time_on_the_link_starts_at_the_previous_success_or_its_own_enqueue() {
+        let room = |t_enq: u64, t_done: u64, ok: bool| {
+            let pr = PrefillRoom {
+                t_enq,
+                ..prefill_room(None)
+            };
+            let rec = Rec {
+                t_done,
+                ok,
+                ..Default::default()
+            };
+            (pr, rec)
+        };
+        let (prooms, recs): (Vec<_>, Vec<_>) = [
+            room(0, 100, true),
+            room(0, 300, true),
+            room(0, 250, false),
+            room(500, 560, true),
+            room(0, 170, true),
+        ]
+        .into_iter()
+        .unzip();
+        // In order of SUCCESS: 100, 170 (70 after 100), 300 (130), 560 (enqueued at 500).
+        assert_eq!(room_link(&prooms, &recs), vec![70, 130, 60]);
     }
 }

@@ -244,7 +244,10 @@ impl Run<'_> {
     /// long with --duration), adjacent to it on both sides. With --auth both, the pairs
     /// take turns, --repeat phases of each, in the order off on, on off, off on, ...;
     /// between layouts, the TP ranks and the equal-TP comparison the same way; with
-    /// --layerwise, the ways of feeding the rooms (see Params::phase_plan).
+    /// --layerwise, the ways of feeding the rooms (see Params::phase_plan). Every phase
+    /// follows a round of baselines: a phase that followed another phase directly ran
+    /// its link a few % faster than one that followed the baselines (issue 38), which
+    /// would favour the second way of a pair.
     fn phases(&self, ctl: &mut Ctl, report: &mut Report) -> Result<(), String> {
         let p = self.p;
         let volume: u64 = (0..p.rooms)
