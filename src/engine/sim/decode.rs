@@ -267,7 +267,7 @@ fn settle(w: &mut World, d: usize, id: u64, idx: usize) {
     let rdma = w.decodes[d].rdma;
     let room = w.decodes[d].rooms.get(&id).expect("settled room");
     let facts = |p: &SimPeer| Facts {
-        name: if p.node == 0 { "p0" } else { "p1" },
+        name: ["p0", "p1", "p2"][p.node],
         aux_count: 0,
     };
     // Each of the room's prefill engines owes its part of every page of every layer.

@@ -211,7 +211,7 @@ pub(crate) struct Run {
 impl World {
     fn new(config: Config, trace: bool) -> World {
         let mut rng = Rng::new(config.seed);
-        let n_p = rng.range(1, 2) as usize;
+        let n_p = rng.range(1, 3) as usize;
         let n_d = rng.range(1, 3) as usize;
         let rdma = rng.chance(60);
         let ids = rng.range(2, 6);
