@@ -109,6 +109,9 @@ pub(crate) struct Config {
     /// Requests in the workload.
     pub requests: usize,
     pub bug: Option<Bug>,
+    /// Requests (by index, below 64) left out: they start and end at once, drawing no
+    /// random number and scheduling nothing ([`shrink`] sets them).
+    pub skip: u64,
 }
 
 /// Something the simulator does at a virtual time.
@@ -192,6 +195,8 @@ pub(crate) struct World {
     pub last_start: u64,
     /// How many requests started.
     started: usize,
+    /// The requests left out (`Config::skip`).
+    skip: u64,
     /// Room ids: how many, and which request holds each one in use.
     ids: u64,
     in_use: HashMap<u64, usize>,
@@ -248,6 +253,7 @@ impl World {
             next_rgen: 1,
             last_start: 0,
             started: 0,
+            skip: config.skip,
             ids,
             in_use: HashMap::new(),
             open: vec![0; config.requests],
@@ -445,16 +451,38 @@ pub(crate) fn run(config: Config, trace: bool) -> Run {
     })
 }
 
-/// The smallest workload (fewest requests) with which `config`'s seed still breaks an
-/// invariant, with its schedule; `None` if the seed passes.
+/// A shorter schedule of `config`'s seed that breaks the same invariant (fewer requests,
+/// some left out, fewer steps to the violation), with its schedule; `None` if the seed
+/// passes.
 pub(crate) fn shrink(config: Config) -> Option<Run> {
-    let full = run(config, false);
-    full.violation.as_ref()?;
-    let smallest = (1..config.requests)
-        .map(|requests| Config { requests, ..config })
-        .find(|c| run(*c, false).violation.is_some())
-        .unwrap_or(config);
-    Some(run(smallest, true))
+    // A candidate: the steps its run took to break the same invariant, if it does.
+    let steps = |c: &Config, broken| {
+        let r = run(*c, false);
+        r.violation
+            .filter(|v| v.invariant == broken)
+            .map(|_| r.steps)
+    };
+    let first = run(config, false);
+    let broken = first.violation?.invariant;
+    let mut best = (first.steps, config);
+    // The workload size that breaks it in the fewest steps, then each request left out
+    // in turn while that still breaks it in no more steps.
+    for requests in 1..config.requests {
+        let c = Config { requests, ..config };
+        if let Some(n) = steps(&c, broken).filter(|&n| n < best.0) {
+            best = (n, c);
+        }
+    }
+    for i in 0..best.1.requests.min(64) {
+        let c = Config {
+            skip: best.1.skip | 1 << i,
+            ..best.1
+        };
+        if let Some(n) = steps(&c, broken).filter(|&n| n <= best.0) {
+            best = (n, c);
+        }
+    }
+    Some(run(best.1, true))
 }
 
 /// Renders a failing run for a test's message: the seed to replay, the invariant, and
@@ -462,11 +490,12 @@ pub(crate) fn shrink(config: Config) -> Option<Run> {
 pub(crate) fn report(r: &Run) -> String {
     let v = r.violation.as_ref().expect("a failing run");
     format!(
-        "seed {} with {} request(s) (bug {:?}) broke {:?} at {} µs: {}\n\
-         replay: sim::run(Config {{ seed: {}, requests: {}, bug: {:?} }}, true)\n\
+        "seed {} with {} request(s), {} left out (bug {:?}) broke {:?} at {} µs: {}\n\
+         replay: sim::run(Config {{ seed: {}, requests: {}, bug: {:?}, skip: {:#x} }}, true)\n\
          schedule:\n{}",
         r.config.seed,
         r.config.requests,
+        r.config.skip.count_ones(),
         r.config.bug,
         v.invariant,
         v.at,
@@ -474,6 +503,7 @@ pub(crate) fn report(r: &Run) -> String {
         r.config.seed,
         r.config.requests,
         r.config.bug,
+        r.config.skip,
         r.trace.join("\n")
     )
 }

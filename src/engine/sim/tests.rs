@@ -9,6 +9,7 @@ fn seeds_pass(from: u64, to: u64) {
             seed,
             requests: 24,
             bug: None,
+            skip: 0,
         };
         let r = run(config, false);
         if r.violation.is_some() {
@@ -29,6 +30,7 @@ fn a_run_is_a_function_of_its_seed() {
         seed: 7,
         requests: 24,
         bug: None,
+        skip: 0,
     };
     let (a, b) = (run(config, true), run(config, true));
     assert_eq!(a.trace, b.trace);
@@ -42,6 +44,7 @@ fn find(bug: Bug) -> Option<Run> {
             seed,
             requests: 24,
             bug: Some(bug),
+            skip: 0,
         };
         let r = run(config, false);
         r.violation.is_some().then_some(r)
@@ -99,6 +102,7 @@ fn soak() {
             seed: first + seeds,
             requests: 24,
             bug: None,
+            skip: 0,
         };
         let r = run(config, false);
         seeds += 1;
@@ -124,21 +128,29 @@ fn soak() {
     }
 }
 
-/// `SIM_REPLAY=seed[,requests]`: prints that run's schedule (a debugging aid).
+/// `SIM_REPLAY=seed[,requests[,skip]]` (skip as a failure report prints it, `0x..`):
+/// prints that run's schedule (a debugging aid).
 #[test]
-#[ignore = "prints one run; SIM_REPLAY=seed,requests"]
+#[ignore = "prints one run; SIM_REPLAY=seed,requests,skip"]
 fn replay() {
     let spec = std::env::var("SIM_REPLAY").unwrap_or_default();
-    let mut it = spec
-        .split(',')
-        .map(|v| v.trim().parse::<u64>().unwrap_or(0));
+    let num = |v: &str| {
+        let v = v.trim();
+        match v.strip_prefix("0x") {
+            Some(hex) => u64::from_str_radix(hex, 16).unwrap_or(0),
+            None => v.parse().unwrap_or(0),
+        }
+    };
+    let mut it = spec.split(',').map(num);
     let seed = it.next().unwrap_or(0);
     let requests = it.next().filter(|&n| n > 0).unwrap_or(24) as usize;
+    let skip = it.next().unwrap_or(0);
     let r = run(
         Config {
             seed,
             requests,
             bug: None,
+            skip,
         },
         true,
     );
@@ -160,6 +172,7 @@ fn find_text() {
                 seed,
                 requests: 24,
                 bug: None,
+                skip: 0,
             },
             true,
         );
@@ -170,5 +183,44 @@ fn find_text() {
             }
             return;
         }
+    }
+}
+
+#[test]
+fn a_failure_shrinks_to_a_shorter_schedule_that_replays_and_breaks_the_same_invariant() {
+    for bug in [
+        Bug::AckTheOrigin,
+        Bug::DestinationAfterFailure,
+        Bug::CountsBytes,
+    ] {
+        let full = find(bug).expect("found");
+        let full = run(full.config, true);
+        let small = shrink(full.config).expect("it fails");
+        let (a, b) = (&full.violation, &small.violation);
+        assert_eq!(
+            a.as_ref().map(|v| v.invariant),
+            b.as_ref().map(|v| v.invariant)
+        );
+        let left = small.config.requests - small.config.skip.count_ones() as usize;
+        assert!(
+            small.steps <= full.steps && left < full.config.requests,
+            "{bug:?}: {} steps of {} requests, shrunk to {} steps of {left}",
+            full.steps,
+            full.config.requests,
+            small.steps
+        );
+        eprintln!(
+            "{bug:?}: {} steps ({} lines) of {} requests, shrunk to {} steps ({} lines) of {left}",
+            full.steps,
+            full.trace.len(),
+            full.config.requests,
+            small.steps,
+            small.trace.len()
+        );
+        assert_eq!(
+            run(small.config, true).trace,
+            small.trace,
+            "the replay differs"
+        );
     }
 }

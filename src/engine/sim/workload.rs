@@ -104,6 +104,10 @@ impl World {
     /// Request `req` starts under an id no earlier request still holds (the router
     /// reuses an id once every engine cleared its room); its hosts' actions follow.
     fn start(&mut self, req: usize) {
+        if req < 64 && self.skip & 1 << req != 0 {
+            self.started += 1;
+            return;
+        }
         let free: Vec<u64> = (1..=self.ids)
             .filter(|id| !self.in_use.contains_key(id))
             .collect();
