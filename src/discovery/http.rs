@@ -53,15 +53,22 @@ fn request(addr: &str, path: &str, body: &[u8]) -> Vec<u8> {
     r
 }
 
-/// POSTs `body` to `path` on `addr` and reads the whole answer, all within `timeout`.
-pub fn post(addr: &str, path: &str, body: &[u8], timeout: Duration) -> Result<Answer, String> {
-    let deadline = Instant::now() + timeout;
+/// Connects to `addr` and sends the POST of `body` to `path`; reads and writes on the
+/// socket it returns give up after `timeout` each.
+fn send(addr: &str, path: &str, body: &[u8], timeout: Duration) -> Result<TcpStream, String> {
     let mut s = connect(addr, timeout)?;
     s.set_write_timeout(Some(timeout))
         .and_then(|_| s.set_read_timeout(Some(timeout)))
         .map_err(|e| e.to_string())?;
     s.write_all(&request(addr, path, body))
         .map_err(|e| format!("{addr}: cannot send: {e}"))?;
+    Ok(s)
+}
+
+/// POSTs `body` to `path` on `addr` and reads the whole answer, all within `timeout`.
+pub fn post(addr: &str, path: &str, body: &[u8], timeout: Duration) -> Result<Answer, String> {
+    let deadline = Instant::now() + timeout;
+    let mut s = send(addr, path, body, timeout)?;
     let mut raw = Vec::new();
     let mut buf = [0u8; 16 << 10];
     loop {
@@ -258,12 +265,7 @@ impl Stream {
         tick: Duration,
     ) -> Result<Stream, String> {
         let deadline = Instant::now() + timeout;
-        let mut s = connect(addr, timeout)?;
-        s.set_write_timeout(Some(timeout))
-            .and_then(|_| s.set_read_timeout(Some(timeout)))
-            .map_err(|e| e.to_string())?;
-        s.write_all(&request(addr, path, body))
-            .map_err(|e| format!("{addr}: cannot send: {e}"))?;
+        let mut s = send(addr, path, body, timeout)?;
         let mut raw = Vec::new();
         let mut buf = [0u8; 4096];
         let (status, head_len, framing) = loop {
