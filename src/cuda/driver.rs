@@ -302,16 +302,7 @@ impl Driver {
                 self.path
             ));
         }
-        if ordinal >= n {
-            return Err(err!(
-                InvalidArgument,
-                "CUDA device {ordinal} does not exist (the driver sees {n})"
-            ));
-        }
-        let mut dev: CuDevice = 0;
-        // SAFETY: writes one CUdevice; ordinal checked against the count.
-        self.check(unsafe { (self.cuDeviceGet)(&mut dev, ordinal as c_int) })
-            .map_err(|e| err!(TransportUnavailable, "cuDeviceGet({ordinal}) failed: {e}"))?;
+        let dev = self.device_among(ordinal, n)?;
         let mut ctx: CuHandle = std::ptr::null_mut();
         // SAFETY: writes one context handle for a valid device.
         self.check(unsafe { (self.cuDevicePrimaryCtxRetain)(&mut ctx, dev) })
@@ -326,7 +317,11 @@ impl Driver {
 
     /// The `CUdevice` of ordinal `ordinal` (checked against the device count).
     pub fn device(&self, ordinal: u32) -> Result<CuDevice> {
-        let n = self.device_count()?;
+        self.device_among(ordinal, self.device_count()?)
+    }
+
+    /// The `CUdevice` of ordinal `ordinal`, one of the `n` devices the driver sees.
+    fn device_among(&self, ordinal: u32, n: u32) -> Result<CuDevice> {
         if ordinal >= n {
             return Err(err!(
                 InvalidArgument,
