@@ -322,16 +322,10 @@ impl Discovery {
             let mut stream = match result {
                 Ok(s) => s,
                 Err(e) => {
-                    self.node
-                        .metrics
-                        .registry_errors
-                        .fetch_add(1, Ordering::Relaxed);
-                    crate::log!(
-                        self.node.log,
-                        Info,
+                    self.watch_failed(format_args!(
                         "registry watch: {e}; retry in {} ms",
                         backoff.as_millis()
-                    );
+                    ));
                     self.expire_missing();
                     self.node.sleep(backoff);
                     backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -368,18 +362,19 @@ impl Discovery {
             };
             self.watch_sock.lock().take();
             if !self.node.is_stopping() {
-                self.node
-                    .metrics
-                    .registry_errors
-                    .fetch_add(1, Ordering::Relaxed);
-                crate::log!(
-                    self.node.log,
-                    Info,
-                    "registry watch ended: {ended}; reading again"
-                );
+                self.watch_failed(format_args!("registry watch ended: {ended}; reading again"));
                 self.node.sleep(MIN_BACKOFF);
             }
         }
+    }
+
+    /// The watch could not start or broke: counts a registry error and logs `why`.
+    fn watch_failed(&self, why: std::fmt::Arguments<'_>) {
+        self.node
+            .metrics
+            .registry_errors
+            .fetch_add(1, Ordering::Relaxed);
+        crate::log!(self.node.log, Info, "{why}");
     }
 
     fn outages(&self) -> u64 {
