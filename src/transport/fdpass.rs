@@ -179,10 +179,10 @@ impl FdOffer {
     }
 }
 
-/// Sends one byte with `fds` as `SCM_RIGHTS`.
-fn send_fds(s: &UnixStream, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
-    let bytes = std::mem::size_of_val(raw.as_slice());
+/// Runs `f` on a message header for one byte and a control buffer with room for
+/// `bytes` of descriptor data (`CMSG_SPACE`), zeroed and aligned for `cmsghdr`; both
+/// live for the call.
+fn with_msghdr<T>(bytes: usize, f: impl FnOnce(&mut libc::msghdr) -> T) -> T {
     // SAFETY: CMSG_SPACE is arithmetic on its argument.
     let space = unsafe { libc::CMSG_SPACE(bytes as u32) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
@@ -197,17 +197,31 @@ fn send_fds(s: &UnixStream, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
-    // SAFETY: msg_control points at `space` bytes (aligned for cmsghdr, as u64s), enough
-    // for one header and `bytes` of data (CMSG_SPACE), so the first header and its data
-    // lie inside `control`; the descriptors are live (borrowed) for the call.
-    let sent = unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(bytes as u32) as _;
-        std::ptr::copy_nonoverlapping(raw.as_ptr(), libc::CMSG_DATA(c).cast::<RawFd>(), raw.len());
-        libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
-    };
+    f(&mut msg)
+}
+
+/// Sends one byte with `fds` as `SCM_RIGHTS`.
+fn send_fds(s: &UnixStream, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let bytes = std::mem::size_of_val(raw.as_slice());
+    let sent = with_msghdr(bytes, |msg| {
+        // SAFETY: msg_control points at CMSG_SPACE(bytes) bytes (aligned for cmsghdr, see
+        // with_msghdr), enough for one header and `bytes` of data, so the first header
+        // and its data lie inside the control buffer; the descriptors are live
+        // (borrowed) for the call.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(bytes as u32) as _;
+            std::ptr::copy_nonoverlapping(
+                raw.as_ptr(),
+                libc::CMSG_DATA(c).cast::<RawFd>(),
+                raw.len(),
+            );
+            libc::sendmsg(s.as_raw_fd(), msg, libc::MSG_NOSIGNAL)
+        }
+    });
     if sent != 1 {
         return Err(if sent < 0 {
             io::Error::last_os_error()
@@ -221,53 +235,43 @@ fn send_fds(s: &UnixStream, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
 /// Receives one byte and up to `max` descriptors (close-on-exec) from `s`.
 fn recv_fds(s: &UnixStream, max: usize) -> io::Result<Vec<OwnedFd>> {
     let bytes = max * std::mem::size_of::<RawFd>();
-    // SAFETY: CMSG_SPACE is arithmetic on its argument.
-    let space = unsafe { libc::CMSG_SPACE(bytes as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: an all-zero msghdr is valid.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: the kernel writes at most one byte into `byte` and at most `space` bytes
-    // into `control`, both ours for the call.
-    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut out = Vec::new();
-    // SAFETY: walks the control headers the kernel wrote into `control` with the CMSG
-    // macros, which stay within msg_controllen; each SCM_RIGHTS header's data holds
-    // (cmsg_len - CMSG_LEN(0)) / 4 descriptors, now ours (each is owned once).
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                let p = libc::CMSG_DATA(c).cast::<RawFd>();
-                for i in 0..data / std::mem::size_of::<RawFd>() {
-                    out.push(OwnedFd::from_raw_fd(p.add(i).read_unaligned()));
-                }
-            }
-            c = libc::CMSG_NXTHDR(&msg, c);
+    with_msghdr(bytes, |msg| {
+        // SAFETY: the kernel writes at most one byte into the header's byte and at most
+        // msg_controllen bytes into its control buffer, both live for the call
+        // (with_msghdr).
+        let n = unsafe { libc::recvmsg(s.as_raw_fd(), msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
         }
-    }
-    if n == 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            "the giver closed the socket before its descriptors",
-        ));
-    }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(io::Error::other("descriptors were cut off (MSG_CTRUNC)"));
-    }
-    Ok(out)
+        let mut out = Vec::new();
+        // SAFETY: walks the control headers the kernel wrote into the control buffer
+        // with the CMSG macros, which stay within msg_controllen; each SCM_RIGHTS
+        // header's data holds (cmsg_len - CMSG_LEN(0)) / 4 descriptors, now ours (each
+        // is owned once).
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    let p = libc::CMSG_DATA(c).cast::<RawFd>();
+                    for i in 0..data / std::mem::size_of::<RawFd>() {
+                        out.push(OwnedFd::from_raw_fd(p.add(i).read_unaligned()));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(msg, c);
+            }
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the giver closed the socket before its descriptors",
+            ));
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::other("descriptors were cut off (MSG_CTRUNC)"));
+        }
+        Ok(out)
+    })
 }
 
 /// Takes the `n` descriptors that process `pid` offers under the abstract `name`,
