@@ -247,11 +247,7 @@ fn a_killed_prefill_leaves_the_registry_within_its_ttl_and_its_rooms_fail_before
         );
         assert_eq!(d.room_failure(r).unwrap().cause, Cause::PeerLost);
     }
-    assert!(
-        killed.elapsed() < Duration::from_secs(10),
-        "{:?}",
-        killed.elapsed()
-    );
+    assert_within(killed, Duration::from_secs(10));
     // The entry goes with the lease: within the TTL (2 s), and etcd's lease checks.
     wait_until_within("the entry to expire", Duration::from_millis(4000), || {
         etcd.get(&format!("{PREFIX}prefill-k/0")).is_none()
@@ -290,29 +286,20 @@ fn a_hung_prefill_whose_lease_expires_fails_its_rooms_naming_the_registry_long_b
     // SIGSTOP: its sockets stay open and say nothing; only its lease stops.
     signal(&c, "-STOP");
     let stopped = Instant::now();
-    for r in 1..=3u64 {
-        assert_eq!(
-            terminal_within(&d, r, Duration::from_secs(8)),
-            State::Failed
-        );
-        let why = d.room_failure(r).unwrap();
-        assert_eq!(why.cause, Cause::PeerLost, "{why}");
-        for part in [
+    fail_peer_lost_naming(
+        &d,
+        1..=3,
+        Duration::from_secs(8),
+        &[
             "registry:",
             "prefill-h rank 0",
             "left the registry",
             "lease",
-            c.addr.as_str(),
-        ] {
-            assert!(why.message.contains(part), "{part}: {why}");
-        }
-    }
-    // The heartbeat deadline is 20 s away.
-    assert!(
-        stopped.elapsed() < Duration::from_secs(8),
-        "{:?}",
-        stopped.elapsed()
+            &c.addr,
+        ],
     );
+    // The heartbeat deadline is 20 s away.
+    assert_within(stopped, Duration::from_secs(8));
     assert_eq!(d.metrics().registry_departures, 1);
     signal(&c, "-CONT");
 }
@@ -507,27 +494,18 @@ fn a_new_incarnation_replaces_the_entry_and_the_rooms_of_the_old_one_fail_naming
     signal(&old, "-STOP");
     let replaced = Instant::now();
     let mut new = child(&etcd, "prefill-r", 2000);
-    for r in 1..=3u64 {
-        assert_eq!(
-            terminal_within(&d, r, Duration::from_secs(8)),
-            State::Failed
-        );
-        let why = d.room_failure(r).unwrap();
-        assert_eq!(why.cause, Cause::PeerLost, "{why}");
-        for part in [
+    fail_peer_lost_naming(
+        &d,
+        1..=3,
+        Duration::from_secs(8),
+        &[
             "registry:",
             "replaced by a new incarnation",
-            old.addr.as_str(),
-            new.addr.as_str(),
-        ] {
-            assert!(why.message.contains(part), "{part}: {why}");
-        }
-    }
-    assert!(
-        replaced.elapsed() < Duration::from_secs(10),
-        "{:?}",
-        replaced.elapsed()
+            &old.addr,
+            &new.addr,
+        ],
     );
+    assert_within(replaced, Duration::from_secs(10));
     // Rooms by the instance's name now go to the new engine.
     wait_until_within("the new address", Duration::from_secs(5), || {
         d.lookup("prefill-r")
@@ -578,11 +556,7 @@ fn discovery_checks_its_keys_and_never_waits_for_an_unreachable_etcd() {
     let e = d.room_create_from(1, "prefill-a").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
     assert!(e.message().contains("not been read yet"), "{e}");
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "{:?}",
-        t.elapsed()
-    );
+    assert_within(t, Duration::from_millis(500));
     wait_until_within("an outage to be counted", Duration::from_secs(5), || {
         d.metrics().registry_errors > 0
     });
@@ -632,22 +606,13 @@ fn a_hung_decode_engine_whose_lease_expires_fails_the_prefill_rooms_waiting_for_
     // The decode engine hangs: its connections stay open, its lease runs out.
     signal(&d, "-STOP");
     let stopped = Instant::now();
-    for r in 1..=2u64 {
-        assert_eq!(
-            terminal_within(&p, r, Duration::from_secs(8)),
-            State::Failed
-        );
-        let why = p.room_failure(r).unwrap();
-        assert_eq!(why.cause, Cause::PeerLost, "{why}");
-        for part in ["registry:", "decode decode-d rank 0", "left the registry"] {
-            assert!(why.message.contains(part), "{part}: {why}");
-        }
-    }
-    assert!(
-        stopped.elapsed() < Duration::from_secs(8),
-        "{:?}",
-        stopped.elapsed()
+    fail_peer_lost_naming(
+        &p,
+        1..=2,
+        Duration::from_secs(8),
+        &["registry:", "decode decode-d rank 0", "left the registry"],
     );
+    assert_within(stopped, Duration::from_secs(8));
     assert_eq!(p.metrics().registry_departures, 1);
     signal(&d, "-CONT");
 }

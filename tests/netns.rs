@@ -397,11 +397,7 @@ fn rooms_by_instance_cross_hosts_and_a_restart_at_the_same_address_fails_the_old
     // 2. Rooms wait on the old engine; its host goes, unheard (link down, process
     //    killed, namespace deleted with every socket in it), and comes back with the
     //    same address and a new engine.
-    for r in 2..=3u64 {
-        d.room_create_from(r, "prefill-n").unwrap();
-        d.room_set_destination(r, &[r as u32], None).unwrap();
-    }
-    wait_state(&d, 3, State::WaitingForInput);
+    rooms_waiting(&d, "prefill-n", 2..=3);
     // What is in flight between the hosts lands first (the destinations, their
     // acknowledgements, the heartbeats), so that nothing of the old host is left to say.
     std::thread::sleep(Duration::from_millis(1000));
@@ -411,26 +407,13 @@ fn rooms_by_instance_cross_hosts_and_a_restart_at_the_same_address_fails_the_old
     let host = Host::new("e", 2);
     let back = Instant::now();
     let mut new = spawn(&host, 2000);
-    for r in 2..=3u64 {
-        assert_eq!(
-            terminal_within(&d, r, Duration::from_secs(10)),
-            State::Failed
-        );
-        let why = d.room_failure(r).unwrap();
-        assert_eq!(why.cause, Cause::PeerLost, "{why}");
-        for part in [
-            "registry:",
-            "replaced by a new incarnation",
-            listen.as_str(),
-        ] {
-            assert!(why.message.contains(part), "{part}: {why}");
-        }
-    }
-    assert!(
-        back.elapsed() < Duration::from_secs(20),
-        "{:?}",
-        back.elapsed()
+    fail_peer_lost_naming(
+        &d,
+        2..=3,
+        Duration::from_secs(10),
+        &["registry:", "replaced by a new incarnation", &listen],
     );
+    assert_within(back, Duration::from_secs(20));
     assert_eq!(d.metrics().registry_departures, 1);
 
     // 3. Rooms by the instance's name now reach the new engine at the same address.

@@ -35,5 +35,6 @@ pub use pair::{Pair, PairBuilder};
 pub use rng::Rng;
 #[allow(unused_imports)]
 pub use wait::{
-    terminal_within, unless_failed, wait_state, wait_terminal, wait_until, wait_until_within, LIMIT,
+    assert_within, fail_peer_lost_naming, rooms_waiting, terminal_within, unless_failed,
+    wait_state, wait_terminal, wait_until, wait_until_within, LIMIT,
 };

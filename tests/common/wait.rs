@@ -1,8 +1,9 @@
 //! Waiting for an engine to get somewhere, with one patience for every test.
 
+use std::ops::RangeInclusive;
 use std::time::{Duration, Instant};
 
-use kvxfer::{Engine, State};
+use kvxfer::{Cause, Engine, State};
 
 /// How long a test waits for anything before it fails. Below every default deadline
 /// (bootstrap and transfer 30 s), so that a room a watchdog fails at its deadline is
@@ -52,6 +53,40 @@ pub fn terminal_within(e: &Engine, room: u64, limit: Duration) -> State {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Creates `rooms` on decode engine `d` from instance `from`, room `r` into page `r`,
+/// and waits until the last of them waits for input.
+pub fn rooms_waiting(d: &Engine, from: &str, rooms: RangeInclusive<u64>) {
+    for r in rooms.clone() {
+        d.room_create_from(r, from).unwrap();
+        d.room_set_destination(r, &[r as u32], None).unwrap();
+    }
+    wait_state(d, *rooms.end(), State::WaitingForInput);
+}
+
+/// Checks that each of `rooms` of `e` fails within `limit` because its peer is lost,
+/// with a reason that names every one of `parts`.
+pub fn fail_peer_lost_naming(
+    e: &Engine,
+    rooms: RangeInclusive<u64>,
+    limit: Duration,
+    parts: &[&str],
+) {
+    for r in rooms {
+        assert_eq!(terminal_within(e, r, limit), State::Failed);
+        let why = e.room_failure(r).unwrap();
+        assert_eq!(why.cause, Cause::PeerLost, "{why}");
+        for part in parts {
+            assert!(why.message.contains(part), "{part}: {why}");
+        }
+    }
+}
+
+/// Checks that less than `limit` has passed since `since`.
+pub fn assert_within(since: Instant, limit: Duration) {
+    let took = since.elapsed();
+    assert!(took < limit, "{took:?}");
 }
 
 /// A call on a room that the test expects to fail on its own (a refused connection, a
