@@ -56,10 +56,56 @@ fn child_keys(keys: &[(String, String)]) -> String {
 
 /// A prefill child process registered as `instance` rank 0 of 1.
 fn child(etcd: &Etcd, instance: &str, ttl_ms: u64) -> ChildPrefill {
-    let k = child_keys(&keys(etcd, instance, 0, 1, ttl_ms));
+    spawn_child(&keys(etcd, instance, 0, 1, ttl_ms))
+}
+
+/// A child process with the discovery keys `keys`, once it says it has registered.
+fn spawn_child(keys: &[(String, String)]) -> ChildPrefill {
+    let k = child_keys(keys);
     let mut c = ChildPrefill::spawn("discovery_child", &[], &[("KVXFER_DISCOVERY_CHILD", &k)]);
     c.line_after("REGISTERED");
     c
+}
+
+/// A decode engine registered as `instance` rank 0 of 1 (TTL 2 s), with heartbeats
+/// every `heartbeat.0` ms and `heartbeat.1` misses before a peer is lost, and its
+/// (poisoned) memory; returned once it sees instance `prefill`.
+fn decode_seeing(
+    etcd: &Etcd,
+    instance: &str,
+    heartbeat: (&str, &str),
+    prefill: &str,
+) -> (Vec<Region>, Engine) {
+    let k = keys(etcd, instance, 0, 1, 2000);
+    let mut extra = borrow(&k);
+    extra.extend([
+        ("heartbeat_interval_ms", heartbeat.0),
+        ("heartbeat_misses", heartbeat.1),
+    ]);
+    let mem = poisoned(BUFS, PAGES, ITEM);
+    let d = engine("decode", &mem, &extra);
+    wait_for_instance(&d, prefill);
+    (mem, d)
+}
+
+/// A prefill engine registered as `prefill` and a decode engine registered as
+/// `decode`, both rank 0 of 1 with a TTL of `ttl_ms`, each with its memory (the
+/// prefill's the source pattern, the decode's poisoned); returned once the decode
+/// engine sees the prefill.
+fn pair_seeing(
+    etcd: &Etcd,
+    prefill: &str,
+    decode: &str,
+    ttl_ms: u64,
+) -> (Vec<Region>, Engine, Vec<Region>, Engine) {
+    let src_mem = source(BUFS, PAGES, ITEM);
+    let kp = keys(etcd, prefill, 0, 1, ttl_ms);
+    let p = engine("prefill", &src_mem, &borrow(&kp));
+    let mem = poisoned(BUFS, PAGES, ITEM);
+    let kd = keys(etcd, decode, 0, 1, ttl_ms);
+    let d = engine("decode", &mem, &borrow(&kd));
+    wait_for_instance(&d, prefill);
+    (src_mem, p, mem, d)
 }
 
 fn wait_for_instance(d: &Engine, instance: &str) {
@@ -225,19 +271,10 @@ fn a_killed_prefill_leaves_the_registry_within_its_ttl_and_its_rooms_fail_before
     }
     let etcd = Etcd::start();
     let c = child(&etcd, "prefill-k", 2000);
-    let k = keys(&etcd, "decode-k", 0, 1, 2000);
-    let mut extra = borrow(&k);
     // Heartbeats would take 10 s.
-    extra.extend([("heartbeat_interval_ms", "2000"), ("heartbeat_misses", "5")]);
-    let mem = poisoned(BUFS, PAGES, ITEM);
-    let d = engine("decode", &mem, &extra);
-    wait_for_instance(&d, "prefill-k");
+    let (_mem, d) = decode_seeing(&etcd, "decode-k", ("2000", "5"), "prefill-k");
     assert_eq!(d.lookup("prefill-k").unwrap(), vec![c.addr.clone()]);
-    for r in 1..=4u64 {
-        d.room_create_from(r, "prefill-k").unwrap();
-        d.room_set_destination(r, &[r as u32], None).unwrap();
-    }
-    wait_state(&d, 4, State::WaitingForInput);
+    rooms_waiting(&d, "prefill-k", 1..=4);
     let killed = Instant::now();
     drop(c); // SIGKILL
     for r in 1..=4u64 {
@@ -269,20 +306,8 @@ fn a_hung_prefill_whose_lease_expires_fails_its_rooms_naming_the_registry_long_b
     }
     let etcd = Etcd::start();
     let c = child(&etcd, "prefill-h", 2000);
-    let k = keys(&etcd, "decode-h", 0, 1, 2000);
-    let mut extra = borrow(&k);
-    extra.extend([
-        ("heartbeat_interval_ms", "2000"),
-        ("heartbeat_misses", "10"),
-    ]);
-    let mem = poisoned(BUFS, PAGES, ITEM);
-    let d = engine("decode", &mem, &extra);
-    wait_for_instance(&d, "prefill-h");
-    for r in 1..=3u64 {
-        d.room_create_from(r, "prefill-h").unwrap();
-        d.room_set_destination(r, &[r as u32], None).unwrap();
-    }
-    wait_state(&d, 3, State::WaitingForInput);
+    let (_mem, d) = decode_seeing(&etcd, "decode-h", ("2000", "10"), "prefill-h");
+    rooms_waiting(&d, "prefill-h", 1..=3);
     // SIGSTOP: its sockets stay open and say nothing; only its lease stops.
     signal(&c, "-STOP");
     let stopped = Instant::now();
@@ -310,13 +335,7 @@ fn with_etcd_stopped_rooms_with_known_peers_go_on_and_its_return_registers_every
         return;
     }
     let mut etcd = Etcd::start();
-    let src_mem = source(BUFS, PAGES, ITEM);
-    let kp = keys(&etcd, "prefill-o", 0, 1, 2000);
-    let p = engine("prefill", &src_mem, &borrow(&kp));
-    let mem = poisoned(BUFS, PAGES, ITEM);
-    let kd = keys(&etcd, "decode-o", 0, 1, 2000);
-    let d = engine("decode", &mem, &borrow(&kd));
-    wait_for_instance(&d, "prefill-o");
+    let (_src_mem, p, mem, d) = pair_seeing(&etcd, "prefill-o", "decode-o", 2000);
     let transfer = |r: u64, midway: &mut dyn FnMut()| {
         let (src, _) = plan(r);
         let dst: Vec<u32> = (0..src.len() as u32)
@@ -382,13 +401,7 @@ fn forged_entries_are_ignored_counted_and_never_connected_to() {
         return;
     }
     let etcd = Etcd::start();
-    let src_mem = source(BUFS, PAGES, ITEM);
-    let kp = keys(&etcd, "prefill-a", 0, 1, 3000);
-    let p = engine("prefill", &src_mem, &borrow(&kp));
-    let mem = poisoned(BUFS, PAGES, ITEM);
-    let kd = keys(&etcd, "decode-a", 0, 1, 3000);
-    let d = engine("decode", &mem, &borrow(&kd));
-    wait_for_instance(&d, "prefill-a");
+    let (_src_mem, p, mem, d) = pair_seeing(&etcd, "prefill-a", "decode-a", 3000);
     // Where a forger would send the KV: a socket nobody may connect to.
     let trap = TcpListener::bind("127.0.0.1:0").unwrap();
     trap.set_nonblocking(true).unwrap();
@@ -479,17 +492,8 @@ fn a_new_incarnation_replaces_the_entry_and_the_rooms_of_the_old_one_fail_naming
     let etcd = Etcd::start();
     // The old engine's lease would outlive the test: only the replacement can end it.
     let old = child(&etcd, "prefill-r", 30_000);
-    let k = keys(&etcd, "decode-r", 0, 1, 2000);
-    let mut extra = borrow(&k);
-    extra.extend([("heartbeat_interval_ms", "5000"), ("heartbeat_misses", "6")]);
-    let mem = poisoned(BUFS, PAGES, ITEM);
-    let d = engine("decode", &mem, &extra);
-    wait_for_instance(&d, "prefill-r");
-    for r in 1..=3u64 {
-        d.room_create_from(r, "prefill-r").unwrap();
-        d.room_set_destination(r, &[r as u32], None).unwrap();
-    }
-    wait_state(&d, 3, State::WaitingForInput);
+    let (mem, d) = decode_seeing(&etcd, "decode-r", ("5000", "6"), "prefill-r");
+    rooms_waiting(&d, "prefill-r", 1..=3);
     // The old engine hangs (its connections stay open); a new one takes its place.
     signal(&old, "-STOP");
     let replaced = Instant::now();
@@ -589,9 +593,7 @@ fn a_hung_decode_engine_whose_lease_expires_fails_the_prefill_rooms_waiting_for_
     // The decode engine in a process of its own, registered as decode-d.
     let mut kd = keys(&etcd, "decode-d", 0, 1, 2000);
     kd.push(("role".into(), "decode".into()));
-    let k = child_keys(&kd);
-    let mut d = ChildPrefill::spawn("discovery_child", &[], &[("KVXFER_DISCOVERY_CHILD", &k)]);
-    d.line_after("REGISTERED");
+    let mut d = spawn_child(&kd);
     // The prefill engine knows the decode engine's entry before the decode side pulls.
     wait_until_within("the decode entry", Duration::from_secs(15), || {
         etcd.get(&format!("{PREFIX}decode-d/0")).is_some()
