@@ -4,7 +4,7 @@
 //! acknowledgements of aborts over RDMA ([`acks`]).
 
 pub(crate) mod acks;
-mod arrivals;
+pub(crate) mod arrivals;
 pub(crate) mod completion;
 pub(crate) mod holding;
 pub(crate) mod layers;
@@ -15,11 +15,11 @@ mod send;
 mod sender;
 mod staged;
 
+use arrivals::Live;
 use sender::Handed;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::TcpListener;
-use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use parking_lot::{Mutex, RwLock};
@@ -225,7 +225,7 @@ impl PrefillEngine {
             None => lifecycle::created(self, &room, format_args!("{decoders} decode engine(s)")),
             Some(ids) => lifecycle::created(self, &room, format_args!("bound to {ids}")),
         }
-        self.adopt_held(&room);
+        arrivals::adopt_held(&mut Live(self), &room);
         Ok(())
     }
 
@@ -403,16 +403,7 @@ impl Side for PrefillEngine {
     /// Held destinations whose room never came are answered with a failure, and
     /// acknowledgements whose writes completed go.
     fn tick(&self, now: u64) {
-        let expired = self.holding.lock().expire(now);
-        let node = &self.core.node;
-        for (id, d) in expired {
-            node.metrics.held_expired.fetch_add(1, Ordering::Relaxed);
-            let why = format!(
-                "prefill created no room {id} within bootstrap_timeout_ms={}",
-                node.config.bootstrap_timeout_ms
-            );
-            self.refuse(&d.peer, id, d.generation, &why);
-        }
+        arrivals::expire(&mut Live(self), now);
         self.acks.send_due(&self.core);
     }
 
@@ -424,23 +415,8 @@ impl Side for PrefillEngine {
             let p = ext(room).lock();
             (p.ledger.generations(), p.complete())
         };
-        let node = &self.core.node;
         let reason = room.failure().map(|f| f.message.clone());
-        let expires_ms =
-            node.now_ms() + node.config.bootstrap_timeout_ms + node.config.waiting_timeout_ms;
-        let kept = self
-            .holding
-            .lock()
-            .clear_use(room.id(), reason, gens, complete, expires_ms);
-        if kept.is_err() {
-            self.overflowed(
-                &node.metrics.cleared_overflow,
-                "cleared-room records",
-                self.holding.lock().limits().cleared,
-                "late messages about these rooms may be taken for a new use of their id",
-            );
-        }
-        self.answer_held_for_cleared(room.id());
+        arrivals::cleared(&mut Live(self), room.id(), reason, gens, complete);
     }
 }
 
@@ -480,28 +456,24 @@ impl Events for PrefillEngine {
         pages: Vec<u32>,
         aux: Option<u32>,
     ) {
-        self.on_destination(peer, room, generation, pages, aux)
+        arrivals::on_destination(&mut Live(self), peer, room, generation, pages, aux)
     }
 
     /// Over TCP nothing is outstanding once the worker sees the room terminal (the
     /// decode side refuses every later byte itself); over RDMA the abort is acknowledged
     /// once the room's posted writes have completed.
     fn abort(&self, peer: &Arc<Peer>, room: u64, generation: u64, reason: String) {
-        self.on_abort(peer, room, generation, reason);
+        let mut live = Live(self);
+        arrivals::on_abort(&mut live, peer, room, generation, reason);
         if self.core.node.rdma.is_some() {
-            self.ack_abort(peer, room, generation);
+            arrivals::ack_abort(&mut live, peer, room, generation);
         }
     }
 
     /// The destinations the engine left in the holding area become tombstones (their
     /// rooms fail at once when created), and its rooms fail.
     fn lost(&self, peer: &Arc<Peer>, cause: Cause, why: &str) {
-        let node = &self.core.node;
-        let expires_ms = node.now_ms() + node.config.bootstrap_timeout_ms;
-        let overflow = self.holding.lock().peer_lost(peer, why, expires_ms);
-        for _ in 0..overflow {
-            self.tombstones_overflowed();
-        }
+        arrivals::lost(&mut Live(self), peer, why);
         core::fail_rooms_of(self, peer, cause);
         // Its senders end; what they had not taken is dropped (its rooms just failed).
         let outbox = self.outboxes.lock().remove(&(Arc::as_ptr(peer) as usize));

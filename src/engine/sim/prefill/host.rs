@@ -47,25 +47,8 @@ pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
         },
     );
     w.note(|| format!("p{p} creates room {} (req {req}, use {rgen})", r.id));
-    let (tombs, held) = w.prefills[p].holding.adopt(r.id);
-    for t in tombs {
-        let room = w.prefills[p].rooms.get_mut(&r.id).expect("created");
-        if !room.ledger.admits(t.peer.engine()) {
-            continue;
-        }
-        let reason = match t.grave {
-            Grave::Aborted(why) => {
-                room.ledger.remember(&t.peer, t.generation);
-                check::not_superseded(w, p, t.peer, r.id, t.generation);
-                (Cause::Aborted, why)
-            }
-            Grave::Lost(why) => (Cause::PeerLost, why),
-        };
-        fail(w, p, r.id, reason, Some(t.peer));
-    }
-    for h in held {
-        attach(w, p, r.id, h.peer, h.generation, h.pages);
-    }
+    let rgen = w.prefills[p].rooms[&r.id].rgen;
+    arrivals::adopt_held(&mut Sim { w, p }, &(r.id, rgen));
     let mut after = 0;
     for _ in 0..r.chunks * r.layers {
         after += w.rng.range(0, 1_000);
@@ -161,18 +144,12 @@ pub(crate) fn host_poll(w: &mut World, req: usize, p: usize) {
     let e = &mut w.prefills[p];
     let room = e.rooms.remove(&id).expect("room");
     let reason = room.reason.as_ref().map(|r| r.1.clone());
-    let expires = w.now + BOOTSTRAP_US + WAITING_US;
     let gens = room.ledger.generations();
-    let _ = e
-        .holding
-        .clear_use(id, reason, gens, room.ledger.complete(), expires);
+    let complete = room.ledger.complete();
     if room.io > 0 {
         e.draining.push((id, room));
     }
     w.note(|| format!("p{p} clears room {id} (req {req})"));
     w.room_done(req);
-    for (h, reason) in w.prefills[p].holding.take_cleared_dests(id) {
-        let why = format!("prefill room {id} is a cleared use: {reason:?}");
-        refuse(w, p, h.peer, id, h.generation, why);
-    }
+    arrivals::cleared(&mut Sim { w, p }, id, reason, gens, complete);
 }

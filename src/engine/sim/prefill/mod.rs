@@ -4,6 +4,7 @@
 //! writes one page at a time.
 
 mod host;
+mod shell;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
@@ -14,13 +15,15 @@ use super::{
 };
 use crate::engine::peer_ref::PeerRef;
 use crate::engine::prefill::acks::AckTable;
+use crate::engine::prefill::arrivals;
 use crate::engine::prefill::completion::Completion;
-use crate::engine::prefill::holding::{Grave, Holding, Limits};
+use crate::engine::prefill::holding::{Holding, Limits};
 use crate::engine::prefill::layers::Chunks;
-use crate::engine::prefill::ledger::{Dest, Ledger, OnAbort, OnDestination, Standing};
+use crate::engine::prefill::ledger::{Ledger, Standing};
 use crate::room::{Cause, Event, State};
 
 pub(crate) use host::{host_abort, host_create, host_enqueue, host_poll};
+use shell::Sim;
 
 pub(crate) struct PRoom {
     pub req: usize,
@@ -121,13 +124,13 @@ pub(crate) fn on_message(w: &mut World, p: usize, d: usize, inc: u32, msg: Msg) 
     match msg {
         Msg::Dest { id, dgen, pages } => {
             heard(w, p, peer, id, dgen);
-            on_destination(w, p, peer, id, dgen, pages);
+            arrivals::on_destination(&mut Sim { w, p }, &peer, id, dgen, pages, None);
         }
         Msg::Abort { id, dgen, reason } => {
-            on_abort(w, p, peer, id, dgen, reason);
+            arrivals::on_abort(&mut Sim { w, p }, &peer, id, dgen, reason);
             heard(w, p, peer, id, dgen);
             if w.prefills[p].rdma {
-                ack_abort(w, p, peer, id, dgen);
+                arrivals::ack_abort(&mut Sim { w, p }, &peer, id, dgen);
             }
         }
         _ => {}
@@ -138,73 +141,6 @@ fn heard(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64) {
     let key = (peer.engine().expect("sim peers know their engine"), id);
     let h = w.prefills[p].heard.entry(key).or_default();
     *h = (*h).max(dgen);
-}
-
-fn on_destination(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64, pages: Vec<u32>) {
-    let e = &mut w.prefills[p];
-    if let Some(old) = e.holding.earlier_use(&peer, id, dgen) {
-        let why = format!("prefill room {id} is a cleared use: {old:?}");
-        return refuse(w, p, peer, id, dgen, why);
-    }
-    if e.rooms.contains_key(&id) {
-        return attach(w, p, id, peer, dgen, pages);
-    }
-    let expires = w.now + BOOTSTRAP_US;
-    if e.holding
-        .hold(&peer, id, dgen, pages, None, expires)
-        .is_err()
-    {
-        return refuse(
-            w,
-            p,
-            peer,
-            id,
-            dgen,
-            format!("holding area full for room {id}"),
-        );
-    }
-    for (h, reason) in e.holding.take_cleared_dests(id) {
-        let why = format!("prefill room {id} is a cleared use: {reason:?}");
-        refuse(w, p, h.peer, id, h.generation, why);
-    }
-}
-
-fn attach(w: &mut World, p: usize, id: u64, peer: SimPeer, dgen: u64, pages: Vec<u32>) {
-    let e = &mut w.prefills[p];
-    let lost = e.lost.contains(&(peer.node, peer.inc));
-    let room = e.rooms.get_mut(&id).expect("attach to a room");
-    let failure = room.reason.as_ref().map(|r| r.1.clone());
-    let standing = standing(room.state, failure.as_deref());
-    let dest = Dest {
-        peer,
-        generation: dgen,
-        pages: pages.into(),
-        aux: None,
-    };
-    let name = format!("d{}", peer.node);
-    let outcome = room
-        .ledger
-        .destination(peer.engine(), standing, dest, &name, id);
-    let complete = match outcome {
-        OnDestination::Attached { complete } => complete,
-        OnDestination::NotBound => {
-            return refuse(w, p, peer, id, dgen, format!("room {id} is bound"));
-        }
-        OnDestination::Ended(why) => return refuse(w, p, peer, id, dgen, why),
-        OnDestination::Second { why, known } => {
-            if !known {
-                refuse(w, p, peer, id, dgen, why.clone());
-            }
-            return fail(w, p, id, (Cause::Protocol, why), None);
-        }
-    };
-    if lost {
-        let why = format!("lost d{} (inc {})", peer.node, peer.inc);
-        return fail(w, p, id, (Cause::PeerLost, why), None);
-    }
-    if complete {
-        ready(w, p, id);
-    }
 }
 
 /// Every destination arrived: the room is ready, and sends the chunks enqueued.
@@ -410,66 +346,6 @@ fn send_due(w: &mut World, p: usize) {
     }
 }
 
-/// A destination that will never be written to: an Abort, and over RDMA its
-/// acknowledgement at once.
-fn refuse(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64, why: String) {
-    w.note(|| format!("p{p} refuses d{}'s room {id}: {why}", peer.node));
-    let abort = Msg::Abort {
-        id,
-        dgen,
-        reason: why,
-    };
-    w.send_to_decode(p, peer.node, peer.inc, abort);
-    if w.prefills[p].rdma {
-        w.send_to_decode(p, peer.node, peer.inc, Msg::AbortAck { id, dgen });
-    }
-}
-
-fn on_abort(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64, reason: String) {
-    let e = &mut w.prefills[p];
-    if e.holding.earlier_use(&peer, id, dgen).is_some() {
-        return;
-    }
-    if let Some(room) = e.rooms.get_mut(&id) {
-        let failure = room.reason.as_ref().map(|r| r.1.clone());
-        let standing = standing(room.state, failure.as_deref());
-        match room.ledger.abort(peer.engine(), standing, &peer, dgen) {
-            OnAbort::NotBound | OnAbort::Stale => {}
-            OnAbort::Fails => {
-                check::not_superseded(w, p, peer, id, dgen);
-                check::bound(w, p, peer, id);
-                fail(w, p, id, (Cause::Aborted, reason), Some(peer));
-            }
-        }
-        return;
-    }
-    let expires = w.now + BOOTSTRAP_US;
-    let _ = e.holding.abort_early(&peer, id, dgen, reason, expires);
-}
-
-/// Over RDMA: acknowledges an abort once no write into that destination is in flight.
-fn ack_abort(w: &mut World, p: usize, peer: SimPeer, id: u64, dgen: u64) {
-    let e = &mut w.prefills[p];
-    let live = e
-        .rooms
-        .get(&id)
-        .filter(|r| r.ledger.holds(&peer, dgen))
-        .map(|r| r.rgen);
-    let holder = live.or_else(|| {
-        e.draining
-            .iter()
-            .find(|(i, r)| *i == id && r.ledger.holds(&peer, dgen))
-            .map(|(_, r)| r.rgen)
-    });
-    match holder {
-        Some(rgen) => {
-            e.acks.queue(id, rgen, peer, dgen);
-            send_due(w, p);
-        }
-        None => w.send_to_decode(p, peer.node, peer.inc, Msg::AbortAck { id, dgen }),
-    }
-}
-
 /// The watchdog: deadlines, expired held destinations, acknowledgements due.
 pub(crate) fn tick(w: &mut World, p: usize) {
     let now = w.now;
@@ -481,12 +357,7 @@ pub(crate) fn tick(w: &mut World, p: usize) {
     for (id, why) in late {
         fail(w, p, id, why, None);
     }
-    let mut expired = w.prefills[p].holding.expire(now);
-    expired.sort_by_key(|(id, h)| (*id, h.generation, h.peer.node, h.peer.inc));
-    for (id, h) in expired {
-        let why = format!("prefill created no room {id} in time");
-        refuse(w, p, h.peer, id, h.generation, why);
-    }
+    arrivals::expire(&mut Sim { w, p }, now);
     send_due(w, p);
 }
 
@@ -500,9 +371,9 @@ pub(crate) fn lost(w: &mut World, p: usize, d: usize, inc: u32) {
     };
     let why = format!("lost d{d} (inc {inc})");
     w.note(|| format!("p{p} notices {why}"));
-    let e = &mut w.prefills[p];
-    e.lost.insert((d, inc));
-    let _ = e.holding.peer_lost(&peer, &why, w.now + BOOTSTRAP_US);
+    w.prefills[p].lost.insert((d, inc));
+    arrivals::lost(&mut Sim { w, p }, &peer, &why);
+    let e = &w.prefills[p];
     let rooms: Vec<u64> = e
         .rooms
         .iter()
