@@ -61,6 +61,17 @@ pub(crate) enum OnAbort {
     Stale,
 }
 
+/// Whom a failure tells ([`Ledger::told`]): each decode engine with the generation of
+/// its destination.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Told<P> {
+    /// Get an Abort with the reason.
+    pub aborts: Vec<(P, u64)>,
+    /// Get, over RDMA, the acknowledgement of the Abort once our writes into their
+    /// pages are done.
+    pub acks: Vec<(P, u64)>,
+}
+
 /// The decode engines of one prefill room.
 pub(crate) struct Ledger<P> {
     /// How many destinations the room waits for.
@@ -113,17 +124,23 @@ impl<P: PeerRef> Ledger<P> {
             .collect()
     }
 
-    /// The parties a failure tells, each with whether it gets an Abort: every
-    /// destination but `origin`'s. Each party, over RDMA, also gets its acknowledgement
-    /// once our writes into its pages are done. `origin` told us: a lost engine needs
-    /// nothing, and an engine's abort is acknowledged where it arrives, once.
-    pub fn told(&self, origin: Option<&P>) -> Vec<(P, u64, bool)> {
+    /// Whom a failure tells: every destination but `origin`'s gets an Abort and, over
+    /// RDMA, its acknowledgement once our writes into its pages are done. `origin` told
+    /// us: a lost engine needs nothing, and an engine's abort is acknowledged where it
+    /// arrives, once.
+    pub fn told(&self, origin: Option<&P>) -> Told<P> {
         let is_origin = |p: &P| origin.is_some_and(|o| o.same(p));
-        self.dests
-            .iter()
-            .filter(|d| !is_origin(&d.peer) || bugs::on(Bug::AckTheOrigin))
-            .map(|d| (d.peer.clone(), d.generation, !is_origin(&d.peer)))
-            .collect()
+        let parties = |also_origin: bool| {
+            let dests = self.dests.iter();
+            dests
+                .filter(|d| also_origin || !is_origin(&d.peer))
+                .map(|d| (d.peer.clone(), d.generation))
+                .collect()
+        };
+        Told {
+            aborts: parties(false),
+            acks: parties(bugs::on(Bug::AckTheOrigin)),
+        }
     }
 
     /// Whether the room holds `peer`'s destination of generation `generation`.
@@ -282,9 +299,14 @@ mod tests {
         let mut l = Ledger::new(2, None);
         l.destination(None, Standing::Live, dest(1, 7), "d1", 5);
         l.destination(None, Standing::Live, dest(2, 9), "d2", 5);
-        assert_eq!(l.told(None), vec![(P(1), 7, true), (P(2), 9, true)]);
-        assert_eq!(l.told(Some(&P(1))), vec![(P(2), 9, true)]);
-        assert_eq!(l.told(Some(&P(3))).len(), 2);
+        let both = vec![(P(1), 7), (P(2), 9)];
+        let told = |aborts: &[(P, u64)]| Told {
+            aborts: aborts.to_vec(),
+            acks: aborts.to_vec(),
+        };
+        assert_eq!(l.told(None), told(&both));
+        assert_eq!(l.told(Some(&P(1))), told(&both[1..]));
+        assert_eq!(l.told(Some(&P(3))), told(&both));
     }
 
     #[test]

@@ -358,11 +358,11 @@ impl Side for PrefillEngine {
     fn tell_failed(&self, room: &PRoom, msg: &str, origin: Option<&Arc<Peer>>) {
         let node = &self.core.node;
         let told = ext(room).lock().ledger.told(origin);
-        for (peer, generation, abort) in told {
-            if abort {
-                peer.send(&Message::abort(room.id(), generation, msg, &node.limits));
-            }
-            if node.rdma.is_some() {
+        for (peer, generation) in told.aborts {
+            peer.send(&Message::abort(room.id(), generation, msg, &node.limits));
+        }
+        if node.rdma.is_some() {
+            for (peer, generation) in told.acks {
                 self.acks.queue(&self.core, room, peer, generation);
             }
         }

@@ -311,16 +311,16 @@ pub(crate) fn fail(w: &mut World, p: usize, id: u64, reason: Reason, origin: Opt
     let told = room.ledger.told(origin.as_ref());
     room.reason = Some(reason.clone());
     w.note(|| format!("p{p} room {id} (req {req}) failed: {reason:?}"));
-    for (peer, dgen, abort) in told {
-        if abort {
-            let msg = Msg::Abort {
-                id,
-                dgen,
-                reason: reason.1.clone(),
-            };
-            w.send_to_decode(p, peer.node, peer.inc, msg);
-        }
-        if rdma {
+    for (peer, dgen) in told.aborts {
+        let msg = Msg::Abort {
+            id,
+            dgen,
+            reason: reason.1.clone(),
+        };
+        w.send_to_decode(p, peer.node, peer.inc, msg);
+    }
+    if rdma {
+        for (peer, dgen) in told.acks {
             w.prefills[p].acks.queue(id, rgen, peer, dgen);
         }
     }
