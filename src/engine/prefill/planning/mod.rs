@@ -25,6 +25,7 @@ mod tests;
 use std::collections::VecDeque;
 
 use super::{layers, Chunk};
+use crate::engine::bugs::{self, Bug};
 
 /// How many of a room's batches may stay queued while its waiting layers are planned: a
 /// layer call waits while more are queued, and the sender that takes the batch that
@@ -76,6 +77,8 @@ impl Planning {
     /// only then), else the worker does.
     pub fn hand_on(&mut self, chunk: Chunk, plans: impl FnOnce(&Chunk) -> bool) -> HandOn {
         let behind_chunks = self.busy || !self.waiting.is_empty();
+        // Put back: only queued batches hold a call back.
+        let behind_chunks = behind_chunks && !bugs::on(Bug::HandOnPastWaiting);
         if behind_chunks || self.behind_batches(&chunk) {
             layers::join(&mut self.waiting, chunk);
             return HandOn::Joined;
