@@ -32,6 +32,10 @@ pub(crate) enum Bug {
     /// Any prefill engine's Abort fails a decode room, not only its own engines'
     /// (invariants review 2026-12-05 F3).
     AnyPrefillAborts,
+    /// A chunk handed on while the room's earlier chunks wait (for its worker) or are
+    /// planned is held back only by queued batches: its caller plans it at once, past
+    /// them (the orders tests/hooks_complete.rs pins; `prefill/planning`).
+    HandOnPastWaiting,
 }
 
 #[cfg(test)]

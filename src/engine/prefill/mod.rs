@@ -1,7 +1,7 @@
 //! The prefill (sending) side: rooms that wait for the destinations of their decode
-//! engines, the holding area for what arrives before its room ([`holding`]), the chunk
-//! queues and the workers that write pages to the decode engines ([`sender`]), and the
-//! acknowledgements of aborts over RDMA ([`acks`]).
+//! engines, the holding area for what arrives before its room ([`holding`]), who plans
+//! a room's chunks ([`planning`]), the planners and the senders that write pages to the
+//! decode engines ([`sender`]), and the acknowledgements of aborts over RDMA ([`acks`]).
 
 pub(crate) mod acks;
 pub(crate) mod arrivals;
@@ -11,6 +11,7 @@ pub(crate) mod layers;
 pub(crate) mod ledger;
 mod outbox;
 mod plan;
+pub(crate) mod planning;
 mod send;
 mod sender;
 mod staged;
@@ -39,9 +40,10 @@ use holding::Holding;
 use layers::Chunks;
 use ledger::Ledger;
 use outbox::Outbox;
+use planning::Planning;
 
 /// One chunk of source pages, or some layers of one (`kvxfer_enqueue_layers`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Chunk {
     pub pages: Vec<u32>,
     /// The call closes the room: nothing is enqueued after it.
@@ -66,17 +68,10 @@ pub(crate) struct PrefillRoom {
     /// The room was made WAITING_FOR_INPUT (every destination arrived and the Ready
     /// transition was applied): chunks are planned from now on, not before.
     ready: bool,
-    /// A thread plans the room's chunks (the one that handed on a small chunk, or a
-    /// sender that took one of the room's batches), or a worker was handed the room
-    /// ([`PrefillEngine::hand_on`]); chunks that come meanwhile wait in `waiting`.
-    planning: bool,
-    /// Chunks handed on and not planned yet, in order. The layers of one chunk join while
-    /// they wait ([`layers::join`]), and a layer call waits while the room has batches
-    /// queued (`queued`, beyond one), so that a link that falls behind the compute sends
-    /// the layers that came meanwhile together, in full batches.
-    waiting: VecDeque<Chunk>,
-    /// Batches planned and not yet taken by a sender (nor dropped), every destination.
-    queued: usize,
+    /// Who plans the room's chunks (a thread that handed one on, a sender that took one
+    /// of its batches, or its worker), the chunks handed on and not planned yet, and its
+    /// batches queued for a sender ([`PrefillEngine::hand_on`]).
+    planning: Planning,
     /// Chunks enqueued before every destination arrived (layers of one chunk joined).
     held: VecDeque<Chunk>,
     /// The last chunk was enqueued.
@@ -92,9 +87,7 @@ impl PrefillRoom {
         PrefillRoom {
             ledger: Ledger::new(expected, bound),
             ready: false,
-            planning: false,
-            waiting: VecDeque::new(),
-            queued: 0,
+            planning: Planning::default(),
             held: VecDeque::new(),
             closed: false,
             chunks: Chunks::default(),

@@ -301,7 +301,7 @@ impl PrefillEngine {
             p.completion.ended();
             if link.is_none() {
                 // Dropped from its outbox, never taken.
-                p.queued -= 1;
+                p.planning.dropped();
             }
         }
         if batch.room.state().is_terminal() {

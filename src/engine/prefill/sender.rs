@@ -1,20 +1,20 @@
 //! The prefill's data path. One thread at a time plans a room's chunks, in order: the
 //! thread that hands on a small chunk while nothing of its room waits (the scheduler's
-//! enqueue, or the control reader when the destination makes the room ready), or the
-//! worker the room is hashed to for the others. A layer call also waits while the room
-//! has batches queued for a sender; the layers that come meanwhile join it, and the
-//! sender that takes the room's queued batches down to one plans them together
-//! ([`PrefillEngine::taken`]). Each chunk becomes its data frames for each destination
-//! ([`plan`]), in batches
-//! queued in the destination engine's outbox; a sender thread per link of that engine
-//! writes them (`send.rs`).
+//! enqueue, or the control reader when the destination makes the room ready), a sender
+//! that took the room's queued batches down to the reserve (layer calls wait behind
+//! them), or the worker the room is hashed to for the others. Who, and when, is the
+//! room's [`Planning`](super::planning) to decide; this is its shell, which asks it
+//! under the room's lock and acts once it holds none. Each chunk becomes its data frames
+//! for each destination ([`plan`]), in batches queued in the destination engine's
+//! outbox; a sender thread per link of that engine writes them (`send.rs`).
 
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use super::outbox::{Batch, Item, Outbox, Ticket};
 use super::plan::{batches, plan, Grouped, Place};
-use super::{ext, layers, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
+use super::planning::{HandOn, Next};
+use super::{ext, Chunk, Job, PRoom, PrefillEngine, PrefillRoom};
 use crate::control::Peer;
 use crate::engine::lifecycle;
 use crate::proto::{Message, Target};
@@ -36,12 +36,6 @@ pub(super) enum Handed {
     Here(Job),
 }
 
-/// How many of a room's batches may stay queued while its waiting layers are planned: a
-/// layer call waits while more are queued, and the sender that takes the batch that
-/// leaves this many plans the layers that waited. One batch stays queued, for another
-/// link to take while that sender plans.
-const QUEUED_RESERVE: usize = 1;
-
 /// The thread that plans a room's chunks: the one that handed a chunk on (the
 /// scheduler's enqueue, a control reader; small chunks only, [`PLAN_HERE_RUNS`]), a
 /// sender that took one of the room's batches, or the room's worker.
@@ -53,34 +47,32 @@ enum Planner {
 }
 
 impl PrefillEngine {
-    /// Hands on the next chunk of a ready room, in order (under the room's lock `p`).
-    /// It waits while the room's earlier chunks are planned, and a layer call also while
-    /// the room has batches queued for a sender (more than [`QUEUED_RESERVE`]): the
-    /// layers that come meanwhile join it and are planned together when a sender takes
-    /// the room's batches down to the reserve ([`PrefillEngine::taken`]). Otherwise a
-    /// small chunk is the caller's to plan ([`Handed::Here`]), and any other goes to the
-    /// room's worker.
+    /// Hands on the next chunk of a ready room, in order (under the room's lock `p`): it
+    /// waits behind the room's earlier chunks (and a layer call behind its queued
+    /// batches), or is the caller's to plan ([`Handed::Here`]) if small, or goes to the
+    /// room's worker (`Planning::hand_on`).
     pub(super) fn hand_on(&self, p: &mut PrefillRoom, job: Job) -> Handed {
-        let behind_batches = job.chunk.buffers.is_some() && p.queued > QUEUED_RESERVE;
-        if p.planning || !p.waiting.is_empty() || behind_batches {
-            layers::join(&mut p.waiting, job.chunk);
-            return Handed::Queued(true);
+        let dests = p.ledger.dests().len();
+        let room = &job.room;
+        let here = |c: &Chunk| self.plans(Planner::Caller, dests, room, c);
+        match p.planning.hand_on(job.chunk, here) {
+            HandOn::Joined => Handed::Queued(true),
+            HandOn::Here(chunk) => Handed::Here(Job {
+                room: job.room,
+                chunk,
+            }),
+            HandOn::ToWorker => Handed::Queued(self.dispatch(&job.room)),
         }
-        p.planning = true;
-        if self.plans(Planner::Caller, p, &job.room, &job.chunk) {
-            return Handed::Here(job);
-        }
-        p.waiting.push_back(job.chunk);
-        Handed::Queued(self.dispatch(&job.room))
     }
 
-    /// Whether `planner` plans `chunk` itself rather than the room's worker: a worker
-    /// plans any chunk; a sender any that is not empty (a plan takes microseconds per
-    /// thousand page runs, less than the worker's wakeup on the room's path, and the
-    /// sender was about to write one of the room's batches anyway); a caller only a
-    /// small one (it is the scheduler's thread). None but a worker plans while the
-    /// workers stop, or while a test pause point is armed in a worker's path.
-    fn plans(&self, planner: Planner, p: &PrefillRoom, room: &PRoom, chunk: &Chunk) -> bool {
+    /// Whether `planner` plans `chunk` (of `room`, with `dests` destinations) itself
+    /// rather than the room's worker: a worker plans any chunk; a sender any that is not
+    /// empty (a plan takes microseconds per thousand page runs, less than the worker's
+    /// wakeup on the room's path, and the sender was about to write one of the room's
+    /// batches anyway); a caller only a small one (it is the scheduler's thread). None
+    /// but a worker plans while the workers stop, or while a test pause point is armed
+    /// in a worker's path.
+    fn plans(&self, planner: Planner, dests: usize, room: &PRoom, chunk: &Chunk) -> bool {
         if planner == Planner::Worker {
             return true;
         }
@@ -104,7 +96,7 @@ impl PrefillEngine {
         };
         // An empty chunk stays with the worker: there is nothing to plan, and it only
         // completes the room.
-        let runs = chunk.pages.len() * buffers * p.ledger.dests().len();
+        let runs = chunk.pages.len() * buffers * dests;
         let most = match planner {
             Planner::Caller => PLAN_HERE_RUNS,
             _ => usize::MAX,
@@ -124,66 +116,51 @@ impl PrefillEngine {
     /// engine stops.
     pub(super) fn worker(&self, _index: usize, rooms: mpsc::Receiver<Arc<PRoom>>) {
         for room in rooms {
-            let first = ext(&room).lock().waiting.pop_front();
-            match first {
-                Some(chunk) => self.plan_waiting(Planner::Worker, &room, chunk),
-                None => ext(&room).lock().planning = false,
+            let first = ext(&room).lock().planning.worker_starts();
+            if let Some(chunk) = first {
+                self.plan_waiting(Planner::Worker, &room, chunk);
             }
         }
     }
 
     /// Plans `chunk` of `room` (`planner` is the room's planner), then each chunk that
-    /// waits behind it while it may go: a whole chunk at once, a layer call once the
-    /// room's queued batches are down to the reserve (else the sender that takes them
-    /// there plans it, with the layers that join it meanwhile). What `planner` does not
-    /// plan itself ([`PrefillEngine::plans`]) goes to the room's worker.
+    /// may go after it (`Planning::next`); what it may not plan goes to the room's
+    /// worker.
     fn plan_waiting(&self, planner: Planner, room: &Arc<PRoom>, mut chunk: Chunk) {
         loop {
             self.plan_job(room, &chunk);
-            let mut p = ext(room).lock();
-            let next = match p.waiting.front() {
-                Some(c) if c.buffers.is_none() || p.queued <= QUEUED_RESERVE => {
-                    p.waiting.pop_front()
-                }
-                _ => None,
+            let next = {
+                let mut p = ext(room).lock();
+                let dests = p.ledger.dests().len();
+                p.planning.next(|c| self.plans(planner, dests, room, c))
             };
-            let Some(next) = next else {
-                p.planning = false;
-                return;
-            };
-            if self.plans(planner, &p, room, &next) {
-                chunk = next;
-                continue;
+            match next {
+                Next::Plan(next) => chunk = next,
+                Next::Worker => return self.to_worker(room),
+                Next::Idle => return,
             }
-            p.waiting.push_front(next);
-            drop(p);
-            if !self.dispatch(room) {
-                self.fail_undispatched(room);
-            }
-            return;
         }
     }
 
     /// A sender took one of `room`'s batches: once they are down to the reserve, the
     /// layers that waited are planned, on this thread (before it writes the batch it
-    /// took, so that the room's next batches are queued while it does).
+    /// took, so that the room's next batches are queued while it does; `Planning::taken`).
     pub(super) fn taken(&self, room: &Arc<PRoom>) {
-        let mut p = ext(room).lock();
-        p.queued -= 1;
-        if p.queued > QUEUED_RESERVE || p.planning {
-            return;
-        }
-        let Some(chunk) = p.waiting.pop_front() else {
-            return;
+        let next = {
+            let mut p = ext(room).lock();
+            let dests = p.ledger.dests().len();
+            p.planning
+                .taken(|c| self.plans(Planner::Sender, dests, room, c))
         };
-        p.planning = true;
-        if self.plans(Planner::Sender, &p, room, &chunk) {
-            drop(p);
-            self.plan_waiting(Planner::Sender, room, chunk);
-            return;
+        match next {
+            Next::Plan(chunk) => self.plan_waiting(Planner::Sender, room, chunk),
+            Next::Worker => self.to_worker(room),
+            Next::Idle => {}
         }
-        p.waiting.push_front(chunk);
-        drop(p);
+    }
+
+    /// Hands `room` to its worker, or fails it if the engine is shutting down.
+    fn to_worker(&self, room: &Arc<PRoom>) {
         if !self.dispatch(room) {
             self.fail_undispatched(room);
         }
@@ -336,7 +313,7 @@ impl PrefillEngine {
             let mut p = ext(room).lock();
             let last = chunk.is_last.then_some(finishes);
             p.completion.planned(batches_planned, last);
-            p.queued += batches_planned;
+            p.planning.planned(batches_planned);
         }
         if batches_planned == 0 {
             self.chunk_sent();

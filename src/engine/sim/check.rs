@@ -3,6 +3,7 @@
 
 use super::{SimPeer, World, DRAIN_US, TICK_US};
 use crate::engine::peer_ref::PeerRef;
+use crate::engine::prefill::Chunk;
 use crate::room::state::transition;
 use crate::room::{Event, State};
 
@@ -36,6 +37,14 @@ pub(crate) enum Invariant {
     /// §1.5: the holding areas and acknowledgement tables stay bounded, and are empty at
     /// the end.
     Bounded,
+    /// Issue 37's planning hand-off: a prefill room's calls are planned in the order they
+    /// were handed on, each once (the layers of one chunk joined as they waited), by one
+    /// thread at a time (none but its worker once the room is handed to it).
+    InOrder,
+    /// Issue 37's planning hand-off: what waits to be planned in a live prefill room has
+    /// someone to plan it (the worker the room was handed to, or a sender with the
+    /// room's batches to take down to the reserve).
+    Attended,
 }
 
 /// An invariant broken: which, how, and when (virtual µs).
@@ -192,7 +201,31 @@ pub(crate) fn bound(w: &mut World, p: usize, peer: SimPeer, id: u64) {
     }
 }
 
-/// After every step: deadlines, drains and bounds.
+/// Prefill `p` plans `chunk` of room `id` (on its worker, or not): it must be the calls
+/// handed on first, joined as they waited, each planned once, and by the worker if the
+/// room was handed to it.
+pub(crate) fn in_order(w: &mut World, p: usize, id: u64, chunk: &Chunk, worker: bool) {
+    w.checking(Invariant::InOrder);
+    let room = w.prefills[p].rooms.get_mut(&id).expect("a room plans");
+    if !worker && room.worker_due() {
+        let detail = format!(
+            "p{p} room {id} (req {}) planned the call at {} on another thread while the \
+             room was handed to its worker",
+            room.req, chunk.start
+        );
+        return w.broke(Invariant::InOrder, detail);
+    }
+    if !room.plans_in_order(chunk) {
+        let detail = format!(
+            "p{p} room {id} (req {}) planned the call at {} (kv buffers {:?}, last: {}) out \
+             of order or twice",
+            room.req, chunk.start, chunk.buffers, chunk.is_last
+        );
+        w.broke(Invariant::InOrder, detail);
+    }
+}
+
+/// After every step: deadlines, drains, bounds, and no call stranded.
 pub(crate) fn after_step(w: &mut World) {
     let now = w.now;
     let slack = 2 * TICK_US;
@@ -248,6 +281,18 @@ pub(crate) fn after_step(w: &mut World) {
     });
     if let Some(detail) = over {
         w.broke(Invariant::Bounded, detail);
+    }
+    w.checking(Invariant::Attended);
+    let stranded = w.prefills.iter().enumerate().find_map(|(p, e)| {
+        let mut rooms = e.rooms.iter();
+        let (id, r) = rooms.find(|(_, r)| !r.state.is_terminal() && r.stranded())?;
+        Some(format!(
+            "p{p} room {id} (req {}) has calls waiting with no one to plan them",
+            r.req
+        ))
+    });
+    if let Some(detail) = stranded {
+        w.broke(Invariant::Attended, detail);
     }
 }
 

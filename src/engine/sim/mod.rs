@@ -5,7 +5,8 @@
 //!
 //! The engines' decisions are the library's own pure cores: the prefill room's
 //! [`Ledger`](super::prefill::ledger::Ledger), the [`Holding`](super::prefill::holding)
-//! area, the [`AckTable`](super::prefill::acks::AckTable) and the state rule
+//! area, the [`AckTable`](super::prefill::acks::AckTable), the planning hand-off
+//! ([`Planning`](super::prefill::planning::Planning)) and the state rule
 //! [`transition`](crate::room::transition). Around them the simulator is a second, single
 //! threaded shell (the live engine's threads, locks and sockets are the first; the tests
 //! over real sockets prove that one): `prefill.rs` applies the cores' outcomes as
@@ -134,6 +135,12 @@ pub(crate) enum Ev {
     },
     /// Prefill `p`'s sender writes the next page of room `id` (use `rgen`).
     SendStep {
+        p: usize,
+        id: u64,
+        rgen: u64,
+    },
+    /// Prefill `p`'s worker starts on room `id` (use `rgen`), handed to it.
+    Worker {
         p: usize,
         id: u64,
         rgen: u64,
@@ -317,6 +324,7 @@ impl World {
             }
             Ev::WriteDone { p, id, rgen } => prefill::write_done(self, p, id, rgen),
             Ev::SendStep { p, id, rgen } => prefill::send_step(self, p, id, rgen),
+            Ev::Worker { p, id, rgen } => prefill::worker(self, p, id, rgen),
             Ev::DestOut { d, id, dgen } => decode::dest_out(self, d, id, dgen),
             Ev::Tick(node) => {
                 match node {

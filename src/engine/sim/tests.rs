@@ -62,6 +62,7 @@ fn every_bug_put_back_is_found_within_ten_thousand_seeds() {
         (Bug::DestinationAfterFailure, vec![GivenBack]),
         (Bug::CountsBytes, vec![TrueSuccess]),
         (Bug::AnyPrefillAborts, vec![Stranger]),
+        (Bug::HandOnPastWaiting, vec![InOrder]),
     ];
     let mut found = Vec::new();
     for (bug, expected) in bugs {
@@ -79,7 +80,7 @@ fn every_bug_put_back_is_found_within_ten_thousand_seeds() {
         );
         found.push(bug);
     }
-    assert_eq!(found.len(), 7);
+    assert_eq!(found.len(), 8);
 }
 
 /// `make sim-soak`: seeds from `SIM_SEED` (default: from the clock) for `SIM_SECS`

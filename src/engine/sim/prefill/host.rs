@@ -2,6 +2,7 @@
 //! enqueue its chunks, abort it, poll it and clear it.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use super::*;
 use crate::engine::sim::Request;
@@ -38,8 +39,7 @@ pub(crate) fn host_create(w: &mut World, req: usize, p: usize) {
             deadline: w.now + BOOTSTRAP_US,
             calls: calls(&r),
             admitted: Chunks::default(),
-            waiting: VecDeque::new(),
-            closed: false,
+            hand_off: HandOff::default(),
             todo: VecDeque::new(),
             stepping: false,
             io: 0,
@@ -77,7 +77,8 @@ fn calls(r: &Request) -> VecDeque<(u32, Option<u32>)> {
 }
 
 /// The host's next call for its room: admitted by the library's `Chunks` (a call it
-/// refuses fails the room, as `enqueue` does), then planned once the room is ready.
+/// refuses fails the room, as `enqueue` does), then held until the room is ready, or
+/// handed on at once (and planned here if it is the caller's), as `enqueue` does.
 pub(crate) fn host_enqueue(w: &mut World, req: usize, p: usize) {
     let Some(id) = room_of(w, req, p) else {
         return;
@@ -114,14 +115,19 @@ pub(crate) fn host_enqueue(w: &mut World, req: usize, p: usize) {
         Ok(placed) => placed,
         Err(why) => return fail(w, p, id, (Cause::Mismatch, why), None),
     };
-    let buffers = match layer {
-        Some(l) => vec![l],
-        None => (0..r.layers).collect(),
+    let chunk = Chunk {
+        pages,
+        is_last,
+        aux: None,
+        start: placed.start,
+        buffers: mask.map(Arc::from),
+        total: placed.total,
     };
-    room.waiting.push_back((placed.start, pages.len(), buffers));
-    room.closed |= is_last;
-    if matches!(room.state, State::WaitingForInput | State::Transferring) {
-        plan(w, p, id);
+    if !matches!(room.state, State::WaitingForInput | State::Transferring) {
+        return layers::join(&mut room.hand_off.held, chunk);
+    }
+    if let Some(chunk) = hand_on(w, p, id, chunk) {
+        plan_waiting(w, p, id, Planner::Caller, chunk);
     }
 }
 

@@ -1,8 +1,12 @@
 //! A simulated prefill engine: the library's pure cores ([`Ledger`], [`Holding`],
-//! [`AckTable`], the state rule) under a single-threaded shell that applies their
-//! outcomes as `src/engine/prefill/arrivals.rs` and `mod.rs` do, with the sender's
-//! writes one page at a time.
+//! [`AckTable`], [`Planning`], the state rule) under a single-threaded shell that applies
+//! their outcomes as `src/engine/prefill/arrivals.rs`, `mod.rs` and `sender.rs` do, with
+//! the sender's writes one page at a time. A chunk handed on is planned by its caller at
+//! once, by the room's worker a random while later, or by the sender that takes the
+//! room's batches down to the reserve; the draws of who may plan stand in for the
+//! engine's rule (a chunk's size, pause points).
 
+mod hand_off;
 mod host;
 mod shell;
 
@@ -10,18 +14,20 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use super::check;
 use super::net::Msg;
-use super::{
-    engine_id, Ev, Host, Reason, SimPeer, World, BOOTSTRAP_US, TICK_US, TRANSFER_US, WAITING_US,
-};
+use super::{engine_id, Ev, Host, Reason, SimPeer, World, BOOTSTRAP_US, TICK_US, WAITING_US};
 use crate::engine::peer_ref::PeerRef;
 use crate::engine::prefill::acks::AckTable;
 use crate::engine::prefill::arrivals;
 use crate::engine::prefill::completion::Completion;
 use crate::engine::prefill::holding::{Holding, Limits};
-use crate::engine::prefill::layers::Chunks;
+use crate::engine::prefill::layers::{self, Chunks};
 use crate::engine::prefill::ledger::{Ledger, Standing};
+use crate::engine::prefill::planning::Next;
+use crate::engine::prefill::Chunk;
 use crate::room::{Cause, Event, State};
 
+pub(crate) use hand_off::worker;
+use hand_off::{hand_on, hand_on_held, plan_waiting, to_worker, HandOff, Planner};
 pub(crate) use host::{host_abort, host_create, host_enqueue, host_poll};
 use shell::Sim;
 
@@ -36,11 +42,9 @@ pub(crate) struct PRoom {
     calls: VecDeque<(u32, Option<u32>)>,
     /// The room's chunks as the library admits them (`layers::Chunks`).
     admitted: Chunks,
-    /// Calls admitted and not planned yet: (first position, pages, kv buffers).
-    waiting: VecDeque<(usize, usize, Vec<u32>)>,
-    /// The last call was admitted.
-    closed: bool,
-    /// Writes not made yet: (destination, its generation, page, kv buffer).
+    /// Who plans the calls admitted, and when.
+    hand_off: HandOff,
+    /// Writes not made yet, each a batch: (destination, its generation, page, kv buffer).
     todo: VecDeque<(SimPeer, u64, u32, u32)>,
     /// A sender step is scheduled.
     stepping: bool,
@@ -150,66 +154,7 @@ fn ready(w: &mut World, p: usize, id: u64) {
     }
     let room = w.prefills[p].rooms.get_mut(&id).expect("ready room");
     room.deadline = w.now + WAITING_US;
-    if !room.waiting.is_empty() {
-        plan(w, p, id);
-    }
-}
-
-/// Plans the calls admitted and not planned yet: each writes its positions of every
-/// destination's pages, in its buffers; the sender goes on.
-fn plan(w: &mut World, p: usize, id: u64) {
-    if !transit(w, p, id, Event::Start) {
-        return;
-    }
-    let rdma = w.net.rdma;
-    let room = w.prefills[p].rooms.get_mut(&id).expect("started room");
-    room.deadline = w.now + TRANSFER_US;
-    // As the planner does: a chunk must fit every destination, and the last one fill it.
-    let filled = room.waiting.back().map(|&(start, n, _)| start + n);
-    let bad = room.ledger.dests().iter().find(|d| {
-        let len = d.pages.len();
-        filled.is_some_and(|f| f > len) || (room.closed && filled.is_some_and(|f| f != len))
-    });
-    if let Some(dest) = bad {
-        let why = format!(
-            "room {id}: the chunks do not fit the destination of {} pages from d{}",
-            dest.pages.len(),
-            dest.peer.node
-        );
-        return fail(w, p, id, (Cause::Mismatch, why), None);
-    }
-    let before = room.todo.len();
-    while let Some((start, n, buffers)) = room.waiting.pop_front() {
-        for dest in room.ledger.dests() {
-            for &page in &dest.pages[start..start + n] {
-                for &b in &buffers {
-                    room.todo.push_back((dest.peer, dest.generation, page, b));
-                }
-            }
-        }
-    }
-    // Now and then over TCP (whose receiver checks each run; over RDMA without
-    // integrity a wrong write is the sender's to prevent), a faulty sender: a page is
-    // written in place of the last one of the last chunk.
-    // Each write a batch; with the room closed, this was its last chunk.
-    let last = room.closed.then(|| {
-        let dests = room.ledger.dests().iter();
-        dests
-            .map(|d| (d.peer, d.generation, d.pages.len() as u32))
-            .collect()
-    });
-    room.completion.planned(room.todo.len() - before, last);
-    let n = room.todo.len();
-    if !rdma && room.closed && n >= 2 && w.rng.chance(3) {
-        let first = room.todo[0];
-        room.todo[n - 1] = first;
-    }
-    if !room.stepping && !room.todo.is_empty() {
-        room.stepping = true;
-        let rgen = room.rgen;
-        let after = w.rng.range(20, 300);
-        w.at(after, Ev::SendStep { p, id, rgen });
-    }
+    hand_on_held(w, p, id);
 }
 
 /// Applies `event` to room `id` through the state rule; whether it applied.
@@ -233,8 +178,25 @@ pub(crate) fn send_step(w: &mut World, p: usize, id: u64, rgen: u64) {
     if !this || !transit(w, p, id, Event::Start) {
         return;
     }
+    let rng = &mut w.rng;
     let room = w.prefills[p].rooms.get_mut(&id).expect("this use");
     let Some((peer, dgen, page, buffer)) = room.todo.pop_front() else {
+        room.stepping = false;
+        return;
+    };
+    // As a sender does with the batch it took: once the room's batches are down to the
+    // reserve, the layers that waited behind them are planned first.
+    match room.hand_off.planning.taken(|_| Planner::Sender.plans(rng)) {
+        Next::Plan(chunk) => plan_waiting(w, p, id, Planner::Sender, chunk),
+        Next::Worker => to_worker(w, p, id),
+        Next::Idle => {}
+    }
+    // A room that failed meanwhile has its write skipped.
+    let Some(room) = w.prefills[p]
+        .rooms
+        .get_mut(&id)
+        .filter(|r| !r.state.is_terminal())
+    else {
         return;
     };
     let (req, rgen) = (room.req, room.rgen);
