@@ -23,6 +23,7 @@ mod check;
 mod decode;
 mod net;
 mod prefill;
+mod scenarios;
 #[cfg(test)]
 mod tests;
 mod workload;
