@@ -15,8 +15,6 @@
 //! - `"rdma.batch_done"` (src/transport/rdma/link.rs): a batch's RDMA WRITEs completed,
 //!   and the worker still counts them on the room (its io count), so an acknowledgement
 //!   of an abort must wait.
-//! - `"worker.before_complete"` (src/engine/prefill/send.rs, `try_complete`): every byte of the room's last chunk is
-//!   written; the worker has not yet claimed SUCCESS nor sent Done.
 //! - `"decode.send_destination"` (src/engine/decode/mod.rs): a decode room found waiting
 //!   with its destination set, and its destination is about to be sent (the room's lock
 //!   not yet taken).

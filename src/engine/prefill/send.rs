@@ -333,12 +333,11 @@ impl PrefillEngine {
         if room.state().is_terminal() {
             return; // a batch did not go out: the room failed, and no Done goes out
         }
-        #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("worker.before_complete", room.id());
         // Every byte is with the transport. Claim completion before telling the decode
         // engines: an abort that comes after the claim finds the room SUCCESS and changes
         // nothing, and one that came before it means no Done is sent, so the two sides
-        // never disagree about a prefill-side abort racing the last chunk.
+        // never disagree about a prefill-side abort racing the last chunk (both orders:
+        // the simulator's scenarios, `engine::sim::scenarios`).
         if !lifecycle::complete(self, room) {
             return; // aborted meanwhile: already FAILED, and no Done goes out
         }
