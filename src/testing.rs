@@ -15,9 +15,6 @@
 //! - `"rdma.batch_done"` (src/transport/rdma/link.rs): a batch's RDMA WRITEs completed,
 //!   and the worker still counts them on the room (its io count), so an acknowledgement
 //!   of an abort must wait.
-//! - `"decode.send_destination"` (src/engine/decode/mod.rs): a decode room found waiting
-//!   with its destination set, and its destination is about to be sent (the room's lock
-//!   not yet taken).
 //! - `"watchdog.scan"` (src/engine/watchdog.rs): the watchdog has read the room's state
 //!   and not yet its deadline.
 //! - `"prefill.on_destination"` (src/engine/prefill/arrivals.rs): a control reader has a decode

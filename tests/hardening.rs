@@ -44,14 +44,18 @@ fn source() -> Vec<Region> {
     common::source(BUFS, PAGES, ITEM)
 }
 
-/// F1 (invariant 6). A decode room becomes ready while its destination is already set,
-/// so the connect thread sends the destination; between its check that the room is
-/// waiting and the send, the room fails. The destination must then never go out: a
-/// prefill that got it after the Abort would write into pages the host was already
-/// told it may reuse (over RDMA `room_drained` counts an unsent destination as quiet).
+/// F1 (invariant 6). A decode room whose destination is set becomes ready once its
+/// prefill engine answered its last connection, and the connect thread then sends the
+/// destination; here the room fails just before that answer. The destination must
+/// never go out: a prefill that got it after the Abort would write into pages the host
+/// was already told it may reuse (over RDMA `room_drained` counts an unsent destination
+/// as quiet). The narrower window, the room failing between the connect thread's check
+/// and the send, is an ordering of the room's own decision now (taken on the state
+/// read under its lock, `DecodeRoom::send_destination`): the simulator reaches it
+/// (`engine::sim::scenarios`, `Seen::DestinationAfterFailure`, and the bug switch
+/// `DestinationAfterFailure` caught there), so no pause point holds it open here.
 #[test]
 fn a_destination_is_never_sent_for_a_room_that_failed_before_it_went_out() {
-    const POINT: &str = "decode.send_destination";
     let dmem = poisoned();
     let d = engine("decode", &dmem, &[TCP, ("connections_per_peer", "1")]);
     let room = 11;
@@ -59,14 +63,16 @@ fn a_destination_is_never_sent_for_a_room_that_failed_before_it_went_out() {
     d.room_create(room, RoomPeers::Prefills(vec![fp.addr.clone()]))
         .unwrap();
     d.room_set_destination(room, &[3, 4], None).unwrap();
-    testing::pause_at(POINT, room);
-    fp.handshake(BUFS, PAGES, ITEM, 1);
-    assert!(
-        testing::wait_paused(POINT, room, PARK),
-        "the connect thread never came to send the destination"
-    );
-    d.room_abort(room, "client cancelled").unwrap();
-    testing::release(POINT, room);
+    // The fake engine's fourth answer is the Hello of the last data connection.
+    let answers = std::cell::Cell::new(0);
+    fp.handshake_paced(BUFS, PAGES, ITEM, 1, &|| {
+        answers.set(answers.get() + 1);
+        if answers.get() == 4 {
+            d.room_abort(room, "client cancelled").unwrap();
+        }
+        true
+    });
+    assert_eq!(answers.get(), 4);
     let msgs = fake::drain_msgs(fp.ctrl(), Duration::from_millis(500));
     let destination = msgs
         .iter()
@@ -79,6 +85,7 @@ fn a_destination_is_never_sent_for_a_room_that_failed_before_it_went_out() {
         destination, None,
         "the destination of failed room {room} went out (abort at {abort:?}): {msgs:?}"
     );
+    assert_eq!(d.room_poll(room).unwrap(), State::Failed);
     assert!(d.room_drained(room).unwrap());
 }
 

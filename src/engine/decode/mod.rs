@@ -179,13 +179,13 @@ impl DecodeEngine {
     /// `room_drained` reads `sent` under it after the room is terminal, and an Abort is
     /// queued under it after the room failed (`tell_failed`). So either the destination
     /// went out ahead of the Abort (and over RDMA the room drains only on the peers'
-    /// acknowledgements), or it never goes out.
+    /// acknowledgements), or it never goes out. The check here is a shortcut; the
+    /// decision is the room's, on the state read under its lock (a room that fails
+    /// after this check: the simulator's scenarios, `engine::sim::scenarios`).
     fn send_destination(&self, room: &Arc<DRoom>) {
         if room.state() != State::WaitingForInput {
             return;
         }
-        #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("decode.send_destination", room.id());
         room.ext.send_destination(
             || room.state() == State::WaitingForInput,
             |pages, aux| Message::Destination {
