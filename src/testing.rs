@@ -7,26 +7,38 @@
 //! test can wait until it is parked ([`wait_paused`]). Each arming catches one thread
 //! once. Unarmed points cost one relaxed atomic load.
 //!
+//! A point is kept only for what the simulator (`src/engine/sim/`, single-threaded)
+//! cannot reach: a race of the shell itself (a lock, an atomic or a lookup against
+//! another thread, a thread's I/O), or an ordering of a decision not yet taken out of
+//! the shell; an ordering of the pure cores' inputs is the simulator's
+//! (`engine::sim::scenarios`). docs/ARCHITECTURE.md has the table, point by point.
+//!
 //! Points in the engine:
-//! - `"worker.mid_chunk"` (src/engine/prefill/send.rs, `write_batch`): a prefill worker has
-//!   just written one batch of a chunk's frames and not yet the next one (nor the
-//!   chunk's Done, nor its state change). While it is armed for a room, that room's
-//!   batches hold one frame each, so the point falls between two frames.
+//! - `"worker.mid_chunk"` (src/engine/prefill/send.rs: `write_batch`, `start_batch`):
+//!   a prefill worker has just written one batch of a chunk's frames and not yet the
+//!   next one (nor the chunk's Done, nor its state change). While it is armed for a
+//!   room, that room's batches hold one frame each (`plan.rs`, `batches`) and only its
+//!   worker plans its chunks (`sender.rs`, `plans`), so the point falls between two
+//!   frames.
+//! - `"prefill.plan_here"` (src/engine/prefill/sender.rs, `plan_here`): the thread that
+//!   enqueued a small chunk is about to plan it itself.
+//! - `"prefill.write_done"` (src/engine/prefill/send.rs, `write_done`): a sender
+//!   thread is about to write the room's Done on its data connection.
 //! - `"rdma.batch_done"` (src/transport/rdma/link.rs): a batch's RDMA WRITEs completed,
 //!   and the worker still counts them on the room (its io count), so an acknowledgement
 //!   of an abort must wait.
 //! - `"watchdog.scan"` (src/engine/watchdog.rs): the watchdog has read the room's state
 //!   and not yet its deadline.
-//! - `"prefill.on_destination"` (src/engine/prefill/arrivals.rs): a control reader has a decode
-//!   engine's destination for the room in hand and has not looked at anything yet.
+//! - `"prefill.on_destination"` (src/engine/prefill/arrivals.rs): a control reader has a
+//!   decode engine's destination for the room in hand and has not looked at anything
+//!   yet.
 //! - `"prefill.attach_lost"` (same file, `attach`): the destination was added to the
 //!   room and its engine found lost; the room is not failed yet.
 //! - `"decode.attach"` (src/engine/decode/mod.rs, `create`): a decode room was created
 //!   and its prefill engines looked up (their connections may be under way), and it is
 //!   not yet attached to them.
-//!
-//! - `"prefill.write_done"` (src/engine/prefill/send.rs, `write_done`): a sender
-//!   thread is about to write the room's Done on its data connection.
+//! - `"decode.verify"` (src/engine/decode/verify.rs, `verify_progress`): the verifier
+//!   counted itself in a room's io and has not checked its state yet.
 //! - `"accept.link_up"` (src/control/accept.rs), keyed by the port of the prefill
 //!   engine's own address: a decode engine's data connection is admitted and its link
 //!   added to the peer, which was not lost then; its sender is not started yet.
