@@ -6,9 +6,9 @@
 //! went out and before the completion claim, a decode room that fails before its
 //! destination goes out. [`Watcher`] recognises each from the events and the rooms'
 //! public state alone (not from the schedule's text), then checks what must follow it
-//! until the run ends; the tests below assert that a few hundred seeds reach every one
-//! with every invariant kept, and that the bug switch (`engine/bugs.rs`) breaking the
-//! rule each one pins is caught at that very room. `docs/ARCHITECTURE.md` lists the
+//! until the run ends. Its tests (`tests.rs`) assert that a few hundred seeds reach
+//! every one with every invariant kept, and that the bug switch (`engine/bugs.rs`)
+//! breaking the rule each one pins is caught at that very room. `docs/ARCHITECTURE.md` lists the
 //! pause points, and which of them the simulator made unnecessary.
 //!
 //! The simulated sender writes one page of one kv buffer to one destination per step,
@@ -94,7 +94,7 @@ pub(crate) struct Sighting {
 }
 
 impl Sighting {
-    /// Replays its run, the schedule printed (`SIM_REPLAY`).
+    /// What was seen where, and how to print its run's schedule (`SIM_REPLAY`).
     pub fn replay(&self) -> String {
         format!(
             "{:?} at {} µs, {} (req {}), seed {}: SIM_REPLAY={} cargo test --lib \
@@ -411,7 +411,8 @@ impl Watcher {
     }
 }
 
-/// Runs `config` as [`run`] does, showing `watcher` every step.
+/// Runs `config` as [`run`] does (a test holds them to the same schedule), showing
+/// `watcher` every step.
 pub(crate) fn watched(config: Config, trace: bool, watcher: &mut Watcher) -> Run {
     bugs::with(config.bug, || {
         let mut w = World::new(config, trace);
