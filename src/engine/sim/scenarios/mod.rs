@@ -60,18 +60,29 @@ pub(crate) enum Seen {
     DestinationAfterFailure,
 }
 
-/// One use of a room: prefill `p`'s use `rgen`, or decode `d`'s use `dgen`, of id `id`.
+/// One use of a room: prefill `p`'s use `rgen`, or decode `d`'s use `dgen` of id `id` in
+/// its incarnation `epoch` (a decode engine that starts again counts its generations
+/// from 1 again; prefill uses are counted across every engine).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Use {
-    Prefill { p: usize, id: u64, rgen: u64 },
-    Decode { d: usize, id: u64, dgen: u64 },
+    Prefill {
+        p: usize,
+        id: u64,
+        rgen: u64,
+    },
+    Decode {
+        d: usize,
+        epoch: u32,
+        id: u64,
+        dgen: u64,
+    },
 }
 
 impl std::fmt::Display for Use {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Use::Prefill { p, id, rgen } => write!(f, "p{p} room {id} (use {rgen})"),
-            Use::Decode { d, id, dgen } => write!(f, "d{d} room {id} (use {dgen})"),
+            Use::Decode { d, id, dgen, .. } => write!(f, "d{d} room {id} (use {dgen})"),
         }
     }
 }
@@ -85,9 +96,11 @@ pub(crate) struct Sighting {
     pub at: u64,
     room: Use,
     req: usize,
-    /// For [`Seen::AbortBeforeClaim`]: the destinations (decode engine, generation)
-    /// that must get no Done.
-    dests: Vec<(usize, u64)>,
+    /// The links (the other engine, the link's incarnation) and decode generations that
+    /// nothing of this use may go over: for [`Seen::AbortBeforeClaim`] its destinations
+    /// (no Done), for [`Seen::DestinationAfterFailure`] the room's prefill engines (no
+    /// destination).
+    links: Vec<(usize, u32, u64)>,
     /// What broke after it: a check of the scenario, or an invariant at a step about
     /// its room.
     pub broken: Option<String>,
@@ -155,8 +168,9 @@ impl Before {
 }
 
 /// The use a step is about: a prefill use's sender step, write completion or write
-/// landing; a decode use's destination step or destination arriving.
-fn about(ev: &Ev) -> Option<Use> {
+/// landing; a decode use's destination step or destination arriving (of the decode
+/// engine's incarnation now).
+fn about(ev: &Ev, w: &World) -> Option<Use> {
     match *ev {
         Ev::SendStep { p, id, rgen } | Ev::WriteDone { p, id, rgen } => {
             Some(Use::Prefill { p, id, rgen })
@@ -171,7 +185,12 @@ fn about(ev: &Ev) -> Option<Use> {
             d,
             msg: Msg::Dest { id, dgen, .. },
             ..
-        } => Some(Use::Decode { d, id, dgen }),
+        } => Some(Use::Decode {
+            d,
+            epoch: w.decodes[d].epoch,
+            id,
+            dgen,
+        }),
         _ => None,
     }
 }
@@ -214,27 +233,37 @@ impl Watcher {
         if let Ev::DestOut { d, id, dgen } = *ev {
             let failed = was.d.get(&(d, id)).filter(|r| r.dgen == dgen);
             if let Some(r) = failed.filter(|r| r.state == State::Failed) {
-                let room = Use::Decode { d, id, dgen };
-                self.saw(Seen::DestinationAfterFailure, w, room, r.req, Vec::new());
+                let e = &w.decodes[d];
+                let room = Use::Decode {
+                    d,
+                    epoch: e.epoch,
+                    id,
+                    dgen,
+                };
+                // Its prefill engines, over the links it knew them by (the step
+                // changed no room).
+                let peers = e.rooms.get(&id).map_or(&[][..], |r| &r.core.peers[..]);
+                let links = peers.iter().map(|q| (q.node, q.inc, dgen)).collect();
+                self.saw(Seen::DestinationAfterFailure, w, room, r.req, links);
             }
         }
         if let Some(v) = &w.violation {
             // The run ends here; a sighting of the room this step is about broke it.
-            if let Some(u) = about(ev) {
+            if let Some(u) = about(ev, w) {
                 let why = format!("{:?} broken: {}", v.invariant, v.detail);
                 self.breaks(|s| s.room == u, |_| why.clone());
             }
         }
     }
 
-    fn saw(&mut self, seen: Seen, w: &World, room: Use, req: usize, dests: Vec<(usize, u64)>) {
+    fn saw(&mut self, seen: Seen, w: &World, room: Use, req: usize, links: Vec<(usize, u32, u64)>) {
         self.sightings.push(Sighting {
             seen,
             seed: self.seed,
             at: w.now,
             room,
             req,
-            dests,
+            links,
             broken: None,
         });
     }
@@ -274,25 +303,29 @@ impl Watcher {
             Ev::Deliver {
                 p,
                 d,
+                inc,
                 to: Node::Decode(_),
                 msg: Msg::Done { id, dgen, .. },
-                ..
             } => self.breaks(
                 |s| {
                     matches!(s.room, Use::Prefill { p: q, id: i, .. } if (q, i) == (p, id))
-                        && s.dests.contains(&(d, dgen))
+                        && s.links.contains(&(d, inc, dgen))
                 },
                 |s| format!("{} sent Done to d{d} though it failed first", s.room),
             ),
             Ev::Deliver {
+                p,
                 d,
-                to: Node::Prefill(p),
+                inc,
+                to: Node::Prefill(_),
                 msg: Msg::Dest { id, dgen, .. },
-                ..
             } => {
-                let room = Use::Decode { d, id, dgen };
+                let room = format!("d{d} room {id} (use {dgen})");
                 self.breaks(
-                    |s| s.room == room,
+                    |s| {
+                        matches!(s.room, Use::Decode { d: e, id: i, .. } if (e, i) == (d, id))
+                            && s.links.contains(&(p, inc, dgen))
+                    },
                     |s| {
                         format!(
                             "{room}'s destination reached p{p} though it failed at {} µs",
@@ -355,8 +388,14 @@ impl Watcher {
             };
             if made == total {
                 let dests = r.ledger.dests().iter();
-                let dests = dests.map(|d| (d.peer.node, d.generation)).collect();
-                self.saw(Seen::AbortBeforeClaim { from }, w, room, b.req, dests);
+                let links = dests.map(|d| (d.peer.node, d.peer.inc, d.generation));
+                self.saw(
+                    Seen::AbortBeforeClaim { from },
+                    w,
+                    room,
+                    b.req,
+                    links.collect(),
+                );
             } else if 0 < made && made < total {
                 let calls = self.calls.get(&(p, b.rgen)).copied().unwrap_or(0);
                 // The writes made before chunk `k`.
