@@ -1,18 +1,18 @@
-//! The silent pin, reproduced step by step on real threads and sockets, and its
-//! neighbours (DESIGN.md section 1).
+//! The silent pin on real threads and sockets, and its neighbours (DESIGN.md section 1).
 //!
-//! The reported sequence: a two-chunk room, the worker stopped inside chunk 0's write
-//! window (one data frame written, the next not yet) with chunk 1 queued behind it, an
-//! abort arrives (from the prefill's own scheduler, or from the decode side), the worker
+//! The reported sequence: a two-chunk room, the worker inside chunk 0's write window
+//! (one data frame written, the next not yet) with chunk 1 queued behind it, an abort
+//! arrives (from the prefill's own scheduler, or from the decode side), the worker
 //! resumes. The reference design resurrected the room to TRANSFERRING and skipped the last
 //! chunk without a terminal write; here both rooms must end FAILED with the abort's
-//! reason, no further byte may be sent or land, and the inflight gauges must drain.
+//! reason, no further byte may land, and the inflight gauges must drain.
 //!
-//! The worker is held with the test-only pause point `worker.mid_chunk`
-//! (src/testing.rs), so this file exists only with `--features test-hooks`:
-//! `cargo test --features test-hooks --test pin_regression`.
-
-#![cfg(feature = "test-hooks")]
+//! That ordering, and the others a pause point used to hold open here (an abort between
+//! two chunks, a clear inside a chunk, an abort between the last frame and Done), are
+//! the simulator's now: it reaches each at one room, checks what must follow, and
+//! catches the reference design's rule there (`src/engine/sim/scenarios/`). The tests
+//! here abort and clear rooms at random moments while they move and check the behaviour
+//! over real sockets, whichever moment each abort caught.
 
 mod common;
 
@@ -22,17 +22,14 @@ use std::time::{Duration, Instant};
 
 use common::fake::{self, destination, FakePrefill};
 use common::{
-    engine, poisoned, source, wait_state, wait_terminal, wait_until, Pair, Region, Rng, LIMIT,
-    POISON,
+    engine, poisoned, source, wait_state, wait_terminal, wait_until, Pair, Region, Rng, POISON,
 };
-use kvxfer::proto::{self, Kind, Limits, Message, ReadError};
-use kvxfer::testing;
+use kvxfer::proto::{self, Kind, Limits, Message};
 use kvxfer::{Cause, Engine, ErrorKind, RoomPeers, State};
 
 const BUFS: usize = 2;
 const PAGES: usize = 1024;
 const ITEM: usize = 1024;
-const MID: &str = "worker.mid_chunk";
 /// One worker and one data connection: a room's chunks and every other room's queue
 /// behind each other, so a room used as a marker tells when the worker is done.
 const ONE_WORKER: &[(&str, &str)] = &[
@@ -86,130 +83,85 @@ fn assert_aborted(t: &Pair, room: u64, from_decode: bool, reason: &str) {
     }
 }
 
-/// Readies `room` (8 source pages from 100 to 8 pages from 200), enqueues it as two
-/// chunks of 4 and waits until the worker is held inside chunk 0's write window; the
-/// room's source and destination pages.
-fn held_mid_chunk(t: &Pair, room: u64) -> (Vec<u32>, Vec<u32>) {
-    let (src, dst) = (pages(100, 8), pages(200, 8));
-    t.ready(room, &dst);
-    testing::pause_at(MID, room);
-    t.p.enqueue_chunk(room, &src[..4], false, None).unwrap();
-    t.p.enqueue_chunk(room, &src[4..], true, None).unwrap();
-    assert!(
-        testing::wait_paused(MID, room, LIMIT),
-        "worker never paused"
-    );
-    (src, dst)
-}
-
-fn reported_sequence(from_decode: bool) {
+/// The reported sequence, its abort at a random moment: two-chunk rooms, each aborted
+/// from one side or the other while its chunks move, before its last chunk is enqueued
+/// or after. Where the abort caught each room (inside a chunk, between the two, after
+/// its last frame) is the threads' to decide. Every room ends in an allowed pair of
+/// states; one the abort failed is FAILED on both sides with the abort's reason,
+/// first-hand on the aborting side, and takes no chunk; no byte of it lands after its
+/// decode room drained; nothing stays in flight, and clearing both sides leaves nothing.
+#[test]
+fn a_two_chunk_room_aborted_from_either_side_while_it_moves_ends_failed_and_nothing_lands_after() {
+    const ROOMS: u64 = 100;
     let t = pair();
-    let room = 7;
-    let (src, dst) = held_mid_chunk(&t, room);
-    // Inside chunk 0's write window: buffer 0's frame is out, buffer 1's is not.
-    let frame = (4 * ITEM) as u64;
-    assert_eq!(t.p.metrics().bytes_sent, frame);
-    wait_until("the first frame to land", || {
-        t.d.metrics().bytes_received == frame
-    });
-    assert_eq!(t.p.room_poll(room).unwrap(), State::Transferring);
-    assert_eq!(t.d.room_poll(room).unwrap(), State::Transferring);
-
-    // The abort arrives while the worker is stopped, and reaches the other side.
+    let mut rng = Rng(0xD1B5_4A32_D192_ED03);
     let reason = "client went away mid-chunk";
-    t.side(from_decode).room_abort(room, reason).unwrap();
-    assert_eq!(wait_terminal(&t.p, room), State::Failed);
-    assert_eq!(wait_terminal(&t.d, room), State::Failed);
-    wait_until("the decode room to drain", || {
-        t.d.room_drained(room).unwrap()
-    });
-    // From here on no byte may land in the room's pages: poison them all again.
-    t.repoison(&dst);
-
-    // The worker resumes with chunk 1 queued behind it.
-    testing::release(MID, room);
-    t.marker(room + 1, &pages(0, 4), &pages(300, 4));
-
-    assert_aborted(&t, room, from_decode, reason);
-    let marker_bytes = (4 * ITEM * BUFS) as u64;
-    assert_eq!(
-        t.p.metrics().bytes_sent,
-        frame + marker_bytes,
-        "the worker sent more of the aborted room"
-    );
-    assert_eq!(t.d.metrics().bytes_received, frame + marker_bytes);
-    assert!(t.poisoned(&dst), "a byte landed after the room drained");
-    for e in [&t.p, &t.d] {
-        let m = e.metrics();
-        assert_eq!(m.inflight, 0, "{m:?}");
-        assert_eq!(m.rooms_failed_total(), 1, "{m:?}");
-        assert_eq!(m.rooms_succeeded, 1, "{m:?}");
+    let mut outcomes = std::collections::BTreeMap::<(&str, &str, &str), u32>::new();
+    let mut failed_dst = Vec::new();
+    for i in 0..ROOMS {
+        let room = 3000 + i;
+        let (src, dst) = (pages((i as u32 * 8) % 900, 8), pages(i as u32 * 8 + 100, 8));
+        t.ready(room, &dst);
+        let from_decode = rng.below(2) == 0;
+        // One room in three is aborted before its last chunk comes.
+        let early = rng.below(3) == 0;
+        t.p.enqueue_chunk(room, &src[..4], false, None).unwrap();
+        if !early {
+            t.p.enqueue_chunk(room, &src[4..], true, None).unwrap();
+        }
+        rng.spin_below(40_000);
+        t.side(from_decode).room_abort(room, reason).unwrap();
+        if early {
+            // A prefill that failed takes no chunk; one that did not hear the decode
+            // side's abort yet may.
+            match t.p.enqueue_chunk(room, &src[4..], true, None) {
+                Ok(()) => assert!(from_decode, "room {room} took a chunk after its abort"),
+                Err(e) => assert_eq!(e.kind(), ErrorKind::WrongState, "{e}"),
+            }
+        }
+        let (ps, ds) = (wait_terminal(&t.p, room), wait_terminal(&t.d, room));
+        let from = if from_decode { "decode" } else { "prefill" };
+        *outcomes.entry((ps.name(), ds.name(), from)).or_default() += 1;
+        // A decode-side abort may come after the prefill claimed SUCCESS and sent Done.
+        let allowed = ps == ds || (ps == State::Success && ds == State::Failed && from_decode);
+        assert!(
+            allowed,
+            "room {room}: prefill {ps}, decode {ds}, abort from {from}; so far {outcomes:?}"
+        );
+        if ps == State::Failed {
+            assert_aborted(&t, room, from_decode, reason);
+            assert_eq!(
+                t.p.enqueue_chunk(room, &src[..1], true, None)
+                    .unwrap_err()
+                    .kind(),
+                ErrorKind::WrongState
+            );
+        }
+        match ds {
+            State::Success => assert!(t.delivered(&src, &dst), "room {room}"),
+            _ => {
+                wait_until("drain", || t.d.room_drained(room).unwrap());
+                // From here on no byte of the room may land: poison its pages again.
+                t.repoison(&dst);
+                failed_dst.extend_from_slice(&dst);
+            }
+        }
     }
-    // The aborted room is dead for good: no chunk is taken, clear leaves nothing.
-    assert_eq!(
-        t.p.enqueue_chunk(room, &src[..1], true, None)
-            .unwrap_err()
-            .kind(),
-        ErrorKind::WrongState
+    // The worker and the connection have nothing of those rooms left behind this one.
+    t.marker(9000, &pages(0, 1), &pages(1000, 1));
+    assert!(
+        t.poisoned(&failed_dst),
+        "a byte landed after a room drained"
     );
-    for r in [room, room + 1] {
+    for e in [&t.p, &t.d] {
+        assert_eq!(e.metrics().inflight, 0);
+    }
+    for r in (3000..3000 + ROOMS).chain([9000]) {
         t.p.room_clear(r).unwrap();
         t.d.room_clear(r).unwrap();
     }
     assert_eq!(t.p.room_count() + t.d.room_count(), 0);
-}
-
-#[test]
-fn the_reported_sequence_with_the_abort_from_the_prefill_scheduler_ends_failed() {
-    reported_sequence(false);
-}
-
-#[test]
-fn the_reported_sequence_with_the_abort_from_the_decode_side_ends_failed() {
-    reported_sequence(true);
-}
-
-#[test]
-fn an_abort_between_chunks_with_the_last_chunk_queued_ends_failed() {
-    for from_decode in [false, true] {
-        let t = pair();
-        let (room, busy) = (10, 11);
-        let (src, dst) = (pages(100, 8), pages(200, 8));
-        t.ready(room, &dst);
-        t.ready(busy, &pages(400, 4));
-        t.p.enqueue_chunk(room, &src[..4], false, None).unwrap();
-        let chunk = (4 * ITEM * BUFS) as u64;
-        wait_until("chunk 0 to be sent", || t.p.metrics().chunks == 1);
-        wait_until("chunk 0 to land", || t.d.metrics().bytes_received == chunk);
-        // Hold the worker in another room so that the last chunk waits in its queue.
-        testing::pause_at(MID, busy);
-        t.p.enqueue_chunk(busy, &pages(0, 4), true, None).unwrap();
-        assert!(testing::wait_paused(MID, busy, LIMIT));
-        t.p.enqueue_chunk(room, &src[4..], true, None).unwrap();
-
-        let reason = "aborted between chunks";
-        t.side(from_decode).room_abort(room, reason).unwrap();
-        assert_eq!(wait_terminal(&t.p, room), State::Failed);
-        assert_eq!(wait_terminal(&t.d, room), State::Failed);
-        wait_until("drain", || t.d.room_drained(room).unwrap());
-        assert!(t.delivered(&src[..4], &dst[..4]));
-        t.repoison(&dst);
-        testing::release(MID, busy);
-        assert_eq!(wait_terminal(&t.p, busy), State::Success);
-        assert_eq!(wait_terminal(&t.d, busy), State::Success);
-        // The busy room then the queued last chunk: make sure the worker got past it.
-        t.marker(12, &pages(8, 1), &pages(500, 1));
-
-        assert_aborted(&t, room, from_decode, reason);
-        assert!(t.poisoned(&dst), "the last chunk landed");
-        assert_eq!(
-            t.p.metrics().bytes_sent,
-            chunk + chunk + (ITEM * BUFS) as u64
-        );
-        for e in [&t.p, &t.d] {
-            assert_eq!(e.metrics().inflight, 0);
-        }
-    }
+    println!("two-chunk rooms aborted while they move, {ROOMS} rooms: {outcomes:?}");
 }
 
 /// The last chunk races an abort from a random side at a random moment. Allowed
@@ -234,8 +186,8 @@ fn an_abort_racing_the_last_chunk_ends_in_an_allowed_pair_of_states() {
         let from = if from_decode { "decode" } else { "prefill" };
         *outcomes.entry((ps.name(), ds.name(), from)).or_default() += 1;
         // A decode-side abort may come after the prefill claimed SUCCESS and sent Done;
-        // a prefill-side abort either wins (no Done) or finds the room SUCCESS
-        // (`the_prefill_writes_no_done_frame_for_a_room_that_failed_first`).
+        // a prefill-side abort either wins (no Done: the claim loses, the simulator's
+        // `AbortBeforeClaim`) or finds the room SUCCESS.
         let allowed = ps == ds || (ps == State::Success && ds == State::Failed && from_decode);
         assert!(
             allowed,
@@ -274,44 +226,10 @@ fn an_abort_racing_the_last_chunk_ends_in_an_allowed_pair_of_states() {
     assert!(successes > 0 && successes < ROOMS as u32, "{outcomes:?}");
 }
 
-#[test]
-fn clearing_a_room_while_its_worker_is_mid_chunk_leaves_nothing_behind() {
-    let t = pair();
-    let room = 20;
-    let (src, dst) = held_mid_chunk(&t, room);
-    let sent = t.p.metrics().bytes_sent;
-
-    t.p.room_clear(room).unwrap();
-    assert_eq!(t.p.room_poll(room).unwrap_err().kind(), ErrorKind::NotFound);
-    assert_eq!(wait_terminal(&t.d, room), State::Failed);
-    let why = t.d.room_failure(room).unwrap();
-    assert!(
-        why.from_peer && why.message.contains("cleared while live"),
-        "{why}"
-    );
-    wait_until("drain", || t.d.room_drained(room).unwrap());
-    t.repoison(&dst);
-    testing::release(MID, room);
-    t.marker(21, &pages(0, 2), &pages(300, 2));
-    assert_eq!(
-        t.p.metrics().bytes_sent,
-        sent + (2 * ITEM * BUFS) as u64,
-        "the worker sent more of the cleared room"
-    );
-    assert!(t.poisoned(&dst));
-    assert_eq!(t.p.metrics().inflight, 0);
-    assert_eq!(t.d.metrics().inflight, 0);
-    // The id is free on both sides once decode clears too, and a new use works.
-    t.d.room_clear(room).unwrap();
-    t.p.room_clear(21).unwrap();
-    t.d.room_clear(21).unwrap();
-    assert_eq!(t.p.room_count() + t.d.room_count(), 0);
-    t.marker(room, &src, &dst);
-}
-
-/// Clears from a random side at random moments while chunks move: the cleared side
-/// forgets the room at once, the other side ends terminal, and once both cleared no
-/// room, gauge or late byte is left.
+/// Clears from a random side at random moments while chunks move (inside a chunk,
+/// between the two, or after): the cleared side forgets the room at once, the other side
+/// ends terminal (failed, it says the room was cleared while live), once both cleared no
+/// room, gauge or late byte is left, and the id serves a new use.
 #[test]
 fn clears_racing_workers_leave_no_room_gauge_or_late_byte() {
     const ROOMS: u64 = 120;
@@ -337,7 +255,9 @@ fn clears_racing_workers_leave_no_room_gauge_or_late_byte() {
         );
         let s = wait_terminal(other, room);
         if s == State::Failed {
-            assert!(!other.room_failure(room).unwrap().message.is_empty());
+            let why = other.room_failure(room).unwrap();
+            assert!(why.from_peer, "{why}");
+            assert!(why.message.contains("cleared while live"), "{why}");
         }
         other.room_clear(room).unwrap();
         cleared_dst.extend_from_slice(&dst);
@@ -348,7 +268,9 @@ fn clears_racing_workers_leave_no_room_gauge_or_late_byte() {
     t.marker(6001, &pages(1, 1), &pages(11, 1));
     std::thread::sleep(Duration::from_millis(50));
     assert!(t.poisoned(&cleared_dst));
-    for r in [6000, 6001] {
+    // A new use of a cleared id.
+    t.marker(2000, &pages(2, 1), &pages(12, 1));
+    for r in [6000, 6001, 2000] {
         t.p.room_clear(r).unwrap();
         t.d.room_clear(r).unwrap();
     }
@@ -401,59 +323,6 @@ fn a_destination_arriving_after_the_prefill_aborted_fails_the_decode_room() {
     }
     assert_eq!(t.p.room_count() + t.d.room_count(), 0);
     assert_eq!(t.p.metrics().inflight + t.d.metrics().inflight, 0);
-}
-
-/// DESIGN.md section 2: a prefill room reaches SUCCESS when its last chunk is written
-/// and completion delivered; an abort before that makes it FAILED and the decode side is
-/// told. A Done frame written for a room that is already FAILED lets the decode engine,
-/// which reads Done and Abort from two different connections, complete the room the
-/// prefill reports as failed (prefill FAILED / decode SUCCESS, seen by
-/// `an_abort_racing_the_last_chunk_ends_in_an_allowed_pair_of_states`).
-///
-/// Deterministic here with a fake decode engine on raw sockets: the worker is held right
-/// after the last data frame of a one-frame room, the prefill scheduler aborts the room,
-/// the worker resumes, and the data connection must carry no Done.
-#[test]
-fn the_prefill_writes_no_done_frame_for_a_room_that_failed_first() {
-    // One KV buffer: the room's one page is one data frame, and the pause point after it
-    // is the gap between the last data frame and Done.
-    let pmem = source(1, PAGES, ITEM);
-    let p = engine("prefill", &pmem, ONE_WORKER);
-    let id = 0xD0_0D;
-    let mut ctrl = fake::decode_ctrl(p.address(), id, 1, PAGES, ITEM);
-    let mut data = fake::decode_data(p.address(), id, 0);
-
-    let room = 40;
-    p.room_create(room, RoomPeers::Decoders(1)).unwrap();
-    fake::send_msg(&mut ctrl, &destination(room, 1, vec![5]));
-    wait_state(&p, room, State::WaitingForInput);
-    testing::pause_at(MID, room);
-    p.enqueue_chunk(room, &[3], true, None).unwrap();
-    assert!(testing::wait_paused(MID, room, LIMIT));
-    let l = Limits::default();
-    let h = proto::read_frame_header(&mut data, &l).unwrap();
-    let dh = proto::read_data_header(&mut data, &h, &l).unwrap();
-    assert_eq!((dh.room, dh.first_page, dh.n_pages), (room, 5, 1));
-    let mut page = vec![0u8; ITEM];
-    std::io::Read::read_exact(&mut data, &mut page).unwrap();
-
-    p.room_abort(room, "cancelled after the last frame")
-        .unwrap();
-    assert_eq!(p.room_poll(room).unwrap(), State::Failed);
-    testing::release(MID, room);
-
-    data.set_read_timeout(Some(Duration::from_millis(500)))
-        .unwrap();
-    match proto::read_frame_header(&mut data, &l) {
-        Err(ReadError::Idle(_)) => {}
-        Ok(h) if h.kind == Kind::Done => {
-            let done = proto::read_control(&mut data, &h, &l).unwrap();
-            panic!("prefill room {room} is FAILED, yet its worker sent {done:?}");
-        }
-        other => panic!("unexpected {other:?}"),
-    }
-    assert_eq!(p.room_poll(room).unwrap(), State::Failed);
-    drop(p);
 }
 
 /// Clearing a prefill room whose batch is blocked on a slow reader: the worker stops
