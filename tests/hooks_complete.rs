@@ -1,18 +1,15 @@
 //! Completion and chunk order on the prefill side. The worker claims completion before
 //! it sends Done, so a prefill-side abort that races the last chunk leaves both sides
 //! agreeing (found by kvxfer-bench's checker; the abort landing just before the claim,
-//! or just after it, is the simulator's: `engine::sim::scenarios`); a room's chunks are
-//! planned in order, whether by the enqueueing thread or by the room's worker
-//! (deterministic through the `prefill.plan_here` pause point). Needs `--features
-//! test-hooks`.
-#![cfg(feature = "test-hooks")]
+//! or just after it, is the simulator's: `src/engine/sim/scenarios/`); a room's chunks
+//! are planned in order, whoever plans them (who does, chunk after chunk, is the
+//! planning core's: `src/engine/prefill/planning/`).
 
 mod common;
 
 use std::time::Duration;
 
-use common::{wait_terminal, Pair, LIMIT};
-use kvxfer::testing;
+use common::{wait_terminal, Pair};
 use kvxfer::State;
 
 /// A prefill-side abort racing the completion claim of a room's last chunk: both sides
@@ -52,37 +49,6 @@ fn a_prefill_abort_racing_the_completion_claim_ends_both_sides_alike() {
     assert_eq!(wait_terminal(p, room), State::Success);
     assert_eq!(wait_terminal(d, room), State::Success);
     too_late(room);
-}
-
-/// A small chunk of a ready room is planned by the thread that enqueues it (no worker
-/// wakeup on the room's critical path); a chunk enqueued meanwhile waits for it, so the
-/// room is sealed only after both are planned and its pages land in order.
-#[test]
-fn a_chunk_enqueued_while_the_caller_plans_the_one_before_waits_for_it() {
-    const HERE: &str = "prefill.plan_here";
-    let t = std::sync::Arc::new(Pair::builder().build());
-    let room = 3;
-    t.ready(room, &[10, 11]);
-    testing::pause_at(HERE, room);
-    let first = {
-        let t = t.clone();
-        std::thread::spawn(move || t.p.enqueue_chunk(room, &[1], false, None))
-    };
-    assert!(testing::wait_paused(HERE, room, LIMIT));
-    assert!(
-        !first.is_finished(),
-        "the enqueueing thread plans the chunk itself"
-    );
-    // The last chunk comes while the first is being planned: it must not be planned (and
-    // the room sealed) before it.
-    t.p.enqueue_chunk(room, &[2], true, None).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
-    assert_ne!(t.p.room_poll(room).unwrap(), State::Success);
-    testing::release(HERE, room);
-    first.join().unwrap().unwrap();
-    assert_eq!(wait_terminal(&t.p, room), State::Success);
-    assert_eq!(wait_terminal(&t.d, room), State::Success);
-    t.assert_pages(&[1, 2], &[10, 11]);
 }
 
 /// A chunk too large to plan on the caller's thread goes to the room's worker; a small
