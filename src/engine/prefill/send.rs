@@ -91,8 +91,6 @@ impl PrefillEngine {
                 return self.end_batch(&batch, written, link);
             }
         };
-        #[cfg(feature = "test-hooks")]
-        let id = batch.room.id();
         let (engine, l) = (self.clone(), link.clone());
         p.start(
             &runs,
@@ -105,10 +103,6 @@ impl PrefillEngine {
                 engine.end_batch(&batch, written, &l);
             }),
         );
-        // The sender holds here as a TCP sender holds after its write: the batch is in
-        // flight, and its answer ends it meanwhile.
-        #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("worker.mid_chunk", id);
     }
 
     /// What a batch's write came to: whether it was written whole; a failure (or a
@@ -176,12 +170,7 @@ impl PrefillEngine {
             // Device pages go through the pinned staging ring; the io count goes with
             // them, held until every copy out of the room's pages completed.
             let io = io.take().expect("held until here");
-            let written = self.write_staged(link, batch, io)?;
-            #[cfg(feature = "test-hooks")]
-            if written {
-                crate::testing::pause_point("worker.mid_chunk", room.id());
-            }
-            return Ok(written);
+            return self.write_staged(link, batch, io);
         }
         let runs = self.runs(batch)?;
         // A slow link: once the room ends, its pages are no longer read, and the io count
@@ -197,12 +186,7 @@ impl PrefillEngine {
             link.write_runs(&runs, &mut watch)
         };
         drop(io);
-        let written = self.sent(batch, sent)?;
-        #[cfg(feature = "test-hooks")]
-        if written {
-            crate::testing::pause_point("worker.mid_chunk", room.id());
-        }
-        Ok(written)
+        self.sent(batch, sent)
     }
 
     /// The batch's runs: each frame's header (with its digest, under `integrity`) and
