@@ -14,14 +14,6 @@
 //! (`engine::sim::scenarios`). docs/ARCHITECTURE.md has the table, point by point.
 //!
 //! Points in the engine:
-//! - `"worker.mid_chunk"` (src/engine/prefill/send.rs: `write_batch`, `start_batch`):
-//!   a prefill worker has just written one batch of a chunk's frames and not yet the
-//!   next one (nor the chunk's Done, nor its state change). While it is armed for a
-//!   room, that room's batches hold one frame each (`plan.rs`, `batches`) and only its
-//!   worker plans its chunks (`sender.rs`, `plans`), so the point falls between two
-//!   frames.
-//! - `"prefill.plan_here"` (src/engine/prefill/sender.rs, `plan_here`): the thread that
-//!   enqueued a small chunk is about to plan it itself.
 //! - `"prefill.write_done"` (src/engine/prefill/send.rs, `write_done`): a sender
 //!   thread is about to write the room's Done on its data connection.
 //! - `"rdma.batch_done"` (src/transport/rdma/link.rs): a batch's RDMA WRITEs completed,
@@ -29,9 +21,9 @@
 //!   of an abort must wait.
 //! - `"watchdog.scan"` (src/engine/watchdog.rs): the watchdog has read the room's state
 //!   and not yet its deadline.
-//! - `"prefill.on_destination"` (src/engine/prefill/arrivals.rs): a control reader has a
-//!   decode engine's destination for the room in hand and has not looked at anything
-//!   yet.
+//! - `"prefill.on_destination"` (src/engine/prefill/arrivals/mod.rs): a control reader
+//!   has a decode engine's destination for the room in hand and has not looked at
+//!   anything yet.
 //! - `"prefill.attach_lost"` (same file, `attach`): the destination was added to the
 //!   room and its engine found lost; the room is not failed yet.
 //! - `"decode.attach"` (src/engine/decode/mod.rs, `create`): a decode room was created

@@ -8,7 +8,7 @@ const SEEDS: u64 = 600;
 
 /// An ordering that a test over real engines forced with a pause point, and that test.
 struct Wanted {
-    /// The test (file: name) that held it open (`worker.mid_chunk`'s still do).
+    /// The test (file: name) that held it open with a pause point.
     test: &'static str,
     is: fn(&Seen) -> bool,
 }
