@@ -53,9 +53,10 @@ rust-checks: deps
 	cargo test --locked -p kvxfer-bench
 	# Two hosts in network namespaces (root + iproute2), with a link cut and heal.
 	cargo test --locked --test netns -- --ignored
-	# The reported silent-pin interleaving and its neighbours, held open by test-only
-	# pause points (feature test-hooks, never in a release build).
-	cargo test --locked --features test-hooks --test pin_regression --test hooks_complete --test hardening \
+	# The races of the shell held open by test-only pause points (feature test-hooks,
+	# never in a release build); the silent pin and its neighbours (pin_regression,
+	# hooks_complete) run above without them.
+	cargo test --locked --features test-hooks --test hardening \
 	  --test hardening_again --test hetero --test integrity --test cuda_ipc
 	# The byte-exact suites again over the same-host path (a direct copy between the
 	# processes; any pairing that cannot take it fails its rooms).

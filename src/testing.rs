@@ -165,15 +165,6 @@ pub(crate) fn take_fault(name: &str, room: u64) -> bool {
     }
 }
 
-/// Engine side: whether `name` is armed (not yet reached) for `room`.
-pub(crate) fn is_armed(name: &str, room: u64) -> bool {
-    if ARMED.load(Ordering::Relaxed) == 0 {
-        return false;
-    }
-    let points = POINTS.lock();
-    find(&points, name, room).is_some_and(|i| points[i].phase == Phase::Armed)
-}
-
 /// The port of `host:port`, the key of the points and faults aimed at an engine rather
 /// than a room (0 if there is none).
 pub(crate) fn port_key(addr: &str) -> u64 {

@@ -149,20 +149,12 @@ pub(super) type Grouped = (Vec<Planned>, usize);
 
 /// Groups a destination's planned frames into batches: at most `BATCH_FRAMES` frames or
 /// `MAX_FRAME_BYTES` of payload each.
-pub(super) fn batches(frames: Vec<Planned>, room: u64) -> Vec<Grouped> {
-    #[allow(unused_mut)]
-    let mut per = BATCH_FRAMES;
-    #[cfg(feature = "test-hooks")]
-    if crate::testing::is_armed("worker.mid_chunk", room) {
-        // While armed, one frame per batch, so the pause falls between two frames.
-        per = 1;
-    }
-    let _ = room;
+pub(super) fn batches(frames: Vec<Planned>) -> Vec<Grouped> {
     let mut out: Vec<Grouped> = Vec::new();
     for f in frames {
         let len = f.hdr.byte_len as usize;
         match out.last_mut() {
-            Some((b, bytes)) if b.len() < per && *bytes < MAX_FRAME_BYTES => {
+            Some((b, bytes)) if b.len() < BATCH_FRAMES && *bytes < MAX_FRAME_BYTES => {
                 b.push(f);
                 *bytes += len;
             }

@@ -53,8 +53,7 @@ impl PrefillEngine {
     /// room's worker (`Planning::hand_on`).
     pub(super) fn hand_on(&self, p: &mut PrefillRoom, job: Job) -> Handed {
         let dests = p.ledger.dests().len();
-        let room = &job.room;
-        let here = |c: &Chunk| self.plans(Planner::Caller, dests, room, c);
+        let here = |c: &Chunk| self.plans(Planner::Caller, dests, c);
         match p.planning.hand_on(job.chunk, here) {
             HandOn::Joined => Handed::Queued(true),
             HandOn::Here(chunk) => Handed::Here(Job {
@@ -65,25 +64,16 @@ impl PrefillEngine {
         }
     }
 
-    /// Whether `planner` plans `chunk` (of `room`, with `dests` destinations) itself
-    /// rather than the room's worker: a worker plans any chunk; a sender any that is not
-    /// empty (a plan takes microseconds per thousand page runs, less than the worker's
-    /// wakeup on the room's path, and the sender was about to write one of the room's
-    /// batches anyway); a caller only a small one (it is the scheduler's thread). None
-    /// but a worker plans while the workers stop, or while a test pause point is armed
-    /// in a worker's path.
-    fn plans(&self, planner: Planner, dests: usize, room: &PRoom, chunk: &Chunk) -> bool {
+    /// Whether `planner` plans `chunk` (with `dests` destinations) itself rather than
+    /// the room's worker: a worker plans any chunk; a sender any that is not empty (a
+    /// plan takes microseconds per thousand page runs, less than the worker's wakeup on
+    /// the room's path, and the sender was about to write one of the room's batches
+    /// anyway); a caller only a small one (it is the scheduler's thread). None but a
+    /// worker plans while the workers stop.
+    fn plans(&self, planner: Planner, dests: usize, chunk: &Chunk) -> bool {
         if planner == Planner::Worker {
             return true;
         }
-        #[cfg(feature = "test-hooks")]
-        if ["worker.mid_chunk", "worker.before_complete"]
-            .iter()
-            .any(|h| crate::testing::is_armed(h, room.id()))
-        {
-            return false;
-        }
-        let _ = room;
         let buffers = match &chunk.buffers {
             Some(b) => b.iter().filter(|on| **on).count(),
             None => self
@@ -107,8 +97,6 @@ impl PrefillEngine {
     /// Plans a chunk [`PrefillEngine::hand_on`] gave the caller, then the chunks that
     /// came meanwhile ([`PrefillEngine::plan_waiting`]).
     pub(super) fn plan_here(&self, job: Job) {
-        #[cfg(feature = "test-hooks")]
-        crate::testing::pause_point("prefill.plan_here", job.room.id());
         self.plan_waiting(Planner::Caller, &job.room, job.chunk);
     }
 
@@ -132,7 +120,7 @@ impl PrefillEngine {
             let next = {
                 let mut p = ext(room).lock();
                 let dests = p.ledger.dests().len();
-                p.planning.next(|c| self.plans(planner, dests, room, c))
+                p.planning.next(|c| self.plans(planner, dests, c))
             };
             match next {
                 Next::Plan(next) => chunk = next,
@@ -149,8 +137,7 @@ impl PrefillEngine {
         let next = {
             let mut p = ext(room).lock();
             let dests = p.ledger.dests().len();
-            p.planning
-                .taken(|c| self.plans(Planner::Sender, dests, room, c))
+            p.planning.taken(|c| self.plans(Planner::Sender, dests, c))
         };
         match next {
             Next::Plan(chunk) => self.plan_waiting(Planner::Sender, room, chunk),
@@ -305,7 +292,7 @@ impl PrefillEngine {
                 .map_err(|e| FailureReason::local(Cause::Internal, e.to_string()))?;
                 finishes.push((peer.clone(), frame));
             }
-            queued.push((outbox, peer.clone(), batches(frames, room.id())));
+            queued.push((outbox, peer.clone(), batches(frames)));
         }
         let batches_planned: usize = queued.iter().map(|(_, _, b)| b.len()).sum();
         let ticket = Ticket::new(batches_planned);

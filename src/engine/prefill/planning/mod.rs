@@ -16,8 +16,8 @@
 //! - nothing waits with no one to plan it: a planner, the worker it was handed to, or a
 //!   sender with the room's batches to take.
 //!
-//! Who may plan what depends on the engine (the chunk's size, its workers, test pause
-//! points): each call takes that answer as `plans`, asked only when it matters.
+//! Who may plan what depends on the engine (the chunk's size, its workers): each call
+//! takes that answer as `plans`, asked only when it matters.
 
 #[cfg(test)]
 mod tests;

@@ -52,7 +52,7 @@ impl PRoom {
 }
 
 /// Who plans in the simulator. Its draws stand in for the engine's rule
-/// (`PrefillEngine::plans`: a chunk's size, the workers, pause points).
+/// (`PrefillEngine::plans`: a chunk's size, the workers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Planner {
     Caller,
@@ -63,7 +63,7 @@ pub(super) enum Planner {
 impl Planner {
     /// Whether it plans a chunk itself rather than the room's worker: a worker always, a
     /// caller three times in four (else the chunk is too large for it), a sender nine
-    /// in ten (else a pause point is armed, say).
+    /// in ten (else the workers stop, say).
     pub(super) fn plans(self, rng: &mut Rng) -> bool {
         match self {
             Planner::Worker => true,

@@ -4,7 +4,7 @@
 //! the sender's writes one page at a time. A chunk handed on is planned by its caller at
 //! once, by the room's worker a random while later, or by the sender that takes the
 //! room's batches down to the reserve; the draws of who may plan stand in for the
-//! engine's rule (a chunk's size, pause points).
+//! engine's rule (a chunk's size, the workers).
 
 mod hand_off;
 mod host;
