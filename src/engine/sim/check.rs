@@ -45,6 +45,10 @@ pub(crate) enum Invariant {
     /// someone to plan it (the worker the room was handed to, or a sender with the
     /// room's batches to take down to the reserve).
     Attended,
+    /// §1.1, §1.3: a prefill room whose decode engine is lost fails when the loss is
+    /// noticed, naming it, not later at a deadline (the engine finds the rooms by its
+    /// index of them per peer; checked against the rooms' ledgers).
+    LossFails,
 }
 
 /// An invariant broken: which, how, and when (virtual µs).
@@ -329,5 +333,22 @@ pub(crate) fn at_end(w: &mut World) {
     }
     if let Some((inv, detail)) = left {
         w.broke(inv, detail);
+    }
+}
+
+/// Prefill `p` noticed the loss of `peer`: no live room of it still holds a destination
+/// from that link.
+pub(crate) fn loss_fails(w: &mut World, p: usize, peer: SimPeer) {
+    w.checking(Invariant::LossFails);
+    let e = &w.prefills[p];
+    let live = e.rooms.iter().filter(|(_, r)| !r.state.is_terminal());
+    let mut holding = live.filter(|(_, r)| r.ledger.parties().iter().any(|(q, _)| q.same(&peer)));
+    if let Some((&id, r)) = holding.next() {
+        let detail = format!(
+            "p{p} room {id} (req {}) still {} after the loss of d{} (link {}), whose \
+             destination it holds",
+            r.req, r.state, peer.node, peer.inc
+        );
+        w.broke(Invariant::LossFails, detail);
     }
 }

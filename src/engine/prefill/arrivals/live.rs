@@ -9,7 +9,7 @@ use super::{Counted, Shell};
 use crate::control::Peer;
 use crate::engine::lifecycle;
 use crate::engine::prefill::holding::Holding;
-use crate::engine::prefill::ledger::{Ledger, Standing};
+use crate::engine::prefill::ledger::{Ledger, OnDestination, Standing};
 use crate::engine::prefill::sender::Handed;
 use crate::engine::prefill::{ext, Job, PRoom, PrefillEngine};
 use crate::proto::Message;
@@ -89,6 +89,21 @@ impl Shell for Live<'_> {
         f(&mut p.ledger, standing(room))
     }
 
+    fn attach(
+        &mut self,
+        room: &Arc<PRoom>,
+        peer: &Arc<Peer>,
+        decide: impl FnOnce(&mut Ledger<Arc<Peer>>, Standing) -> OnDestination,
+    ) -> OnDestination {
+        let mut p = ext(room).lock();
+        let outcome = decide(&mut p.ledger, standing(room));
+        if matches!(outcome, OnDestination::Attached { .. }) {
+            // The index `core::fail_rooms_of` reads when the peer is lost.
+            peer.rooms.lock().insert((room.id(), room.generation()));
+        }
+        outcome
+    }
+
     fn holding<R>(&mut self, f: impl FnOnce(&mut Holding<Arc<Peer>>) -> R) -> R {
         f(&mut self.0.holding.lock())
     }
@@ -135,10 +150,6 @@ impl Shell for Live<'_> {
 
     fn fail_room(&mut self, room: &Arc<PRoom>, reason: FailureReason, origin: Option<&Arc<Peer>>) {
         lifecycle::fail(self.0, room, reason, origin);
-    }
-
-    fn depends(&mut self, room: &Arc<PRoom>, peer: &Arc<Peer>) {
-        peer.rooms.lock().insert((room.id(), room.generation()));
     }
 
     fn loss(&self, peer: &Arc<Peer>) -> Option<(Cause, String)> {

@@ -63,6 +63,16 @@ pub(crate) trait Shell {
         room: &Self::Room,
         f: impl FnOnce(&mut Ledger<Self::Peer>, Standing) -> R,
     ) -> R;
+    /// As [`Shell::ledger`], for `peer`'s destination: when `decide` attaches it, the
+    /// room depends on `peer` from then on (its loss fails the room), recorded in the
+    /// same critical section. A clear forgets a room's dependencies after reading its
+    /// ledger, so one recorded after the decision, outside it, could outlive the room.
+    fn attach(
+        &mut self,
+        room: &Self::Room,
+        peer: &Self::Peer,
+        decide: impl FnOnce(&mut Ledger<Self::Peer>, Standing) -> OnDestination,
+    ) -> OnDestination;
     fn holding<R>(&mut self, f: impl FnOnce(&mut Holding<Self::Peer>) -> R) -> R;
     /// When a record held now for a room not created yet expires (the bootstrap
     /// timeout), in the holding area's clock.
@@ -87,9 +97,6 @@ pub(crate) trait Shell {
     /// place that changes a room's state); the failure tells the room's
     /// parties but `origin` ([`Ledger::told`]).
     fn fail_room(&mut self, room: &Self::Room, reason: FailureReason, origin: Option<&Self::Peer>);
-    /// `peer`'s destination was attached to `room`: the room depends on the peer from
-    /// now on (its loss fails the room).
-    fn depends(&mut self, room: &Self::Room, peer: &Self::Peer);
     /// Why `peer` is lost, if it is.
     fn loss(&self, peer: &Self::Peer) -> Option<(Cause, String)>;
     /// Every destination `room` waits for arrived: it becomes ready and plans the
@@ -147,7 +154,7 @@ fn attach<S: Shell>(
         aux,
     };
     let name = s.name(peer);
-    let outcome = s.ledger(room, |l, standing| {
+    let outcome = s.attach(room, peer, |l, standing| {
         l.destination(peer.engine(), standing, dest, &name, id)
     });
     let complete = match outcome {
@@ -169,9 +176,8 @@ fn attach<S: Shell>(
             return s.fail_room(room, FailureReason::local(Cause::Protocol, why), None);
         }
     };
-    // Recorded before the loss is read: a loss either sees the room depend on its peer
-    // (and fails it) or is seen here.
-    s.depends(room, peer);
+    // The room depends on its peer from the attachment on, before the loss is read
+    // here: a loss either sees the dependency (and fails the room) or is seen here.
     if let Some((cause, why)) = s.loss(peer) {
         #[cfg(feature = "test-hooks")]
         crate::testing::pause_point("prefill.attach_lost", id);

@@ -66,6 +66,9 @@ pub(crate) struct PEngine {
     /// Links whose loss this engine noticed (`Peer::is_lost`): (decode engine, link
     /// incarnation).
     lost: HashSet<(usize, u32)>,
+    /// The rooms (id and use) that depend on each link, as the live engine indexes them
+    /// per peer (`Peer::rooms`): recorded when a destination is attached.
+    deps: HashMap<(usize, u32), Vec<(u64, u64)>>,
     /// The highest decode generation heard from each engine (by engine id) for each id.
     pub heard: HashMap<(u64, u64), u64>,
     /// Host retries of a create, per request.
@@ -88,6 +91,7 @@ impl PEngine {
             acks: AckTable::default(),
             epoch,
             lost: HashSet::new(),
+            deps: HashMap::new(),
             heard: HashMap::new(),
             retries: HashMap::new(),
         }
@@ -335,14 +339,12 @@ pub(crate) fn lost(w: &mut World, p: usize, d: usize, inc: u32) {
     w.note(|| format!("p{p} notices {why}"));
     w.prefills[p].lost.insert((d, inc));
     arrivals::lost(&mut Sim { w, p }, &peer, &why);
-    let e = &w.prefills[p];
-    let rooms: Vec<u64> = e
-        .rooms
-        .iter()
-        .filter(|(_, r)| r.ledger.parties().iter().any(|(q, _)| q.same(&peer)))
-        .map(|(&id, _)| id)
-        .collect();
-    for id in rooms {
-        fail(w, p, id, (Cause::PeerLost, why.clone()), Some(peer));
+    // As `core::fail_rooms_of`: the rooms the index names, if still that use.
+    let deps = w.prefills[p].deps.remove(&(d, inc)).unwrap_or_default();
+    for (id, rgen) in deps {
+        if w.prefills[p].rooms.get(&id).is_some_and(|r| r.rgen == rgen) {
+            fail(w, p, id, (Cause::PeerLost, why.clone()), Some(peer));
+        }
     }
+    check::loss_fails(w, p, peer);
 }

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::engine::prefill::arrivals::{Counted, Shell};
+use crate::engine::prefill::ledger::OnDestination;
 use crate::room::FailureReason;
 
 /// Prefill engine `p` of the world, lent to one routing call.
@@ -67,6 +68,22 @@ impl Shell for Sim<'_> {
         f(&mut r.ledger, standing(r.state, failure.as_deref()))
     }
 
+    /// The engine's index of the rooms that depend on each link, read when the link
+    /// is lost ([`lost`]); the simulator checks it against the ledgers.
+    fn attach(
+        &mut self,
+        room: &(u64, u64),
+        peer: &SimPeer,
+        decide: impl FnOnce(&mut Ledger<SimPeer>, Standing) -> OnDestination,
+    ) -> OnDestination {
+        let outcome = self.ledger(room, decide);
+        if matches!(outcome, OnDestination::Attached { .. }) {
+            let deps = self.engine().deps.entry((peer.node, peer.inc));
+            deps.or_default().push(*room);
+        }
+        outcome
+    }
+
     fn holding<R>(&mut self, f: impl FnOnce(&mut Holding<SimPeer>) -> R) -> R {
         f(&mut self.engine().holding)
     }
@@ -115,9 +132,6 @@ impl Shell for Sim<'_> {
             fail(self.w, self.p, room.0, reason, origin.copied());
         }
     }
-
-    /// The simulator finds a lost engine's rooms by their ledgers ([`lost`]).
-    fn depends(&mut self, _room: &(u64, u64), _peer: &SimPeer) {}
 
     fn loss(&self, peer: &SimPeer) -> Option<(Cause, String)> {
         let lost = self.w.prefills[self.p]
