@@ -3,6 +3,7 @@
 //! [`receive`], RDMA progress over the control connection), completion when every
 //! prefill engine is done, and (over RDMA) the drain after a failure.
 
+pub(crate) mod arrivals;
 mod layers;
 mod receive;
 pub(crate) mod room;
@@ -23,7 +24,8 @@ use crate::proto::Message;
 use crate::room::{Cause, FailureReason, Room, State};
 use crate::transport::samehost;
 use crate::transport::tcp::recv;
-use room::{DecodeRoom, Facts, Settle};
+use arrivals::Live;
+use room::{DecodeRoom, Facts};
 
 pub(crate) type DRoom = Room<DecodeRoom>;
 
@@ -198,86 +200,21 @@ impl DecodeEngine {
         );
     }
 
-    /// The decode room a prefill engine's message names, and that engine's position in
-    /// it; an unknown room (or generation), or one that does not pull from that engine,
-    /// is counted.
-    fn room_of(&self, peer: &Arc<Peer>, id: u64, generation: u64) -> Option<(Arc<DRoom>, usize)> {
-        let Some(room) = self.core.rooms.get_generation(id, generation) else {
-            self.core.unknown_room();
-            return None;
-        };
-        let idx = room.ext.index_of(peer);
-        if idx.is_none() {
-            // A room of ours that does not pull from this engine: counted, not silent.
-            self.core.unknown_room();
-        }
-        Some((room, idx?))
-    }
-
     /// Counts KV bytes (per our buffer) and aux rows of peer `idx` that landed in the
     /// room's pages (a TCP frame read, or an RDMA batch completed), re-arms the room's
     /// no-progress deadline, and completes the room if the peer's Done was only waiting
     /// for them.
-    fn count(
-        &self,
-        peer: &Arc<Peer>,
-        room: &Arc<DRoom>,
-        idx: usize,
-        kv: &[(u32, u64)],
-        aux_rows: u64,
-    ) {
+    fn count(&self, room: &Arc<DRoom>, idx: usize, kv: &[(u32, u64)], aux_rows: u64) {
         let claimed = room.ext.count(idx, kv, aux_rows);
         lifecycle::progressed(self, room);
         if claimed {
-            self.settle(peer, room, idx);
+            arrivals::settle(&mut Live(self), room, idx);
         }
     }
 
-    /// A prefill engine's Done: its claim is checked against what arrived (see
-    /// [`DecodeRoom::settle`]), and the room completes when every prefill engine is done.
+    /// A prefill engine's Done ([`arrivals::on_done`]).
     fn on_done(&self, peer: &Arc<Peer>, id: u64, generation: u64, pages_sent: u32, aux_sent: bool) {
-        let Some((room, idx)) = self.room_of(peer, id, generation) else {
-            return;
-        };
-        room.ext.claim(idx, pages_sent, aux_sent);
-        self.settle(peer, &room, idx);
-    }
-
-    /// Completes the room (or fails it) once peer `idx`'s Done claim and every frame it
-    /// counts have arrived.
-    fn settle(&self, _peer: &Arc<Peer>, room: &Arc<DRoom>, idx: usize) {
-        let ordered = self.core.node.rdma.is_some();
-        let kv = self.core.node.memory.kv.get();
-        let owed = |peer: &Arc<Peer>, pages_sent: u32, dest_pages: u64| {
-            let map = peer.kv_map.get().map_or(&[][..], |m| &m[..]);
-            match peer.slicing.get() {
-                Some(s) => s
-                    .room_tokens(u64::from(pages_sent), dest_pages)
-                    .map(|tokens| s.owed(tokens) * map.len() as u64),
-                None if u64::from(pages_sent) != dest_pages => Err(format!(
-                    "sent {pages_sent} pages for a destination of {dest_pages}"
-                )),
-                None => Ok(map
-                    .iter()
-                    .map(|&b| kv.and_then(|m| m.item_len(b as usize)).unwrap_or(0) as u64)
-                    .sum::<u64>()
-                    * dest_pages),
-            }
-        };
-        match room.ext.settle(idx, ordered, Facts::of, owed) {
-            Settle::Fail(why) => {
-                lifecycle::fail(
-                    self,
-                    room,
-                    FailureReason::local(Cause::Mismatch, format!("room {}: {why}", room.id())),
-                    None,
-                );
-            }
-            Settle::Done { all: true } => {
-                lifecycle::complete(self, room);
-            }
-            Settle::Done { all: false } | Settle::Wait | Settle::Nothing => {}
-        }
+        arrivals::on_done(&mut Live(self), peer, id, generation, pages_sent, aux_sent);
     }
 
     /// Whether RDMA progress is verified (`integrity=verify` over RDMA).
@@ -288,7 +225,8 @@ impl DecodeEngine {
     /// A prefill engine's `Progress`: counts what its writes carried (verified first
     /// where `integrity=verify`).
     fn on_progress(&self, peer: &Arc<Peer>, p: Progress) {
-        let Some((room, idx)) = self.room_of(peer, p.room, p.generation) else {
+        let Some((room, idx)) = arrivals::room_of(&mut Live(self), peer, p.room, p.generation)
+        else {
             return;
         };
         if room.state().is_terminal() {
@@ -323,7 +261,7 @@ impl DecodeEngine {
             p.kv.iter()
                 .map(|&(b, n)| (map.get(b as usize).copied().unwrap_or(u32::MAX), n))
                 .collect();
-        self.count(peer, &room, idx, &ours, p.aux_rows as u64);
+        self.count(&room, idx, &ours, p.aux_rows as u64);
         let _ = lifecycle::start(self, &room);
     }
 }
@@ -343,18 +281,11 @@ impl Side for DecodeEngine {
             .collect()
     }
 
-    /// Under the room's lock, which a destination is sent under too: a destination that
-    /// went out before the room failed is ahead of this Abort on the peer's control
-    /// connection, and none goes out after (`send_destination`).
+    /// Every peer but `origin` gets an Abort, under the room's lock
+    /// ([`arrivals::tell_failed`]).
     fn tell_failed(&self, room: &DRoom, msg: &str, origin: Option<&Arc<Peer>>) {
-        let limits = &self.core.node.limits;
-        room.ext.with_lock(|| {
-            for peer in &room.ext.peers {
-                if !origin.is_some_and(|o| Arc::ptr_eq(o, peer)) {
-                    peer.send(&Message::abort(room.id(), room.generation(), msg, limits));
-                }
-            }
-        })
+        let room_use = (room.id(), room.generation());
+        arrivals::tell_failed(&mut Live(self), &room.ext, room_use, msg, origin);
     }
 
     /// Over RDMA, no peer can still write into the room: it succeeded (every write
@@ -391,25 +322,14 @@ impl Side for DecodeEngine {
 }
 
 impl Events for DecodeEngine {
-    /// Only an engine the room pulls from may abort it; any other Abort naming the room
-    /// is counted and changes nothing (a member must not cancel other engines' rooms).
+    /// Only an engine the room pulls from may abort it ([`arrivals::on_abort`]).
     fn abort(&self, peer: &Arc<Peer>, id: u64, generation: u64, reason: String) {
-        let Some(room) = self.core.rooms.get_generation(id, generation) else {
-            return self.core.unknown_room();
-        };
-        if !room.ext.abort_from(peer) {
-            // A room of ours that does not pull from this engine: counted, not silent.
-            return self.core.unknown_room();
-        }
-        let reason = FailureReason::peer(Cause::Aborted, reason);
-        lifecycle::fail(self, &room, reason, Some(peer));
+        arrivals::on_abort(&mut Live(self), peer, id, generation, reason);
     }
 
     /// The prefill engine's writes into the room have all completed.
     fn abort_ack(&self, peer: &Arc<Peer>, id: u64, generation: u64) {
-        if let Some(room) = self.core.find_room(id, generation) {
-            room.ext.peer_quiet(peer);
-        }
+        arrivals::on_abort_ack(&mut Live(self), peer, id, generation);
     }
 
     fn done(&self, peer: &Arc<Peer>, room: u64, generation: u64, pages: u32, aux: bool) {

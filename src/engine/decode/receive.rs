@@ -105,8 +105,7 @@ impl Grant for Pages<'_> {
             }
         }
         if !kv.is_empty() || rows > 0 {
-            self.engine
-                .count(self.peer, &self.room, self.idx, &kv, rows);
+            self.engine.count(&self.room, self.idx, &kv, rows);
         }
     }
 }

@@ -191,7 +191,7 @@ fn find_text() {
 fn a_failure_shrinks_to_a_shorter_schedule_that_replays_and_breaks_the_same_invariant() {
     for bug in [
         Bug::AckTheOrigin,
-        Bug::DestinationAfterFailure,
+        Bug::TombstoneAnyGeneration,
         Bug::CountsBytes,
     ] {
         let full = find(bug).expect("found");

@@ -11,10 +11,13 @@ use std::rc::Rc;
 use super::check::{self, Invariant};
 use super::net::Msg;
 use super::{Ev, Host, Reason, SimPeer, World, DRAIN_US, TICK_US, WAITING_US};
+mod shell;
+
+use crate::engine::decode::arrivals::{self, Shell};
 use crate::engine::decode::room::{DecodeRoom, Facts, Settle};
-use crate::engine::peer_ref::PeerRef;
 use crate::proto::{DataHeader, Message, Target};
 use crate::room::{Cause, Event, State};
+use shell::Sim;
 
 /// Bytes of one page in one buffer.
 const PAGE: u64 = 4096;
@@ -151,16 +154,12 @@ pub(crate) fn on_message(w: &mut World, d: usize, p: usize, inc: u32, msg: Msg) 
                 w.at(after, Ev::WriteDone { p, id, rgen });
             }
         }
-        Msg::Done { id, dgen, pages } => done(w, d, peer, id, dgen, pages),
+        Msg::Done { id, dgen, pages } => {
+            arrivals::on_done(&mut Sim { w, d }, &peer, id, dgen, pages, false);
+        }
         Msg::Abort { id, dgen, reason } => {
             *w.decodes[d].aborts.entry((id, dgen, peer)).or_default() += 1;
-            let Some(room) = this(w, d, id, dgen) else {
-                return;
-            };
-            if room.core.abort_from(&peer) {
-                check::party(w, d, id, dgen, p);
-                fail(w, d, id, (Cause::Aborted, reason), Some(peer));
-            }
+            arrivals::on_abort(&mut Sim { w, d }, &peer, id, dgen, reason);
         }
         Msg::AbortAck { id, dgen } => {
             w.checking(Invariant::OneAck);
@@ -177,9 +176,7 @@ pub(crate) fn on_message(w: &mut World, d: usize, p: usize, inc: u32, msg: Msg) 
                 );
                 w.broke(Invariant::OneAck, detail);
             }
-            if let Some(room) = this(w, d, id, dgen) {
-                room.core.peer_quiet(&peer);
-            }
+            arrivals::on_abort_ack(&mut Sim { w, d }, &peer, id, dgen);
         }
         Msg::Dest { .. } => {}
     }
@@ -249,44 +246,9 @@ fn land(w: &mut World, d: usize, peer: SimPeer, run: Run) {
     if room.state == State::WaitingForInput {
         transit(w, d, id, Event::Start);
     }
-    if waiting {
-        settle(w, d, id, idx);
-    }
-}
-
-fn done(w: &mut World, d: usize, peer: SimPeer, id: u64, dgen: u64, pages: u32) {
-    let Some((room, idx)) = live_party(w, d, peer, id, dgen) else {
-        return;
-    };
-    room.core.claim(idx, pages, false);
-    settle(w, d, id, idx);
-}
-
-/// What peer `idx`'s Done claim comes to (over RDMA in order: a short claim fails).
-fn settle(w: &mut World, d: usize, id: u64, idx: usize) {
-    let rdma = w.decodes[d].rdma;
-    let room = w.decodes[d].rooms.get(&id).expect("settled room");
-    let facts = |p: &SimPeer| Facts {
-        name: ["p0", "p1", "p2"][p.node],
-        aux_count: 0,
-    };
-    // Each of the room's prefill engines owes its part of every page of every layer.
-    let part = PAGE / room.core.peers.len() as u64 * u64::from(room.layers);
-    let owed = |_: &SimPeer, sent: u32, want: u64| {
-        if u64::from(sent) == want {
-            Ok(want * part)
-        } else {
-            Err(format!("claims {sent} pages of {want}"))
-        }
-    };
-    match room.core.settle(idx, rdma, facts, owed) {
-        Settle::Fail(why) => fail(w, d, id, (Cause::Protocol, why), None),
-        Settle::Done { all: true } => {
-            if transit(w, d, id, Event::Complete) {
-                check::success(w, d, id);
-            }
-        }
-        Settle::Done { all: false } | Settle::Wait | Settle::Nothing => {}
+    let mut sim = Sim { w, d };
+    if let Some(room) = sim.room(id, dgen).filter(|_| waiting) {
+        arrivals::settle(&mut sim, &room, idx);
     }
 }
 
@@ -315,26 +277,15 @@ pub(crate) fn fail(w: &mut World, d: usize, id: u64, reason: Reason, origin: Opt
     room.failed_at = Some(now);
     room.reason = Some(reason.clone());
     let (req, dgen) = (room.req, room.dgen);
-    let told: Vec<SimPeer> = if room.core.sent() {
-        room.core
-            .peers
-            .iter()
-            .filter(|p| !origin.is_some_and(|o| o.same(p)))
-            .copied()
-            .collect()
-    } else {
-        Vec::new()
-    };
+    let core = room.core.clone();
     w.note(|| format!("d{d} room {id} (req {req}) failed: {reason:?}"));
-    for peer in told {
-        *w.decodes[d].aborts.entry((id, dgen, peer)).or_default() += 1;
-        let msg = Msg::Abort {
-            id,
-            dgen,
-            reason: reason.1.clone(),
-        };
-        w.send_to_prefill(d, peer.node, peer.inc, msg);
-    }
+    arrivals::tell_failed(
+        &mut Sim { w, d },
+        &core,
+        (id, dgen),
+        &reason.1,
+        origin.as_ref(),
+    );
 }
 
 /// The host creates the request's room once every prefill engine's link is up, an
