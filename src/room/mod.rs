@@ -179,6 +179,14 @@ pub struct Room<T = ()> {
     pub ext: T,
 }
 
+/// The drain rule: a room in `state` with `io` transport operations on its memory in
+/// flight is drained (its pages may be reused) once it is terminal and none is left.
+/// [`Room::drained`] applies it; the simulator (`src/engine/sim/`) applies it to its rooms
+/// and checks that no write reads a source page given back by it.
+pub(crate) fn drained(state: State, io: u32) -> bool {
+    state.is_terminal() && io == 0
+}
+
 impl<T> Room<T> {
     /// A new room in `Bootstrapping`.
     pub fn new(id: u64, generation: u64, role: Role, deadline_ms: u64, ext: T) -> Self {
@@ -292,7 +300,7 @@ impl<T> Room<T> {
     /// Whether the room is terminal and no transport operation can still touch its
     /// memory: its pages may be reused.
     pub fn drained(&self) -> bool {
-        self.state().is_terminal() && self.io.load(Ordering::SeqCst) == 0
+        drained(self.state(), self.io.load(Ordering::SeqCst))
     }
 
     /// Transport operations on the room's memory in progress.

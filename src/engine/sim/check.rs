@@ -49,6 +49,9 @@ pub(crate) enum Invariant {
     /// noticed, naming it, not later at a deadline (the engine finds the rooms by its
     /// index of them per peer; checked against the rooms' ledgers).
     LossFails,
+    /// §1.6, the prefill side: no write reads a source page once its room drained (the
+    /// host may reuse the page then).
+    SourceGivenBack,
 }
 
 /// An invariant broken: which, how, and when (virtual µs).
@@ -350,5 +353,18 @@ pub(crate) fn loss_fails(w: &mut World, p: usize, peer: SimPeer) {
             r.req, r.state, peer.node, peer.inc
         );
         w.broke(Invariant::LossFails, detail);
+    }
+}
+
+/// A write of prefill `p`'s room `id` (use `rgen`) read its source pages until now: the
+/// host must not have taken them back.
+pub(crate) fn source_held(w: &mut World, p: usize, id: u64, rgen: u64) {
+    w.checking(Invariant::SourceGivenBack);
+    if w.prefills[p].released.contains(&(id, rgen)) {
+        let detail = format!(
+            "a write of p{p}'s room {id} (use {rgen}) read its source pages after they were \
+             given back"
+        );
+        w.broke(Invariant::SourceGivenBack, detail);
     }
 }

@@ -152,7 +152,11 @@ pub(crate) fn host_poll(w: &mut World, req: usize, p: usize) {
     let reason = room.reason.as_ref().map(|r| r.1.clone());
     let gens = room.ledger.generations();
     let complete = room.ledger.complete();
-    if room.io > 0 {
+    // The host takes the source pages back once the drain rule says so: at once, or
+    // when the last write in flight completes (`write_done`).
+    if crate::room::drained(room.state, room.io) {
+        e.released.insert((id, room.rgen));
+    } else {
         e.draining.push((id, room));
     }
     w.note(|| format!("p{p} clears room {id} (req {req})"));

@@ -69,6 +69,9 @@ pub(crate) struct PEngine {
     /// The rooms (id and use) that depend on each link, as the live engine indexes them
     /// per peer (`Peer::rooms`): recorded when a destination is attached.
     deps: HashMap<(usize, u32), Vec<(u64, u64)>>,
+    /// Cleared rooms (id and use) whose source pages the host took back: the drain rule
+    /// (`room::drained`) said no write of theirs was in flight.
+    pub released: HashSet<(u64, u64)>,
     /// The highest decode generation heard from each engine (by engine id) for each id.
     pub heard: HashMap<(u64, u64), u64>,
     /// Host retries of a create, per request.
@@ -92,6 +95,7 @@ impl PEngine {
             epoch,
             lost: HashSet::new(),
             deps: HashMap::new(),
+            released: HashSet::new(),
             heard: HashMap::new(),
             retries: HashMap::new(),
         }
@@ -233,6 +237,8 @@ pub(crate) fn send_step(w: &mut World, p: usize, id: u64, rgen: u64) {
 
 /// A write of room `id` (use `rgen`) completed.
 pub(crate) fn write_done(w: &mut World, p: usize, id: u64, rgen: u64) {
+    // The transport read the room's source pages until now.
+    check::source_held(w, p, id, rgen);
     let e = &mut w.prefills[p];
     if let Some(i) = e
         .draining
@@ -240,8 +246,10 @@ pub(crate) fn write_done(w: &mut World, p: usize, id: u64, rgen: u64) {
         .position(|(i, r)| *i == id && r.rgen == rgen)
     {
         e.draining[i].1.io -= 1;
-        if e.draining[i].1.io == 0 {
+        let r = &e.draining[i].1;
+        if crate::room::drained(r.state, r.io) {
             e.draining.remove(i);
+            e.released.insert((id, rgen));
         }
         return send_due(w, p);
     }
