@@ -432,6 +432,18 @@ const HORIZON_US: u64 = 2_000_000;
 
 /// Runs one seed; with `trace`, keeps the schedule.
 pub(crate) fn run(config: Config, trace: bool) -> Run {
+    run_observed(config, trace, |_, _| (), |(), _| ())
+}
+
+/// Runs one seed as [`run`] does, showing every step to an observer: `before` sees the
+/// world and the event about to happen and returns what `after` needs; `after` sees the
+/// world once the step and its checks are done. The observer cannot change the run.
+pub(crate) fn run_observed<O>(
+    config: Config,
+    trace: bool,
+    mut before: impl FnMut(&World, &Ev) -> O,
+    mut after: impl FnMut(O, &World),
+) -> Run {
     bugs::with(config.bug, || {
         let mut w = World::new(config, trace);
         w.plan();
@@ -441,8 +453,10 @@ pub(crate) fn run(config: Config, trace: bool) -> Run {
             }
             w.now = t;
             w.steps += 1;
+            let seen = before(&w, &ev);
             w.step(ev);
             check::after_step(&mut w);
+            after(seen, &w);
             if w.violation.is_some() || w.settled() {
                 break;
             }

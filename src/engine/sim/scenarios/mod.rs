@@ -450,37 +450,14 @@ impl Watcher {
     }
 }
 
-/// Runs `config` as [`run`] does (a test holds them to the same schedule), showing
-/// `watcher` every step.
+/// Runs `config` as [`run`] does ([`run_observed`]), showing `watcher` every step.
 pub(crate) fn watched(config: Config, trace: bool, watcher: &mut Watcher) -> Run {
-    bugs::with(config.bug, || {
-        let mut w = World::new(config, trace);
-        w.plan();
-        while let Some((t, ev)) = w.net.queue.pop() {
-            if t > HORIZON_US {
-                break;
-            }
-            w.now = t;
-            w.steps += 1;
-            let was = Before::of(&w);
-            w.step(ev.clone());
-            check::after_step(&mut w);
-            watcher.step(&ev, &was, &w);
-            if w.violation.is_some() || w.settled() {
-                break;
-            }
-        }
-        if w.violation.is_none() {
-            check::at_end(&mut w);
-        }
-        Run {
-            config,
-            violation: w.violation,
-            steps: w.steps,
-            checked: w.checked,
-            trace: w.trace.unwrap_or_default(),
-        }
-    })
+    run_observed(
+        config,
+        trace,
+        |w, ev| (ev.clone(), Before::of(w)),
+        |(ev, was), w| watcher.step(&ev, &was, w),
+    )
 }
 
 /// What seeds showed: every sighting, and the runs that broke an invariant.

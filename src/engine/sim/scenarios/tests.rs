@@ -99,30 +99,6 @@ fn counts(s: &Survey) -> Vec<usize> {
     WANTED.iter().map(seen).collect()
 }
 
-#[test]
-fn a_watched_run_is_the_run() {
-    for (seed, bug) in [
-        (3, None),
-        (7, None),
-        (11, Some(Bug::DestinationAfterFailure)),
-    ] {
-        let config = Config {
-            seed,
-            requests: 12,
-            bug,
-            skip: 0,
-        };
-        let (a, b) = (
-            run(config, true),
-            watched(config, true, &mut Watcher::new(seed)),
-        );
-        assert_eq!(a.trace, b.trace, "seed {seed}");
-        assert_eq!(a.steps, b.steps, "seed {seed}");
-        let broken = |r: &Run| r.violation.as_ref().map(|v| v.invariant);
-        assert_eq!(broken(&a), broken(&b), "seed {seed}");
-    }
-}
-
 /// Each ordering that a pause point held open over real engines is reached (three
 /// times) within [`SEEDS`] seeds; what must follow it does, and every invariant holds.
 #[test]
