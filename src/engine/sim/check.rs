@@ -75,20 +75,28 @@ pub(crate) fn transit(from: State, event: Event) -> (Option<State>, Option<Strin
     }
 }
 
-/// Applies `event` to the room's `state` through the state rule (the room named `what`
-/// for the report); whether it applied. Leaving a terminal state breaks `Sticky`.
+/// Applies `event` through the state rule to the room `room` finds in the world (its
+/// state and request; named by `name(request)` in a report); whether it applied. Leaving
+/// a terminal state breaks `Sticky`.
 pub(crate) fn apply(
     w: &mut World,
-    state: State,
     event: Event,
-    what: impl FnOnce() -> String,
-) -> Option<State> {
-    let (to, broken) = transit(state, event);
+    name: impl FnOnce(usize) -> String,
+    room: impl for<'a> Fn(&'a mut World) -> Option<(&'a mut State, usize)>,
+) -> bool {
+    let Some((&mut from, req)) = room(w) else {
+        return false;
+    };
+    let (to, broken) = transit(from, event);
     w.checking(Invariant::Sticky);
     if let Some(b) = broken {
-        w.broke(Invariant::Sticky, format!("{}: {b}", what()));
+        w.broke(Invariant::Sticky, format!("{}: {b}", name(req)));
     }
-    to
+    let Some(to) = to else {
+        return false;
+    };
+    *room(w).expect("the room").0 = to;
+    true
 }
 
 pub(crate) fn reason(w: &mut World, reason: &super::Reason) {

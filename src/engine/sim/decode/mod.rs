@@ -253,16 +253,11 @@ fn land(w: &mut World, d: usize, peer: SimPeer, run: Run) {
 }
 
 fn transit(w: &mut World, d: usize, id: u64, event: Event) -> bool {
-    let Some(room) = w.decodes[d].rooms.get(&id) else {
-        return false;
-    };
-    let (state, req) = (room.state, room.req);
-    let what = || format!("d{d} room {id} (req {req})");
-    let Some(to) = check::apply(w, state, event, what) else {
-        return false;
-    };
-    w.decodes[d].rooms.get_mut(&id).expect("room").state = to;
-    true
+    let name = |req| format!("d{d} room {id} (req {req})");
+    check::apply(w, event, name, |w| {
+        let room = w.decodes[d].rooms.get_mut(&id)?;
+        Some((&mut room.state, room.req))
+    })
 }
 
 /// Fails room `id` unless terminal; the winner tells the peers its destination went to

@@ -167,16 +167,11 @@ fn ready(w: &mut World, p: usize, id: u64) {
 
 /// Applies `event` to room `id` through the state rule; whether it applied.
 fn transit(w: &mut World, p: usize, id: u64, event: Event) -> bool {
-    let Some(room) = w.prefills[p].rooms.get(&id) else {
-        return false;
-    };
-    let (state, req) = (room.state, room.req);
-    let what = || format!("p{p} room {id} (req {req})");
-    let Some(to) = check::apply(w, state, event, what) else {
-        return false;
-    };
-    w.prefills[p].rooms.get_mut(&id).expect("room").state = to;
-    true
+    let name = |req| format!("p{p} room {id} (req {req})");
+    check::apply(w, event, name, |w| {
+        let room = w.prefills[p].rooms.get_mut(&id)?;
+        Some((&mut room.state, room.req))
+    })
 }
 
 /// The sender's next write of room `id`: the room must still be this use and live (the
