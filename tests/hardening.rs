@@ -49,11 +49,20 @@ fn source() -> Vec<Region> {
 /// destination; here the room fails just before that answer. The destination must
 /// never go out: a prefill that got it after the Abort would write into pages the host
 /// was already told it may reuse (over RDMA `room_drained` counts an unsent destination
-/// as quiet). The narrower window, the room failing between the connect thread's check
-/// and the send, is an ordering of the room's own decision now (taken on the state
-/// read under its lock, `DecodeRoom::send_destination`): the simulator reaches it
-/// (`engine::sim::scenarios`, `Seen::DestinationAfterFailure`, and the bug switch
-/// `DestinationAfterFailure` caught there), so no pause point holds it open here.
+/// as quiet).
+///
+/// What this proves is only that: the room is still BOOTSTRAPPING when it fails, so the
+/// connect thread's check of the state (the early return of the engine's
+/// `send_destination`) stops it, and the room's own decision, on the state read under
+/// its lock (`DecodeRoom::send_destination`), is not reached. The narrower window, the
+/// room failing after that check and before the lock, is pinned by the room's unit
+/// tests (`src/engine/decode/room/tests.rs`:
+/// `no_destination_goes_out_when_the_room_is_not_live`, and that the message is handed
+/// over under the lock) and by the simulator
+/// (`engine::sim::scenarios`, `Seen::DestinationAfterFailure`, the bug switch
+/// `DestinationAfterFailure` caught there); on real threads it is reached now and
+/// then, not for certain, by tests/pin_regression.rs
+/// `a_decode_room_s_destination_never_follows_its_abort_however_the_two_race`.
 #[test]
 fn a_destination_is_never_sent_for_a_room_that_failed_before_it_went_out() {
     let dmem = poisoned();

@@ -202,10 +202,12 @@ fn a_repeated_layer_a_missing_layer_and_an_overlapping_chunk_fail_the_room_namin
 /// from one side or the other at a random moment among the calls (or after the last).
 /// Where the abort caught each room (inside a layer of a chunk that is not the last,
 /// between layers, after the last) is the threads' to decide; the simulator reaches
-/// each at one room (`src/engine/sim/scenarios/`). Every room ends in an allowed pair of
-/// states; one the abort failed is FAILED on both sides with the reason and takes no
-/// call, nothing of it lands after its decode room drained, and nothing stays in
-/// flight.
+/// each at one room (`src/engine/sim/scenarios/`), and calls that wait behind a write
+/// of the room's first layer are aborted for certain in
+/// `a_room_aborted_while_its_first_layer_blocks_the_link_sends_none_of_the_layers_behind_it`.
+/// Every room ends in an allowed pair of states; one the abort failed is FAILED on both
+/// sides with the reason and takes no call, nothing of it lands after its decode room
+/// drained, and nothing stays in flight.
 #[test]
 fn an_abort_among_a_room_s_layer_calls_ends_failed_and_nothing_lands_after() {
     use common::{wait_until, Rng};
@@ -290,6 +292,47 @@ fn an_abort_among_a_room_s_layer_calls_ends_failed_and_nothing_lands_after() {
         assert_eq!(e.room_count(), 0);
     }
     println!("aborts among layer calls: {outcomes:?}");
+}
+
+/// The silent pin, per layer, deterministically over a real socket: layer 0 of a room's
+/// first chunk (16 MiB) blocks the sender because the (fake) decode engine reads
+/// nothing; layer 1 of that chunk waits behind its queued batches, and the last chunk's
+/// layers behind it; the room is aborted, from one side, then (another room) from the
+/// other. The sender that takes the room's batches down to the reserve plans what
+/// waited, finds the room terminal and skips it (`plan_chunk`), and it skips every
+/// batch of the room it takes (`write_batch`; DESIGN.md invariant 4): read to its
+/// end, the data connection carries only whole frames of layer 0 of chunk 0, the last
+/// perhaps cut with zeros, nothing of layer 1 or of the last chunk, no Done of the
+/// room; it is FAILED with the abort's reason, drains, and nothing is left.
+#[test]
+fn a_room_aborted_while_its_first_layer_blocks_the_link_sends_none_of_the_layers_behind_it() {
+    use common::slow::{assert_cut_in_the_blocking_chunk, SlowReader, BLOCKING, LAST};
+    let reason = "client went away while a layer waited";
+    for from_decode in [false, true] {
+        let (room, marker) = (80 + from_decode as u64, 90 + from_decode as u64);
+        let mut s = SlowReader::new(2);
+        s.ready(room, BLOCKING + LAST);
+        let chunk0: Vec<u32> = (0..BLOCKING).collect();
+        let chunk1: Vec<u32> = (BLOCKING..BLOCKING + LAST).collect();
+        for (src, layer, last) in [
+            (&chunk0, 0, false),
+            (&chunk0, 1, false),
+            (&chunk1, 0, false),
+            (&chunk1, 1, true),
+        ] {
+            s.p.enqueue_layers(room, src, layer, 1, last, None).unwrap();
+        }
+        s.wait_blocked(room);
+        s.abort(room, from_decode, reason);
+        let frames = s.read_to_marker(room, marker);
+        let cut = assert_cut_in_the_blocking_chunk(&frames);
+        s.assert_nothing_left(room, marker);
+        println!(
+            "aborted from the {} side: {} frames of layer 0 went out, the last cut: {cut}",
+            if from_decode { "decode" } else { "prefill" },
+            frames.len()
+        );
+    }
 }
 
 /// The decode side sees layers land in layer order: a layer counts once every page of

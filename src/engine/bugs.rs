@@ -34,7 +34,8 @@ pub(crate) enum Bug {
     AnyPrefillAborts,
     /// A chunk handed on while the room's earlier chunks wait (for its worker) or are
     /// planned is held back only by queued batches: its caller plans it at once, past
-    /// them (the orders tests/hooks_complete.rs pins; `prefill/planning`).
+    /// them (the orders `prefill/planning/tests.rs` pins, and the simulator's `InOrder`
+    /// checks).
     HandOnPastWaiting,
 }
 

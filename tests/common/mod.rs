@@ -2,8 +2,9 @@
 //! what they log ([`engine`]), their registered memory ([`memory`]), a prefill and a
 //! decode engine side by side ([`pair`]), the prefill child process of the
 //! multi-process tests ([`child`]), fake peer engines on raw sockets ([`fake`]),
-//! certificates for the TLS tests ([`pki`]), and
-//! a deterministic generator for random moments ([`rng`]).
+//! a fake decode engine that stops reading its data connection ([`slow`]), certificates
+//! for the TLS tests ([`pki`]), and a deterministic generator for random moments
+//! ([`rng`]).
 //!
 //! Compiled into every test binary, each of which uses only part of it.
 #![allow(dead_code)]
@@ -17,6 +18,7 @@ pub mod memory;
 pub mod pair;
 pub mod pki;
 pub mod rng;
+pub mod slow;
 pub mod wait;
 
 #[allow(unused_imports)]

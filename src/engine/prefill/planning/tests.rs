@@ -57,7 +57,9 @@ fn a_chunk_handed_on_while_nothing_waits_is_the_callers_if_it_may_plan_it_else_t
     assert!(!p.is_busy() && !p.waits());
 }
 
-/// tests/hooks_complete.rs pins it on a live engine (`prefill.plan_here`).
+/// No live engine is held in this order any more (the `prefill.plan_here` pause point
+/// and its test in tests/hooks_complete.rs went, issue 37): this test and the
+/// simulator's `InOrder` (bug `HandOnPastWaiting`) pin it.
 #[test]
 fn a_chunk_enqueued_while_the_caller_plans_the_one_before_waits_for_it() {
     let mut p = Planning::default();

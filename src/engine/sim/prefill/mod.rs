@@ -174,13 +174,19 @@ fn transit(w: &mut World, p: usize, id: u64, event: Event) -> bool {
     })
 }
 
-/// The sender's next write of room `id`: the room must still be this use and live (the
-/// real sender skips a terminal room's work; its failure told the decode side).
+/// The sender's next write of room `id`: it takes the room's next batch, as a sender
+/// takes one from its outbox (`send.rs`), and writes it if the room is still this use
+/// and live. A room that failed keeps its batches queued, as the engine's outboxes do,
+/// and each is skipped as it is taken (`write_batch`: ended unwritten, and no Done,
+/// `try_complete` finding the room terminal); its failure told the decode side.
 pub(crate) fn send_step(w: &mut World, p: usize, id: u64, rgen: u64) {
     let this = w.prefills[p].rooms.get(&id).is_some_and(|r| r.rgen == rgen);
-    if !this || !transit(w, p, id, Event::Start) {
+    if !this {
         return;
     }
+    // The state rule refuses a terminal room's "transferring" (the reference design's
+    // rule takes it: the room is resurrected, and its batch written).
+    let live = transit(w, p, id, Event::Start);
     let rng = &mut w.rng;
     let room = w.prefills[p].rooms.get_mut(&id).expect("this use");
     let Some((peer, dgen, page, buffer)) = room.todo.pop_front() else {
@@ -194,14 +200,16 @@ pub(crate) fn send_step(w: &mut World, p: usize, id: u64, rgen: u64) {
         Next::Worker => to_worker(w, p, id),
         Next::Idle => {}
     }
-    // A room that failed meanwhile has its write skipped.
-    let Some(room) = w.prefills[p]
-        .rooms
-        .get_mut(&id)
-        .filter(|r| !r.state.is_terminal())
-    else {
+    // A room that failed (before this step, or meanwhile) has its batch skipped.
+    let room = w.prefills[p].rooms.get_mut(&id).expect("this use");
+    if !live || room.state.is_terminal() {
+        room.completion.ended();
+        room.stepping = !room.todo.is_empty();
+        if room.stepping {
+            w.at(1, Ev::SendStep { p, id, rgen });
+        }
         return;
-    };
+    }
     let (req, rgen) = (room.req, room.rgen);
     if !w.net.alive(p, peer.node, peer.inc) {
         let why = format!("the link to d{} broke", peer.node);
@@ -275,7 +283,7 @@ pub(crate) fn fail(w: &mut World, p: usize, id: u64, reason: Reason, origin: Opt
     check::reason(w, &reason);
     let rdma = w.prefills[p].rdma;
     let room = w.prefills[p].rooms.get_mut(&id).expect("failed room");
-    room.todo.clear();
+    // Its batches stay queued: the sender skips each as it takes it (`send_step`).
     let (req, rgen) = (room.req, room.rgen);
     let told = room.ledger.told(origin.as_ref());
     room.reason = Some(reason.clone());

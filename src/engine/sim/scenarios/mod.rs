@@ -277,6 +277,9 @@ impl Watcher {
                 if let (Some(b), Some(a)) = (before, after) {
                     if a.io > b.io {
                         *self.writes.entry((p, rgen)).or_default() += 1;
+                        // A room that failed keeps its batches queued, and the sender
+                        // takes them: the state rule alone has it skip them (the
+                        // reference design's rule resurrects the room, and this fires).
                         let room = Use::Prefill { p, id, rgen };
                         self.breaks(
                             |s| s.room == room && matches!(s.seen, Seen::AbortMidRoom { .. }),

@@ -152,11 +152,13 @@ fn caught(bug: Bug, is: fn(&Seen) -> bool, text: &str) -> Option<Sighting> {
 }
 
 /// The reference design's rule (a later "transferring" wins over FAILED): the sender's
-/// next page resurrects a room aborted between two pages of a chunk, the silent pin.
+/// next page resurrects a room aborted between two pages of a chunk, the silent pin,
+/// and is written, where the library's rule has the sender skip the batches the room
+/// left queued.
 #[test]
 fn the_reference_rule_is_caught_resurrecting_a_room_aborted_mid_chunk() {
     let mid = |s: &Seen| matches!(s, Seen::AbortMidRoom { .. });
-    let x = caught(Bug::MaxRule, mid, "Start moved it from failed");
+    let x = caught(Bug::MaxRule, mid, "wrote a page after its abort");
     assert!(x.is_some(), "not caught in {SEEDS} seeds");
 }
 
