@@ -29,7 +29,9 @@ const FRAMES: usize = (BLOCKING as usize * PAGE).div_ceil(4 << 20);
 /// One worker and one data connection: the room's batches and the marker room's go
 /// through one sender, in the order of the rooms.
 const ONE_WORKER: &[(&str, &str)] = &[
+    // The fake speaks TCP only, whatever path the suite runs over.
     ("transport", "tcp"),
+    ("same_host", "off"),
     ("workers", "1"),
     ("connections_per_peer", "1"),
 ];
