@@ -217,6 +217,12 @@ impl DecodeEngine {
         arrivals::on_done(&mut Live(self), peer, id, generation, pages_sent, aux_sent);
     }
 
+    /// Whether nothing more of `peer` will be verified: it was lost (which failed its
+    /// rooms), or the engine stops.
+    fn gone(&self, peer: &Peer) -> bool {
+        peer.is_lost() || self.core.node.is_stopping()
+    }
+
     /// Whether RDMA progress is verified (`integrity=verify` over RDMA).
     fn verifies(&self) -> bool {
         self.core.node.config.integrity && self.core.node.rdma.is_some()
@@ -336,7 +342,7 @@ impl Events for DecodeEngine {
         if self.verifies() {
             // Behind the progress it counts.
             let job = verify::Job::Done(peer.clone(), room, generation, pages, aux);
-            self.verifier.push(job);
+            self.verifier.push(job, || self.gone(peer));
         } else {
             self.on_done(peer, room, generation, pages, aux)
         }
@@ -347,7 +353,8 @@ impl Events for DecodeEngine {
     /// thread, in order with the peer's Done).
     fn progress(&self, peer: &Arc<Peer>, p: Progress) {
         if self.verifies() {
-            self.verifier.push(verify::Job::Progress(peer.clone(), p));
+            let job = verify::Job::Progress(peer.clone(), p);
+            self.verifier.push(job, || self.gone(peer));
         } else {
             self.on_progress(peer, p)
         }

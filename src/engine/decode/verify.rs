@@ -30,18 +30,61 @@ pub(super) enum Job {
     Done(Arc<Peer>, u64, u64, u32, bool),
 }
 
-/// The verifier's queue.
-#[derive(Default)]
-pub(super) struct Verifier {
-    jobs: Mutex<VecDeque<Job>>,
+/// The most jobs the verifier's queue holds. A reader that would queue more waits for
+/// a place (the peer's later control messages wait behind it: back-pressure on the
+/// peer), so a peer that sends Progress faster than its runs can be verified cannot grow
+/// the engine's memory without bound.
+const MOST_JOBS: usize = 4096;
+
+/// The verifier's queue, bounded ([`MOST_JOBS`]).
+pub(super) struct Verifier<T = Job> {
+    jobs: Mutex<VecDeque<T>>,
+    /// A job was queued.
     ready: Condvar,
+    /// A job was taken: a place is free.
+    space: Condvar,
 }
 
-impl Verifier {
-    /// Queues `job` behind the others.
-    pub fn push(&self, job: Job) {
-        self.jobs.lock().push_back(job);
+impl<T> Default for Verifier<T> {
+    fn default() -> Self {
+        Verifier {
+            jobs: Mutex::new(VecDeque::new()),
+            ready: Condvar::new(),
+            space: Condvar::new(),
+        }
+    }
+}
+
+impl<T> Verifier<T> {
+    /// Queues `job` behind the others, once the queue has a place for it. Dropped if
+    /// `gone` says meanwhile that it will never be verified (its peer was lost, which
+    /// failed its rooms, or the engine stops).
+    pub fn push(&self, job: T, gone: impl Fn() -> bool) {
+        let mut jobs = self.jobs.lock();
+        while jobs.len() >= MOST_JOBS {
+            if gone() {
+                return;
+            }
+            self.space.wait_for(&mut jobs, IDLE);
+        }
+        jobs.push_back(job);
         self.ready.notify_one();
+    }
+
+    /// The oldest job, waiting for one until `stopping` says the engine stops.
+    fn pop(&self, stopping: impl Fn() -> bool) -> Option<T> {
+        let mut jobs = self.jobs.lock();
+        loop {
+            if stopping() {
+                return None;
+            }
+            if let Some(job) = jobs.pop_front() {
+                // Every reader waiting for a place looks again.
+                self.space.notify_all();
+                return Some(job);
+            }
+            self.ready.wait_for(&mut jobs, IDLE);
+        }
     }
 }
 
@@ -63,17 +106,8 @@ impl DecodeEngine {
     fn verify_loop(&self) {
         let node = &self.core.node;
         loop {
-            let job = {
-                let mut jobs = self.verifier.jobs.lock();
-                loop {
-                    if node.is_stopping() {
-                        return;
-                    }
-                    if let Some(job) = jobs.pop_front() {
-                        break job;
-                    }
-                    self.verifier.ready.wait_for(&mut jobs, IDLE);
-                }
+            let Some(job) = self.verifier.pop(|| node.is_stopping()) else {
+                return;
             };
             // A panic drops the message, as if lost: the room fails on the peer's Done
             // (its bytes do not add up) or its deadline. It must not end the thread,
@@ -188,6 +222,28 @@ fn runs_disagree(p: &Progress) -> Option<String> {
 mod tests {
     use super::*;
     use crate::proto::DataHeader;
+
+    #[test]
+    fn a_full_queue_makes_the_reader_wait_for_a_place_or_drops_a_job_of_a_peer_gone() {
+        let q: Arc<Verifier<usize>> = Arc::default();
+        for i in 0..MOST_JOBS {
+            q.push(i, || false);
+        }
+        // Gone meanwhile: dropped, the queue keeps its bound.
+        q.push(MOST_JOBS, || true);
+        assert_eq!(q.jobs.lock().len(), MOST_JOBS);
+        // Otherwise the reader waits until a job is taken, then queues behind the rest.
+        let reader = {
+            let q = q.clone();
+            std::thread::spawn(move || q.push(MOST_JOBS + 1, || false))
+        };
+        assert_eq!(q.pop(|| false), Some(0));
+        reader.join().unwrap();
+        let jobs = q.jobs.lock();
+        assert_eq!(jobs.len(), MOST_JOBS);
+        assert_eq!(jobs.back(), Some(&(MOST_JOBS + 1)));
+        assert_eq!(jobs.front(), Some(&1));
+    }
 
     fn run(target: Target, buffer: u32, byte_len: u32) -> DataHeader {
         DataHeader {
