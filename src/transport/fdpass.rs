@@ -33,6 +33,37 @@ const FDS_PER_MSG: usize = 250;
 /// The most descriptors one offer passes (a bound on what a taker accepts).
 pub const MAX_FDS: usize = 65_536;
 
+/// The refused connections an offer names when it times out; the rest are counted, so
+/// that a process connecting in a loop cannot grow the offer's memory without bound.
+const NAMED_REFUSALS: usize = 8;
+
+/// The connections an offer refused: the first [`NAMED_REFUSALS`] named, the rest
+/// counted.
+#[derive(Default)]
+struct Refusals {
+    named: Vec<String>,
+    more: usize,
+}
+
+impl Refusals {
+    fn push(&mut self, what: String) {
+        if self.named.len() < NAMED_REFUSALS {
+            self.named.push(what);
+        } else {
+            self.more += 1;
+        }
+    }
+
+    /// What the timeout's error adds: nothing, or " (refused: ...)".
+    fn said(&self) -> String {
+        match (self.named.is_empty(), self.more) {
+            (true, _) => String::new(),
+            (false, 0) => format!(" (refused: {})", self.named.join("; ")),
+            (false, n) => format!(" (refused: {}; and {n} more)", self.named.join("; ")),
+        }
+    }
+}
+
 /// A listening socket that gives descriptors to one process, once (see the module's
 /// documentation).
 pub struct FdOffer {
@@ -129,7 +160,7 @@ impl FdOffer {
             )));
         }
         let deadline = Instant::now() + within;
-        let mut refused = Vec::new();
+        let mut refused = Refusals::default();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if cancelled() {
@@ -139,14 +170,12 @@ impl FdOffer {
                 ));
             }
             if left.is_zero() {
-                let also = if refused.is_empty() {
-                    String::new()
-                } else {
-                    format!(" (refused: {})", refused.join("; "))
-                };
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("process {pid} did not take its descriptors in time{also}"),
+                    format!(
+                        "process {pid} did not take its descriptors in time{}",
+                        refused.said()
+                    ),
                 ));
             }
             let mut s = match self.listener.accept() {
@@ -356,6 +385,21 @@ mod tests {
         let mut v = Vec::new();
         f.read_to_end(&mut v).unwrap();
         v
+    }
+
+    #[test]
+    fn an_offer_names_its_first_refusals_and_counts_the_rest() {
+        let mut r = Refusals::default();
+        assert_eq!(r.said(), "");
+        r.push("a connection from process 7".into());
+        assert_eq!(r.said(), " (refused: a connection from process 7)");
+        for i in 0..1000 {
+            r.push(format!("a connection from process {i}"));
+        }
+        assert_eq!(r.named.len(), NAMED_REFUSALS);
+        assert!(r
+            .said()
+            .ends_with(&format!("; and {} more)", 1001 - NAMED_REFUSALS)));
     }
 
     #[test]
