@@ -3,7 +3,7 @@
 //! otherwise; and the decisions on each destination and abort, returned as outcomes.
 //!
 //! Pure: no lock, no clock, no I/O, generic over the peer handle. The engine
-//! (`arrivals.rs`) reads the room's standing and asks the ledger under the room's lock,
+//! (`arrivals/`) reads the room's standing and asks the ledger under the room's lock,
 //! then applies the outcome once it holds no lock: messages, the transition through the
 //! lifecycle, counters and logs. The simulator (`src/engine/sim/`) drives the same ledger
 //! with simulated peers.

@@ -347,7 +347,7 @@ impl Side for PrefillEngine {
 
     /// The parties but `origin` ([`Ledger::told`]) get an Abort and, over RDMA, its
     /// acknowledgement once our writes into their pages are done; an engine's own abort
-    /// is acknowledged where it arrives ([`PrefillEngine::ack_abort`]).
+    /// is acknowledged where it arrives ([`arrivals::ack_abort`]).
     fn tell_failed(&self, room: &PRoom, msg: &str, origin: Option<&Arc<Peer>>) {
         let node = &self.core.node;
         let told = ext(room).lock().ledger.told(origin);

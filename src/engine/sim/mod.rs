@@ -9,8 +9,9 @@
 //! ([`Planning`](super::prefill::planning::Planning)) and the state rule
 //! [`transition`](crate::room::transition). Around them the simulator is a second, single
 //! threaded shell (the live engine's threads, locks and sockets are the first; the tests
-//! over real sockets prove that one): `prefill.rs` applies the cores' outcomes as
-//! `src/engine/prefill/arrivals.rs` does, `decode.rs` models the decode engine.
+//! over real sockets prove that one): `prefill/` and `decode/` model the two roles, and
+//! run the library's routing of each role's messages (`src/engine/prefill/arrivals/`,
+//! `src/engine/decode/arrivals/`) through their `shell.rs`.
 //!
 //! Everything comes from one seed: the cluster, the workload, every delay and fault. A
 //! run is a pure function of its seed and [`Config`], so a failing seed replays

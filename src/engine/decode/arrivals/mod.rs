@@ -3,7 +3,7 @@
 //! and what it comes to ([`DecodeRoom::settle`]); and whom a failure tells.
 //!
 //! Written once, over [`Shell`], as the prefill side's `arrivals` is: the live engine
-//! ([`live`]) and the simulator (`src/engine/sim/decode.rs`) run this same code. The
+//! ([`live`]) and the simulator (`src/engine/sim/decode/shell.rs`) run this same code. The
 //! decisions are the [`DecodeRoom`]'s; this module finds the room, asks it, and applies
 //! the outcome through the shell.
 

@@ -390,7 +390,7 @@ pub(crate) fn expire<S: Shell>(s: &mut S, now: u64) {
 
 /// `peer` was lost: the destinations it left in the holding area become tombstones (the
 /// rooms they wait for fail at once when created). Its rooms are the shell's to fail
-/// (they depend on it: [`Shell::depends`]).
+/// (they depend on it since [`Shell::attach`]).
 pub(crate) fn lost<S: Shell>(s: &mut S, peer: &S::Peer, why: &str) {
     let expires = s.held_until();
     for _ in 0..s.holding(|h| h.peer_lost(peer, why, expires)) {

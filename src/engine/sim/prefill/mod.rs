@@ -1,7 +1,8 @@
 //! A simulated prefill engine: the library's pure cores ([`Ledger`], [`Holding`],
-//! [`AckTable`], [`Planning`], the state rule) under a single-threaded shell that applies
-//! their outcomes as `src/engine/prefill/arrivals.rs`, `mod.rs` and `sender.rs` do, with
-//! the sender's writes one page at a time. A chunk handed on is planned by its caller at
+//! [`AckTable`], [`Planning`], the state rule) and its routing of decode engines'
+//! messages (`src/engine/prefill/arrivals/`, run on this engine through [`Sim`]), under
+//! a single-threaded shell that applies their outcomes as `mod.rs` and `sender.rs` do,
+//! with the sender's writes one page at a time. A chunk handed on is planned by its caller at
 //! once, by the room's worker a random while later, or by the sender that takes the
 //! room's batches down to the reserve; the draws of who may plan stand in for the
 //! engine's rule (a chunk's size, the workers).
