@@ -94,11 +94,6 @@ impl PrefillRoom {
             completion: Completion::default(),
         }
     }
-
-    /// Every destination it waits for arrived.
-    fn complete(&self) -> bool {
-        self.ledger.complete()
-    }
 }
 
 pub(crate) type PRoom = Room<Mutex<PrefillRoom>>;
@@ -406,7 +401,7 @@ impl Side for PrefillEngine {
     fn on_clear(&self, room: &PRoom) {
         let (gens, complete) = {
             let p = ext(room).lock();
-            (p.ledger.generations(), p.complete())
+            (p.ledger.generations(), p.ledger.complete())
         };
         let reason = room.failure().map(|f| f.message.clone());
         arrivals::cleared(&mut Live(self), room.id(), reason, gens, complete);

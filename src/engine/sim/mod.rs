@@ -406,6 +406,26 @@ impl World {
         }
     }
 
+    /// Prefill engine `p` as a decode engine knows it over link incarnation `inc`.
+    pub fn prefill_peer(&self, p: usize, inc: u32) -> SimPeer {
+        let epoch = self.prefills[p].epoch;
+        SimPeer {
+            node: p,
+            inc,
+            epoch,
+        }
+    }
+
+    /// Decode engine `d` as a prefill engine knows it over link incarnation `inc`.
+    pub fn decode_peer(&self, d: usize, inc: u32) -> SimPeer {
+        let epoch = self.decodes[d].epoch;
+        SimPeer {
+            node: d,
+            inc,
+            epoch,
+        }
+    }
+
     /// Sends `msg` from decode `d` to prefill `p` over the link of incarnation `inc`
     /// (dropped if that link is gone).
     pub fn send_to_prefill(&mut self, d: usize, p: usize, inc: u32, msg: Msg) {

@@ -3,7 +3,7 @@
 //! clear), with strangers' aborts and broken links among them.
 
 use super::net::{Msg, Node};
-use super::{decode, prefill, Ev, Rng, SimPeer, World, TICK_US};
+use super::{decode, prefill, Ev, Rng, World, TICK_US};
 
 /// One request of the workload: the rooms its prefill and decode engines create for it
 /// under one id, and what its hosts do to them.
@@ -218,12 +218,7 @@ impl World {
                 self.note(|| format!("d{d} sends p{p} a stranger's abort of room {id}"));
                 // A generation no use of the id has (decode generations start at 1).
                 if let Some(inc) = self.net.up(p, d) {
-                    let epoch = self.prefills[p].epoch;
-                    let peer = SimPeer {
-                        node: p,
-                        inc,
-                        epoch,
-                    };
+                    let peer = self.prefill_peer(p, inc);
                     self.decodes[d].stranger_abort(id, peer);
                     self.send_to_prefill(
                         d,

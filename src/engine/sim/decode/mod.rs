@@ -124,12 +124,7 @@ fn live_party(
 }
 
 pub(crate) fn on_message(w: &mut World, d: usize, p: usize, inc: u32, msg: Msg) {
-    let epoch = w.prefills[p].epoch;
-    let peer = SimPeer {
-        node: p,
-        inc,
-        epoch,
-    };
+    let peer = w.prefill_peer(p, inc);
     w.note(|| format!("d{d} <- p{p}: {msg:?}"));
     match msg {
         Msg::Write {
@@ -293,12 +288,7 @@ pub(crate) fn host_create(w: &mut World, req: usize, d: usize) {
         .iter()
         .map(|&p| {
             let inc = w.net.up(p, d)?;
-            let epoch = w.prefills[p].epoch;
-            let peer = SimPeer {
-                node: p,
-                inc,
-                epoch,
-            };
+            let peer = w.prefill_peer(p, inc);
             (!e.lost.contains(&(p, inc))).then_some(peer)
         })
         .collect();
@@ -463,12 +453,7 @@ pub(crate) fn tick(w: &mut World, d: usize) {
 /// The engine lost its link (incarnation `inc`) to prefill `p`: its rooms fail, and no
 /// write of that link can land any more.
 pub(crate) fn lost(w: &mut World, d: usize, p: usize, inc: u32) {
-    let epoch = w.prefills[p].epoch;
-    let peer = SimPeer {
-        node: p,
-        inc,
-        epoch,
-    };
+    let peer = w.prefill_peer(p, inc);
     if !w.decodes[d].lost.insert((p, inc)) {
         return;
     }

@@ -127,12 +127,7 @@ fn standing(state: State, failure: Option<&str>) -> Standing<'_> {
 
 /// A message from decode engine `d` over link incarnation `inc`.
 pub(crate) fn on_message(w: &mut World, p: usize, d: usize, inc: u32, msg: Msg) {
-    let epoch = w.decodes[d].epoch;
-    let peer = SimPeer {
-        node: d,
-        inc,
-        epoch,
-    };
+    let peer = w.decode_peer(d, inc);
     w.note(|| format!("p{p} <- d{d}: {msg:?}"));
     match msg {
         Msg::Dest { id, dgen, pages } => {
@@ -341,12 +336,7 @@ pub(crate) fn tick(w: &mut World, p: usize) {
 
 /// The engine noticed that its link (incarnation `inc`) to decode `d` broke.
 pub(crate) fn lost(w: &mut World, p: usize, d: usize, inc: u32) {
-    let epoch = w.decodes[d].epoch;
-    let peer = SimPeer {
-        node: d,
-        inc,
-        epoch,
-    };
+    let peer = w.decode_peer(d, inc);
     let why = format!("lost d{d} (inc {inc})");
     w.note(|| format!("p{p} notices {why}"));
     w.prefills[p].lost.insert((d, inc));
